@@ -1,0 +1,37 @@
+"""The ``nanoserve`` command line: one sub-command module per verb.
+
+Each module in ``nanoserve.service.commands`` exposes
+``register(subparsers) -> None``, which adds its parser and sets
+``func(args) -> int`` (the exit status). Modules import heavy dependencies
+(torch, grpc) inside ``func`` so that ``nanoserve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# sub-command module names under nanoserve.service.commands, in --help order
+COMMANDS: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanoserve",
+        description="LLM inference server: gRPC streaming over a paged KV cache with an event-sourced block allocator.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"nanoserve.service.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
