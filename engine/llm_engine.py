@@ -306,7 +306,7 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             raise RequestNotFoundError(request_id)
-        _log.info("request_aborted", request_id=request_id, reason=reason, num_output_tokens=request.num_output_tokens)
+        _log.debug("request_aborted", request_id=request_id, reason=reason, num_output_tokens=request.num_output_tokens)
         request.finish_reason = "abort"
         # Frees outside a scheduler step get a step of their own in the log.
         self._step += 1
