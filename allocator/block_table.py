@@ -1,0 +1,105 @@
+"""``BlockTable``: one sequence's map from logical token positions to KV slots.
+
+Token position ``p`` of a sequence lives in logical block ``p // block_size`` at
+offset ``p % block_size``; the table maps logical blocks to the physical block
+ids the allocator handed out (PagedAttention, Kwon et al., SOSP 2023)::
+
+    block_size = 4, block_ids = [7, 2]
+    position:  0  1  2  3 | 4  5  6  7
+    block:     7  7  7  7 | 2  2  2  2
+    slot:     28 29 30 31 | 8  9 10 11     slot = block_id * block_size + offset
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nanoserve.allocator.block_allocator import BlockAllocator, FreeReason
+
+
+class BlockTable:
+    """The physical blocks holding one sequence's ``num_tokens`` tokens, in order.
+
+    Invariant: ``len(block_ids) == ceil(num_tokens / block_size)``: the table
+    holds exactly the blocks its tokens need, so the last block is the only one
+    with free slots.
+    """
+
+    def __init__(self, allocator: BlockAllocator, owner: str) -> None:
+        self._allocator = allocator
+        self._block_size = allocator.block_size
+        self.owner = owner
+        self._block_ids: list[int] = []  # logical block index -> physical block id
+        self._num_tokens = 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Physical block ids in logical order (a copy)."""
+        return list(self._block_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """New blocks needed to append ``num_tokens`` more tokens (0 when they fit)."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        total_blocks = -(-(self._num_tokens + num_tokens) // self._block_size)
+        return max(0, total_blocks - len(self._block_ids))
+
+    def can_append(self, num_tokens: int) -> bool:
+        """True when the pool has the blocks to append ``num_tokens`` tokens now."""
+        return self._allocator.can_allocate(self.blocks_needed(num_tokens))
+
+    def append_tokens(self, num_tokens: int) -> list[int]:
+        """Make room for ``num_tokens`` more tokens; returns the new block ids.
+
+        New blocks are reserved all at once through ``allocate_for``: on
+        KVCacheExhausted nothing changes. ValueError when ``num_tokens < 0``.
+        """
+        num_new = self.blocks_needed(num_tokens)
+        new_block_ids: list[int] = []
+        if num_new:
+            room = len(self._block_ids) * self._block_size - self._num_tokens
+            new_block_ids = self._allocator.allocate_for(num_tokens - room, self.owner)
+            assert len(new_block_ids) == num_new, f"allocate_for gave {len(new_block_ids)} blocks, expected {num_new}"
+            self._block_ids.extend(new_block_ids)
+        self._num_tokens += num_tokens
+        return new_block_ids
+
+    def physical(self, position: int) -> tuple[int, int]:
+        """(block_id, offset) of token ``position``. ValueError outside [0, num_tokens)."""
+        if not 0 <= position < self._num_tokens:
+            raise ValueError(f"position must be in [0, {self._num_tokens}), got {position}")
+        index, offset = divmod(position, self._block_size)
+        return self._block_ids[index], offset
+
+    def slot_mapping(self, positions: Iterable[int]) -> list[int]:
+        """Flat KV slot ids (block_id * block_size + offset) of ``positions``.
+
+        ValueError naming the first position outside [0, num_tokens).
+        """
+        block_size = self._block_size
+        block_ids = self._block_ids
+        num_tokens = self._num_tokens
+        slots = []
+        for position in positions:
+            if not 0 <= position < num_tokens:
+                raise ValueError(f"position must be in [0, {num_tokens}), got {position}")
+            slots.append(block_ids[position // block_size] * block_size + position % block_size)
+        return slots
+
+    def release(self, reason: FreeReason | None = None) -> None:
+        """Free every block back to the pool and empty the table."""
+        if self._block_ids:
+            self._allocator.free_all(self._block_ids, reason)
+        self._block_ids = []
+        self._num_tokens = 0
+
+    def __repr__(self) -> str:
+        return f"BlockTable(owner={self.owner!r}, num_tokens={self._num_tokens}, block_ids={self._block_ids})"

@@ -1,0 +1,52 @@
+"""A small blocking client for the CLI and scripts: channel, readiness, health.
+
+The CLI talks to the server the way any client would: through the generated
+stubs, with the bearer token in the ``authorization`` metadata.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_SERVER = "localhost:50051"
+
+
+def open_channel(server: str, tls: bool = False, ca_cert: str | None = None) -> grpc.Channel:
+    """A channel to ``host:port``; TLS with the system roots or ``ca_cert`` (PEM) when asked."""
+    if tls or ca_cert:
+        roots = Path(ca_cert).read_bytes() if ca_cert else None
+        return grpc.secure_channel(server, grpc.ssl_channel_credentials(root_certificates=roots))
+    return grpc.insecure_channel(server)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def health_status(channel: grpc.Channel, service: str = "", timeout_s: float = 5.0) -> str:
+    """The health status name of ``service`` ("" = the whole server): SERVING, NOT_SERVING, ...
+
+    Raises grpc.RpcError when the server cannot be reached or does not know the service.
+    """
+    stub = health_pb2_grpc.HealthStub(channel)
+    response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def wait_ready(channel: grpc.Channel, timeout_s: float, service: str = "") -> bool:
+    """Polls health until ``service`` is SERVING or ``timeout_s`` seconds pass; True when ready."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining_s = deadline - time.monotonic()
+        try:
+            if health_status(channel, service, timeout_s=max(0.1, min(remaining_s, 2.0))) == "SERVING":
+                return True
+        except grpc.RpcError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))

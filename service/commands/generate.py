@@ -1,0 +1,111 @@
+"""``nanoserve generate``: stream a completion from a running server and print it.
+
+The text is printed as it streams; ``--json`` prints one JSON object per
+streamed message instead (protobuf field names), for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="stream a completion from a running server",
+        description="Send one request to a nanoserve server and print the completion as it streams.",
+    )
+    parser.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message, rendered with the model's chat template")
+    parser.add_argument("--system", default=None, help="with --chat: a system message placed before the user message")
+    parser.add_argument("--server", default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"), help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]")
+    parser.add_argument("--token", default=os.environ.get("NANOSERVE_AUTH_TOKEN"), help="bearer token, when the server requires one [env NANOSERVE_AUTH_TOKEN]")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates unless --ca-cert)")
+    parser.add_argument("--ca-cert", default=None, help="PEM file of the CA that signed the server's certificate (implies --tls)")
+    parser.add_argument("--request-id", default="", help="request id (default: the server assigns one)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline of the call; when it passes the server aborts the request")
+    parser.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS", help="first wait up to this long for the server's health to be SERVING (for scripts that just started it)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per streamed message instead of the text")
+    sampling = parser.add_argument_group("sampling (unset: the engine's defaults)")
+    sampling.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (>= 1)")
+    sampling.add_argument("--min-tokens", type=int, default=0, help="new tokens before EOS or a stop may end the request")
+    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    sampling.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
+    sampling.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0 = off)")
+    sampling.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability, in [0, 1]")
+    sampling.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
+    sampling.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    sampling.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 = off")
+    sampling.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; 0 = off")
+    sampling.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]; 0 = off")
+    sampling.add_argument("--logprobs", type=int, default=None, help="return the chosen token's logprob and the top N (0..20)")
+    parser.set_defaults(func=run)
+
+
+def build_request(args: argparse.Namespace) -> Any:
+    """The GenerateRequest the flags describe."""
+    from nanoserve.v1 import generation_pb2 as pb
+
+    request = pb.GenerateRequest(request_id=args.request_id)
+    if args.chat:
+        messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
+        messages.append(pb.ChatMessage(role="user", content=args.prompt))
+        request.chat.messages.extend(messages)
+    else:
+        request.prompt = args.prompt
+    sampling = request.sampling
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    sampling.min_tokens = args.min_tokens
+    sampling.stop.extend(args.stop)
+    sampling.stop_token_ids.extend(args.stop_token_id)
+    sampling.ignore_eos = args.ignore_eos
+    return request
+
+
+def _finish_line(finish: Any) -> str:
+    from nanoserve.v1 import generation_pb2 as pb
+
+    reason = pb.FinishReason.Name(finish.reason).removeprefix("FINISH_REASON_").lower()
+    t = finish.timings
+    return (
+        f"[{reason}; {finish.usage.prompt_tokens} prompt + {finish.usage.completion_tokens} completion tokens; "
+        f"ttft {t.ttft_s:.3f} s; total {t.total_s:.3f} s]"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from nanoserve.service.client import auth_metadata, open_channel, wait_ready
+    from nanoserve.v1 import generation_pb2_grpc
+
+    request = build_request(args)
+    with open_channel(args.server, tls=args.tls, ca_cert=args.ca_cert) as channel:
+        if args.wait_ready > 0 and not wait_ready(channel, args.wait_ready):
+            print(f"error: {args.server} not SERVING after {args.wait_ready} s", file=sys.stderr)
+            return 1
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout, metadata=auth_metadata(args.token)):
+                if args.json:
+                    print(json.dumps(MessageToDict(response, preserving_proto_field_name=True)), flush=True)
+                    continue
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.HasField("finish"):
+                    sys.stdout.write("\n")
+                    print(_finish_line(response.finish), file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,7 @@
+"""Errors the service itself raises; ``interceptors.STATUS_BY_ERROR`` maps them."""
+
+from __future__ import annotations
+
+
+class EventLogDisabledError(RuntimeError):
+    """The server keeps no event log, so there are no events to watch or audit (-> FAILED_PRECONDITION)."""

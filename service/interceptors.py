@@ -1,0 +1,150 @@
+"""Server interceptors: the one place domain errors become gRPC status codes, and auth.
+
+``ErrorInterceptor`` wraps every unary and server-streaming method: a domain
+error raised by a servicer (or by the engine it called) ends the call with the
+status below and the error's message, which names the field and the limit.
+Anything else is a bug: it is logged with its traceback and the client gets
+INTERNAL. ``AuthInterceptor`` checks ``authorization: Bearer <token>`` on every
+method except the health service, which load balancers probe without a token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from nanoserve.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestNotFoundError,
+)
+from nanoserve.service.errors import EventLogDisabledError
+
+log = structlog.get_logger("nanoserve.service")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+# domain error -> status code; the first matching class wins
+STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code of a domain error; INTERNAL for anything else."""
+    for error_type, code in STATUS_BY_ERROR:
+        if isinstance(exc, error_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def message_for(exc: BaseException) -> str:
+    # KeyError's str() wraps its message in quotes
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc) or type(exc).__name__
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("rpc_failed", method=method)
+        await context.abort(code, f"internal error ({type(exc).__name__}); see the server log")
+    await context.abort(code, message_for(exc))
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method)
+
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(behavior):
+        # a coroutine that writes with context.write (grpc_health's Watch)
+        return _wrap_unary(behavior, method)
+
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method)
+
+    return wrapper
+
+
+def _replace_behavior(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callable) -> grpc.RpcMethodHandler:
+    """A handler like ``handler`` whose unary_unary / unary_stream behavior is wrapped."""
+    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kwargs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kwargs)
+    return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kwargs)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps domain errors to status codes (``STATUS_BY_ERROR``) for every method."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+        return _replace_behavior(handler, lambda b: _wrap_unary(b, method), lambda b: _wrap_stream(b, method))
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without ``authorization: Bearer <token>`` (UNAUTHENTICATED); health stays open.
+
+    The comparison takes constant time so the token cannot be guessed byte by byte.
+    """
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def allows(self, details: grpc.HandlerCallDetails) -> bool:
+        if details.method.startswith(HEALTH_PREFIX):
+            return True
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or self.allows(details):
+            return handler
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>' metadata")
+
+        return _replace_behavior(handler, lambda _: deny, lambda _: deny)

@@ -1,0 +1,152 @@
+"""BlockAllocator: exact block ids, LIFO reuse, all-or-nothing, clear errors."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from nanoserve.allocator import BlockAllocator, FreeReason, KVCacheExhausted
+
+
+@pytest.fixture
+def pool() -> BlockAllocator:
+    return BlockAllocator(num_blocks=6, block_size=16)
+
+
+def test_issue_trace_gives_exact_block_ids(pool: BlockAllocator) -> None:
+    assert pool.allocate_for(40, "A") == [0, 1, 2]
+    assert pool.allocate_for(20, "B") == [3, 4]
+    assert pool.allocate_for(16, "C") == [5]
+    with pytest.raises(KVCacheExhausted) as info:
+        pool.allocate_for(1, "X")
+    assert (info.value.requested, info.value.available) == (1, 0)
+    assert pool.num_free == 0
+    pool.free_all([0, 1, 2])
+    assert pool.num_free == 3
+    assert pool.allocate_for(30, "D") == [2, 1]
+    assert pool.num_free == 1
+    assert pool.state().owners == {1: "D", 2: "D", 3: "B", 4: "B", 5: "C"}
+
+
+def test_fresh_pool_hands_out_ascending_ids(pool: BlockAllocator) -> None:
+    assert [pool.allocate("A") for _ in range(3)] == [0, 1, 2]
+
+
+def test_free_reuses_last_freed_block_first(pool: BlockAllocator) -> None:
+    for _ in range(3):
+        pool.allocate("A")
+    pool.free(0)
+    pool.free(2)
+    assert pool.allocate("B") == 2
+    assert pool.allocate("B") == 0
+
+
+def test_free_all_pushes_in_given_order(pool: BlockAllocator) -> None:
+    pool.allocate_for(48, "A")
+    pool.free_all([2, 0, 1])
+    assert pool.state().free_block_ids == (5, 4, 3, 2, 0, 1)
+
+
+def test_allocate_for_exhausted_reserves_nothing(pool: BlockAllocator) -> None:
+    pool.allocate_for(64, "A")
+    with pytest.raises(KVCacheExhausted) as info:
+        pool.allocate_for(33, "B")
+    assert (info.value.requested, info.value.available) == (3, 2)
+    assert pool.num_free == 2
+    assert pool.state().owners == {0: "A", 1: "A", 2: "A", 3: "A"}
+
+
+def test_allocate_on_empty_pool_raises_exhausted() -> None:
+    pool = BlockAllocator(num_blocks=1, block_size=4)
+    pool.allocate("A")
+    with pytest.raises(KVCacheExhausted, match="requested 1 blocks, 0 free"):
+        pool.allocate("B")
+
+
+def test_double_free_names_the_block(pool: BlockAllocator) -> None:
+    block_id = pool.allocate("A")
+    pool.free(block_id)
+    with pytest.raises(ValueError, match="block 0 is already free"):
+        pool.free(block_id)
+
+
+def test_foreign_block_is_refused(pool: BlockAllocator) -> None:
+    with pytest.raises(ValueError, match=r"block 6 does not belong to this pool \(block ids are 0..5\)"):
+        pool.free(6)
+
+
+def test_free_all_with_one_bad_block_frees_nothing(pool: BlockAllocator) -> None:
+    pool.allocate_for(32, "A")
+    with pytest.raises(ValueError, match="block 3 is already free"):
+        pool.free_all([0, 1, 3])
+    assert pool.num_allocated == 2
+
+
+def test_free_all_refuses_a_block_listed_twice(pool: BlockAllocator) -> None:
+    pool.allocate_for(32, "A")
+    with pytest.raises(ValueError, match="block 1 is listed twice"):
+        pool.free_all([1, 0, 1])
+    assert pool.num_allocated == 2
+
+
+def test_free_all_of_nothing_is_a_no_op(pool: BlockAllocator) -> None:
+    pool.free_all([])
+    assert pool.num_free == 6
+
+
+def test_can_allocate_counts_free_blocks(pool: BlockAllocator) -> None:
+    pool.allocate_for(64, "A")
+    assert pool.can_allocate(2)
+    assert not pool.can_allocate(3)
+
+
+def test_owner_of_reports_holder_and_none_when_free(pool: BlockAllocator) -> None:
+    block_id = pool.allocate("A")
+    assert pool.owner_of(block_id) == "A"
+    pool.free(block_id, FreeReason.FINISHED)
+    assert pool.owner_of(block_id) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_blocks": 0, "block_size": 16}, "num_blocks must be an int >= 1, got 0"),
+        ({"num_blocks": 4, "block_size": 0}, "block_size must be an int >= 1, got 0"),
+    ],
+)
+def test_bad_pool_size_is_refused(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BlockAllocator(**kwargs)
+
+
+def test_bad_num_tokens_is_refused(pool: BlockAllocator) -> None:
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 1, got 0"):
+        pool.allocate_for(0, "A")
+
+
+def test_empty_owner_is_refused(pool: BlockAllocator) -> None:
+    with pytest.raises(ValueError, match="owner must be a non-empty str"):
+        pool.allocate("")
+
+
+def test_bad_reason_is_refused_and_frees_nothing(pool: BlockAllocator) -> None:
+    block_id = pool.allocate("A")
+    with pytest.raises(ValueError, match="reason must be a FreeReason or None, got 'done'"):
+        pool.free(block_id, "done")  # type: ignore[arg-type]
+    assert pool.owner_of(block_id) == "A"
+
+
+def test_steps_without_event_log_are_tracked(pool: BlockAllocator) -> None:
+    pool.begin_step(0)
+    pool.allocate("A")
+    pool.end_step()
+    pool.end_step()
+    pool.begin_step(1)
+    with pytest.raises(ValueError, match=r"step 1 is still open; call end_step\(\) before begin_step\(2\)"):
+        pool.begin_step(2)
+
+
+def test_exhausted_error_survives_pickling() -> None:
+    error = pickle.loads(pickle.dumps(KVCacheExhausted(3, 1)))
+    assert (error.requested, error.available, str(error)) == (3, 1, "KV cache exhausted: requested 3 blocks, 1 free")

@@ -1,0 +1,42 @@
+"""The command line: every sub-command parses, --help explains every flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve.service.cli import build_parser
+from nanoserve.service.commands.generate import build_request
+from nanoserve.v1 import generation_pb2 as pb
+
+
+def test_generate_chat_flags_build_the_request() -> None:
+    args = build_parser().parse_args(
+        ["generate", "--chat", "--system", "Be brief.", "Hi", "--max-tokens", "8", "--temperature", "0", "--stop", "\n", "--stop", "END", "--seed", "7"]
+    )
+    request = build_request(args)
+    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert request.sampling.max_tokens == 8
+    assert request.sampling.HasField("temperature") and request.sampling.temperature == 0.0
+    assert list(request.sampling.stop) == ["\n", "END"]
+    assert request.sampling.seed == 7
+    assert not request.sampling.HasField("top_p")
+
+
+def test_generate_plain_prompt() -> None:
+    request = build_request(build_parser().parse_args(["generate", "Once upon a time"]))
+    assert request.WhichOneof("input") == "prompt"
+    assert request.prompt == "Once upon a time"
+    assert request.sampling == pb.SamplingParameters()
+
+
+@pytest.mark.parametrize("command", ["generate", "health"])
+def test_help_describes_every_flag(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    parser = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    for action in parser._actions:
+        assert action.help, f"{command} {action.option_strings} has no help"
+        for option in action.option_strings:
+            assert option in text

@@ -1,0 +1,85 @@
+"""Flags beat NANOSERVE_* variables beat defaults; bad values name the setting and range."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from nanoserve.service.config import SETTINGS, ServerConfig, add_arguments, build_configs
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_serve_smollm2_on_50051_with_sqlite_log() -> None:
+    server, engine = build_configs(_parse(), environ={})
+    assert (server.host, server.port, server.metrics_port) == ("0.0.0.0", 50051, 9090)
+    assert engine.model.model is None
+    assert engine.event_log.event_log_url == "sqlite:///nanoserve-log.db"
+    assert engine.cache.block_size == 16
+
+
+def test_environment_variable_sets_a_value() -> None:
+    server, engine = build_configs(_parse(), environ={"NANOSERVE_PORT": "6000", "NANOSERVE_MAX_NUM_SEQS": "8"})
+    assert server.port == 6000
+    assert engine.scheduler.max_num_seqs == 8
+
+
+def test_flag_wins_over_environment_variable() -> None:
+    server, _ = build_configs(_parse("--port", "7000"), environ={"NANOSERVE_PORT": "6000"})
+    assert server.port == 7000
+
+
+def test_metrics_port_off_disables_metrics() -> None:
+    server, _ = build_configs(_parse("--metrics-port", "off"), environ={})
+    assert server.metrics_port is None
+
+
+def test_event_log_url_none_keeps_no_log() -> None:
+    _, engine = build_configs(_parse(), environ={"NANOSERVE_EVENT_LOG_URL": "none"})
+    assert engine.event_log.event_log_url is None
+
+
+def test_boolean_flag_and_variable() -> None:
+    _, engine = build_configs(_parse("--event-log-sync"), environ={})
+    assert engine.event_log.event_log_sync is True
+    _, engine = build_configs(_parse(), environ={"NANOSERVE_EVENT_LOG_SYNC": "yes"})
+    assert engine.event_log.event_log_sync is True
+
+
+def test_kv_cache_memory_accepts_unit_suffix() -> None:
+    _, engine = build_configs(_parse("--kv-cache-memory", "512MiB"), environ={})
+    assert engine.cache.kv_cache_memory == 512 * 1024 * 1024
+
+
+def test_unparsable_environment_variable_names_it() -> None:
+    with pytest.raises(ValueError, match="NANOSERVE_PORT='fifty'"):
+        build_configs(_parse(), environ={"NANOSERVE_PORT": "fifty"})
+
+
+def test_port_out_of_range_names_the_range() -> None:
+    with pytest.raises(ValueError, match=r"port must be in \[0, 65535\].*70000"):
+        ServerConfig(port=70000)
+
+
+def test_tls_needs_certificate_and_key() -> None:
+    with pytest.raises(ValueError, match="tls_cert and tls_key must be given together"):
+        ServerConfig(tls_cert="cert.pem")
+
+
+def test_engine_value_error_comes_from_engine_config() -> None:
+    with pytest.raises(ValueError, match=r"block_size must be in \[1, 1024\], got 0"):
+        build_configs(_parse("--block-size", "0"), environ={})
+
+
+def test_every_setting_has_flag_variable_and_help() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    text = parser.format_help()
+    for setting in SETTINGS:
+        assert setting.flag in text
+        assert setting.env in text

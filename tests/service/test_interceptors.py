@@ -1,0 +1,116 @@
+"""Domain errors map to status codes in one interceptor; the token check leaves health open.
+
+A real grpc.aio server on 127.0.0.1 with a servicer that raises the error the
+request names, so the mapping is checked end to end through the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from nanoserve.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestNotFoundError,
+)
+from nanoserve.service.errors import EventLogDisabledError
+from nanoserve.service.interceptors import AuthInterceptor, ErrorInterceptor
+from nanoserve.v1 import generation_pb2 as pb
+from nanoserve.v1 import generation_pb2_grpc
+
+# request_id -> the error the test servicer raises
+ERRORS = {
+    "invalid": InvalidRequestError("sampling.top_p", "must be in (0, 1], got 2.0"),
+    "duplicate": DuplicateRequestError("request id 'r1' is already live"),
+    "full": QueueFullError("waiting queue holds 4 requests (max_num_waiting=4)"),
+    "dead": EngineDeadError("engine loop stopped"),
+    "missing": RequestNotFoundError("no live request 'r9'"),
+    "nolog": EventLogDisabledError("the server keeps no event log"),
+    "bug": ZeroDivisionError("division by zero"),
+}
+
+
+class RaisingServicer(generation_pb2_grpc.GenerationServicer):
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        yield pb.GenerateResponse(request_id=request.request_id, text="first")
+        raise ERRORS[request.request_id]
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if request.request_id in ERRORS:
+            raise ERRORS[request.request_id]
+        return pb.AbortResponse()
+
+
+async def _start(interceptors: list[grpc.aio.ServerInterceptor]) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(interceptors=interceptors)
+    generation_pb2_grpc.add_GenerationServicer_to_server(RaisingServicer(), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[generation_pb2_grpc.GenerationStub]:
+    server, port = await _start([ErrorInterceptor()])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+    await server.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("request_id", "code", "details"),
+    [
+        ("invalid", grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p: must be in (0, 1], got 2.0"),
+        ("duplicate", grpc.StatusCode.ALREADY_EXISTS, "request id 'r1' is already live"),
+        ("full", grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue holds 4 requests (max_num_waiting=4)"),
+        ("dead", grpc.StatusCode.UNAVAILABLE, "engine loop stopped"),
+        ("missing", grpc.StatusCode.NOT_FOUND, "no live request 'r9'"),
+        ("nolog", grpc.StatusCode.FAILED_PRECONDITION, "the server keeps no event log"),
+        ("bug", grpc.StatusCode.INTERNAL, "internal error (ZeroDivisionError); see the server log"),
+    ],
+)
+async def test_unary_error_maps_to_status(stub: generation_pb2_grpc.GenerationStub, request_id: str, code: grpc.StatusCode, details: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Abort(pb.AbortRequest(request_id=request_id))
+    assert (info.value.code(), info.value.details()) == (code, details)
+
+
+async def test_stream_error_after_first_message_maps_to_status(stub: generation_pb2_grpc.GenerationStub) -> None:
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for response in stub.Generate(pb.GenerateRequest(request_id="full", prompt="x")):
+            received.append(response.text)
+    assert received == ["first"]
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_token_check() -> None:
+    server, port = await _start([AuthInterceptor("s3cret"), ErrorInterceptor()])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await stub.Abort(pb.AbortRequest(request_id="ok"))
+            assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as wrong:
+                await stub.Abort(pb.AbortRequest(request_id="ok"), metadata=(("authorization", "Bearer nope"),))
+            assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as stream:
+                async for _ in stub.Generate(pb.GenerateRequest(request_id="full", prompt="x")):
+                    pass
+            assert stream.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert await stub.Abort(pb.AbortRequest(request_id="ok"), metadata=(("authorization", "Bearer s3cret"),)) == pb.AbortResponse()
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            response = await health_stub.Check(health_pb2.HealthCheckRequest(service=""))
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)
