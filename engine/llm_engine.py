@@ -72,9 +72,10 @@ class LLMEngine:
     requests hold none, so an idle engine's pool is all free.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, runner: ModelRunner | None = None) -> None:
+        """Loads the model (or takes ``runner``, already loaded from ``config``)."""
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = runner if runner is not None else ModelRunner(config)
         self.tokenizer: Tokenizer = self.runner.tokenizer
         self.model_name: str = self.runner.model_name
         self.block_size: int = self.runner.block_size
