@@ -202,6 +202,15 @@ def test_stop_string_across_tokens_truncates_text(llm: LLM) -> None:
     assert out.token_ids == free_run.token_ids[: i + 2]
 
 
+def test_stop_string_at_the_very_start_gives_empty_text(llm: LLM) -> None:
+    prompt = _prompts(1, seed=5)[0]
+    free_run = llm.generate([prompt], GREEDY)[0]
+    stop = free_run.text[:3]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", stop)
+    assert out.token_ids == free_run.token_ids[: len(out.token_ids)]
+
+
 def test_stop_token_id_ends_generation_and_is_kept_in_token_ids(llm: LLM) -> None:
     prompt = _prompts(1, seed=6)[0]
     free_run = llm.generate([prompt], GREEDY)[0]
