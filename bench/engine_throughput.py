@@ -92,6 +92,10 @@ def _left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return input_ids, attention_mask
 
 
+def _progress(message: str) -> None:
+    print(f"# {message}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=256)
@@ -123,7 +127,9 @@ def main() -> None:
     run_transformers(model, workload[:2], 2, pad_id)
 
     ns_s, ns_tokens = run_nanoserve(llm, workload)
+    _progress(f"nanoserve mixed: {ns_s:.1f} s")
     hf_s, hf_tokens = run_transformers(model, workload, args.hf_batch_size, pad_id)
+    _progress(f"transformers mixed: {hf_s:.1f} s")
     single = max(workload, key=lambda r: len(r.prompt_token_ids))
     ns_single = single_stream_nanoserve(llm, single, args.single_stream_tokens)
     hf_single = single_stream_transformers(model, single, args.single_stream_tokens, pad_id)
