@@ -40,7 +40,7 @@ def load_transformers(model: str | None, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True, **kwargs).eval()
 
 
-REPEATS = 3
+REPEATS = 2
 
 
 def timed(fn) -> float:
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--batch-sizes", default="1,16,64,256")
     parser.add_argument("--context-len", type=int, default=128, help="tokens cached per sequence before decoding")
-    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps timed per batch size")
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed calls per cell; the best counts")
