@@ -1,0 +1,78 @@
+"""``nanoserve.v1.Allocation``: the KV pool's status, its live event stream, its audit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from nanoserve.allocator.events import Event, EventKind
+from nanoserve.allocator.log_reader import read_events
+from nanoserve.engine import AsyncLLMEngine
+from nanoserve.service import convert
+from nanoserve.service.errors import EventLogDisabledError
+from nanoserve.v1 import allocation_pb2 as apb
+from nanoserve.v1 import allocation_pb2_grpc
+
+NUM_EVENTS_PER_PAGE = 1000  # stored events read per query while catching up
+
+
+class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self._engine = engine
+
+    async def GetPoolStatus(self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext) -> apb.PoolStatus:
+        return convert.to_pool_status(self._engine.pool_status())
+
+    async def WatchEvents(self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[apb.AllocationEvent]:
+        """Stored events from ``from_seq``, then live ones, without gap or duplicate.
+
+        The live subscription opens *before* the stored events are read, so an
+        event committed meanwhile is in one or both; duplicates are dropped by
+        seq. The stream ends after POOL_CLOSE.
+        """
+        event_log = self._event_log()
+        url = self._engine.config.event_log.event_log_url
+        loop = asyncio.get_running_loop()
+        live: asyncio.Queue[Sequence[Event]] = asyncio.Queue()  # groups of committed events, in seq order
+        unsubscribe = event_log.subscribe(lambda events: loop.call_soon_threadsafe(live.put_nowait, events))
+        next_seq = max(request.from_seq, 1)
+        try:
+            while True:
+                page = await asyncio.to_thread(
+                    read_events, url, event_log.pool_id, event_log.epoch, next_seq, next_seq + NUM_EVENTS_PER_PAGE - 1
+                )
+                for event in page:
+                    yield convert.to_event(event)
+                    next_seq = event.seq + 1
+                    if event.kind == EventKind.POOL_CLOSE.value:
+                        return
+                if len(page) < NUM_EVENTS_PER_PAGE:
+                    break
+            while True:
+                for event in await live.get():
+                    if event.seq < next_seq:
+                        continue
+                    assert event.seq == next_seq, f"live events skipped from {next_seq} to {event.seq}"
+                    yield convert.to_event(event)
+                    next_seq = event.seq + 1
+                    if event.kind == EventKind.POOL_CLOSE.value:
+                        return
+        finally:
+            unsubscribe()
+
+    async def Audit(self, request: apb.AuditRequest, context: grpc.aio.ServicerContext) -> apb.AuditReport:
+        from nanoserve.allocator.replay import audit
+
+        event_log = self._event_log()
+        url = self._engine.config.event_log.event_log_url
+        epoch = request.epoch if request.HasField("epoch") else event_log.epoch
+        report = await asyncio.to_thread(audit, url, pool_id=event_log.pool_id, epoch=epoch)
+        return convert.to_audit_report(report)
+
+    def _event_log(self):  # -> EventLog
+        event_log = self._engine.engine.event_log
+        if event_log is None:
+            raise EventLogDisabledError("the server keeps no event log (--event-log-url none)")
+        return event_log
