@@ -1,0 +1,44 @@
+"""The serving engine: scheduler, sampler, detokenizer and model runner.
+
+    from nanoserve.engine import LLM, SamplingParams
+
+Heavy modules (torch, the model runner) load on first use of a name, so that
+``import nanoserve.engine.errors`` or ``.config`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanoserve.engine.async_llm_engine import AsyncLLMEngine
+    from nanoserve.engine.config import EngineConfig
+    from nanoserve.engine.llm import LLM
+    from nanoserve.engine.llm_engine import LLMEngine, PoolStatus
+    from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+    from nanoserve.engine.prompts import ChatPrompt, TokensPrompt
+    from nanoserve.engine.sampling_params import SamplingParams
+
+_EXPORTS = {
+    "AsyncLLMEngine": "async_llm_engine",
+    "ChatPrompt": "prompts",
+    "CompletionOutput": "outputs",
+    "EngineConfig": "config",
+    "LLM": "llm",
+    "LLMEngine": "llm_engine",
+    "PoolStatus": "llm_engine",
+    "RequestMetrics": "outputs",
+    "RequestOutput": "outputs",
+    "SamplingParams": "sampling_params",
+    "TokenLogprob": "outputs",
+    "TokensPrompt": "prompts",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'nanoserve.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"nanoserve.engine.{_EXPORTS[name]}"), name)

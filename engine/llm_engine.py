@@ -1,0 +1,355 @@
+"""LLMEngine: requests in, one scheduled forward pass per ``step()``, outputs out.
+
+Synchronous and single-threaded by design: the scheduler, the allocator and
+the model runner are touched only by the thread that calls ``step``
+(AsyncLLMEngine runs it on its own thread).
+
+One step::
+
+    allocator.begin_step(step)          every allocate/free below is stamped `step`
+    scheduler.schedule()                chunks to compute; may preempt and admit
+    runner.forward(ForwardBatch)        logits for the chunks that end a sequence
+    sampler(logits)                     one token per such sequence, batched
+    request.append_token()              stop / length checks, detokenize
+    scheduler.finish()                  free the blocks of finished requests
+    allocator.end_step()                the step's events go to the log as one batch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from nanoserve.allocator import BlockAllocator, FreeReason
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError, RequestNotFoundError
+from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.outputs import RequestOutput
+from nanoserve.engine.prompts import ChatPrompt, Prompt, TokensPrompt
+from nanoserve.engine.request import Request
+from nanoserve.engine.sampler import Sampler
+from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
+
+_log = structlog.get_logger(__name__)
+
+if TYPE_CHECKING:
+    from nanoserve.allocator.event_log import EventLog
+    from nanoserve.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """The KV block pool and queues as of the last step.
+
+    last_seq / durable_seq: the event log's last recorded and last committed
+    sequence numbers; epoch likewise; None where the engine keeps no log.
+    """
+
+    pool_id: str
+    epoch: int | None
+    num_blocks: int
+    block_size: int
+    num_free: int
+    num_allocated: int
+    num_running: int
+    num_waiting: int
+    last_seq: int | None
+    durable_seq: int | None
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Invariant between steps: every block of the pool is free or held by the
+    block table of exactly one running request; finished and aborted
+    requests hold none, so an idle engine's pool is all free.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer: Tokenizer = self.runner.tokenizer
+        self.model_name: str = self.runner.model_name
+        self.block_size: int = self.runner.block_size
+        self.num_blocks: int = self.runner.num_kv_blocks
+        self.max_model_len: int = self.runner.max_model_len
+        self.vocab_size: int = self.runner.vocab_size
+        self.event_log: EventLog | None = self._open_event_log()
+        self.allocator = BlockAllocator(self.num_blocks, self.block_size, self.event_log)
+        self.scheduler = Scheduler(config.scheduler, self.allocator)
+        self.sampler = Sampler()
+        self._requests: dict[str, Request] = {}  # request_id -> live (unfinished) request
+        self._pending_outputs: list[RequestOutput] = []  # final outputs of aborted requests
+        self._step = 0
+        self._closed = False
+
+    def _open_event_log(self) -> EventLog | None:
+        log_config = self.config.event_log
+        if log_config.event_log_url is None:
+            return None
+        from nanoserve.allocator.event_log import EventLog
+
+        return EventLog.open(
+            log_config.event_log_url,
+            pool_id=log_config.pool_id,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            model=self.model_name,
+            config=_jsonable(dataclasses.asdict(self.config)),
+            sync=log_config.event_log_sync,
+            num_events_per_snapshot=log_config.num_events_per_snapshot,
+        )
+
+    # ---- requests in -------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues a request.
+
+        Raises InvalidRequestError (naming the field and the limit),
+        DuplicateRequestError when ``request_id`` is live, QueueFullError when
+        ``max_num_waiting`` requests already wait.
+        """
+        self.add_processed(self.process_request(request_id, prompt, sampling_params, arrival_time))
+
+    def process_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Tokenizes and validates a request without touching the scheduler.
+
+        Safe to call from any thread. Raises InvalidRequestError.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", f"must be a non-empty string, got {request_id!r}")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        for token_id in params.stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise InvalidRequestError("stop_token_ids", f"token id {token_id} is not below vocab_size {self.vocab_size}")
+        max_tokens = self._resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        return Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            max_tokens=max_tokens,
+            eos_token_ids=list(self.tokenizer.eos_token_ids),
+            decoder=self.tokenizer,
+            prompt=prompt_text,
+            arrival_time=arrival_time,
+        )
+
+    def add_processed(self, request: Request) -> None:
+        """Queues a request made by ``process_request``; engine thread only."""
+        if request.request_id in self._requests:
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already live")
+        limit = self.config.scheduler.max_num_waiting
+        if self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting (max_num_waiting {limit})")
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, TokensPrompt):
+            token_ids = list(prompt.prompt_token_ids)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]!r} is not in [0, {self.vocab_size})")
+            text = None
+        elif isinstance(prompt, ChatPrompt):
+            token_ids = self._apply_chat_template(prompt)
+            text = None
+        else:
+            raise InvalidRequestError("prompt", f"must be str, TokensPrompt or ChatPrompt, got {type(prompt).__name__}")
+        if not token_ids:
+            raise InvalidRequestError("prompt", "is empty (0 tokens)")
+        return text, token_ids
+
+    def _apply_chat_template(self, prompt: ChatPrompt) -> list[int]:
+        if not self.tokenizer.has_chat_template:
+            raise InvalidRequestError("messages", f"model {self.model_name} has no chat template")
+        if not prompt.messages:
+            raise InvalidRequestError("messages", "is empty")
+        for i, message in enumerate(prompt.messages):
+            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+                raise InvalidRequestError("messages", f"message {i} needs string 'role' and 'content'")
+        return list(self.tokenizer.apply_chat_template(prompt.messages))
+
+    def _resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """max_tokens checked against max_model_len and the pool; None -> all that fits."""
+        pool_tokens = self.num_blocks * self.block_size
+        if max_tokens is None:
+            max_tokens = min(self.max_model_len, pool_tokens) - num_prompt_tokens
+            if max_tokens < 1:
+                raise InvalidRequestError(
+                    "prompt",
+                    f"prompt has {num_prompt_tokens} tokens; at most {min(self.max_model_len, pool_tokens) - 1} "
+                    f"leave room for one generated token (max_model_len {self.max_model_len}, "
+                    f"KV pool {pool_tokens} tokens)",
+                )
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len})",
+            )
+        if total > pool_tokens:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+                f"needs {-(-total // self.block_size)} KV blocks; the whole pool holds {self.num_blocks} "
+                f"blocks ({pool_tokens} tokens)",
+            )
+        return max_tokens
+
+    # ---- stepping ----------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def has_pending_outputs(self) -> bool:
+        """Final outputs of aborted requests wait to be returned by ``step``."""
+        return bool(self._pending_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs the model once, samples; returns outputs that changed.
+
+        A request appears when it released new text or tokens, or finished
+        (including aborts since the last step).
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        self._step += 1
+        self.allocator.begin_step(self._step)
+        try:
+            scheduled = self.scheduler.schedule()
+            if scheduled.chunks:
+                outputs.extend(self._execute(scheduled.chunks))
+        finally:
+            self.allocator.end_step()
+        return outputs
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        now = time.monotonic()
+        slices = []
+        sampled: list[Request] = []  # requests whose chunk yields logits, in logits-row order
+        for chunk in chunks:
+            request = chunk.request
+            assert request.block_table is not None
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            end = chunk.start + chunk.num_new_tokens
+            slices.append(
+                SeqSlice(request.token_ids[chunk.start : end], chunk.start, request.block_table.block_ids, chunk.needs_logits)
+            )
+            if chunk.needs_logits:
+                sampled.append(request)
+        batch = ForwardBatch.build(slices, self.block_size, self.runner.device)
+        logits = self.runner.forward(batch)  # [len(sampled), vocab_size] float32
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += chunk.num_new_tokens
+        if not sampled:
+            return []
+        result = self.sampler(logits, sampled)
+        now = time.monotonic()
+        outputs = []
+        for request, token_id, logprob in zip(sampled, result.token_ids, result.logprobs):
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.append_token(token_id, logprob)
+            if request.finish_reason is not None:
+                output = self._finish(request, FreeReason.FINISHED, now)
+            else:
+                output = request.make_output(final=False)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _finish(self, request: Request, reason: FreeReason, now: float) -> RequestOutput:
+        self.scheduler.finish(request, reason)
+        del self._requests[request.request_id]
+        request.metrics.finished_time = now
+        output = request.make_output(final=True)
+        assert output is not None
+        return output
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        """Stops a waiting or running request and frees its blocks at once.
+
+        Its final output (finish_reason "abort") comes from the next ``step``.
+        ``reason`` (why: "aborted", "cancelled", "shutdown", ...) goes to the
+        engine's log. Raises RequestNotFoundError.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            raise RequestNotFoundError(request_id)
+        _log.info("request_aborted", request_id=request_id, reason=reason, num_output_tokens=request.num_output_tokens)
+        request.finish_reason = "abort"
+        # Frees outside a scheduler step get a step of their own in the log.
+        self._step += 1
+        self.allocator.begin_step(self._step)
+        try:
+            output = self._finish(request, FreeReason.ABORTED, time.monotonic())
+        finally:
+            self.allocator.end_step()
+        self._pending_outputs.append(output)
+
+    # ---- status and shutdown ----------------------------------------------
+
+    def pool_status(self) -> PoolStatus:
+        log = self.event_log
+        return PoolStatus(
+            pool_id=self.config.event_log.pool_id,
+            epoch=log.epoch if log is not None else None,
+            num_blocks=self.allocator.num_blocks,
+            block_size=self.allocator.block_size,
+            num_free=self.allocator.num_free,
+            num_allocated=self.allocator.num_allocated,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            last_seq=log.last_seq if log is not None else None,
+            durable_seq=log.durable_seq if log is not None else None,
+        )
+
+    def shutdown(self) -> None:
+        """Aborts what is left and closes the event log (POOL_CLOSE). Idempotent."""
+        if self._closed:
+            return
+        for request_id in list(self._requests):
+            self.abort(request_id, "shutdown")
+        self._closed = True
+        if self.event_log is not None:
+            self.event_log.close()
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return value

@@ -1,0 +1,107 @@
+"""What the engine hands back: one RequestOutput per request per step.
+
+Each output carries both the whole completion so far (``outputs[0]``) and the
+delta of this step (``delta_text``, ``delta_token_ids``, ``delta_logprobs``),
+so a streaming server sends deltas and a batch caller reads the last output.
+Outputs are snapshots: the engine never mutates one after handing it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one generated token and its top alternatives.
+
+    Log-probabilities are natural-log, of the model's own distribution
+    (before penalties, temperature and top-k/top-p/min-p truncation).
+    top_logprobs: token id -> logprob of the n most likely tokens, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """The generated completion of one request, as released so far.
+
+    text: released text; a stop string and the text of a stop token or EOS
+        are never part of it.
+    token_ids: released token ids (they stay in step with ``text``: a token is
+        released with the text it completes); a stop token or EOS is included.
+    finish_reason: "stop" (EOS, stop token or stop string), "length"
+        (max_tokens or max_model_len) or "abort"; None while running.
+    stop_reason: the stop string or token id that matched; None otherwise.
+    logprobs: one TokenLogprob per token id, when the request asked for them.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request, in seconds of ``time.monotonic()``.
+
+    None until the event happens. A preempted request keeps its first times.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: arrival to first sampled token, seconds."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's state after a step: the whole completion and this step's delta.
+
+    Concatenating ``delta_text`` over a request's outputs gives the final
+    ``text``; concatenating ``delta_token_ids`` gives the final ``token_ids``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics | None = None
+    prompt: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason

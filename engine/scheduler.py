@@ -1,0 +1,162 @@
+"""Iteration-level scheduling with chunked prefill and preemption by recompute.
+
+Each step the scheduler decides which requests run and how many of their
+tokens go through the model (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al.
+SOSP 2023). A request is simply "``num_tokens`` tokens, of which
+``num_computed_tokens`` have K/V in the cache": a decode computes the one
+newest token, a prefill computes a chunk of the prompt, a preempted request
+recomputes prompt + generated tokens from scratch. The last scheduled chunk of
+a request yields logits, and the sampler adds its next token.
+
+Order within a step, under the ``max_num_batched_tokens`` budget:
+  1. running decodes (one token each), oldest first;
+  2. running prefills (a chunk each);
+  3. waiting requests, front first, while ``max_num_seqs`` and the pool allow.
+Decodes go first so a long prompt being prefilled never stalls them.
+
+When a running request needs a block and the pool raises KVCacheExhausted,
+the most recently admitted running request is preempted: its blocks are
+freed (reason PREEMPTED) and it goes to the front of the waiting queue. No
+request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanoserve.allocator import BlockAllocator, BlockTable, FreeReason, KVCacheExhausted
+from nanoserve.engine.config import SchedulerConfig
+from nanoserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_new_tokens`` tokens of ``request`` to compute this step, from ``start``."""
+
+    request: Request
+    start: int  # position of the first token of the chunk (== num_computed_tokens)
+    num_new_tokens: int
+
+    @property
+    def needs_logits(self) -> bool:
+        """The chunk reaches the newest token, so the request samples its next one."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # in forward-batch order
+    preempted: list[Request]  # requests preempted this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_new_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    """Waiting and running queues over one block pool.
+
+    Invariants: a request is in at most one queue; running requests hold a
+    block table, waiting ones hold no blocks; ``running`` is in admission
+    order, so its last element is the first to be preempted.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        assert request.status is RequestStatus.WAITING and request.block_table is None
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's chunks, growing block tables and preempting as needed."""
+        budget = self.config.max_num_batched_tokens
+        chunks: dict[str, ScheduledChunk] = {}  # request_id -> chunk, in batch order
+        preempted: list[Request] = []
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._grow(request, num_new, chunks, preempted):
+                continue
+            chunks[request.request_id] = ScheduledChunk(request, request.num_computed_tokens, num_new)
+            budget -= num_new
+        budget = self.config.max_num_batched_tokens - sum(c.num_new_tokens for c in chunks.values())
+        if not preempted:
+            budget = self._admit(budget, chunks)
+        return SchedulerOutput(list(chunks.values()), preempted)
+
+    def _grow(
+        self, request: Request, num_new: int, chunks: dict[str, ScheduledChunk], preempted: list[Request]
+    ) -> bool:
+        """Grows ``request``'s block table by ``num_new`` tokens, preempting others when
+        the pool is exhausted. False when ``request`` itself had to be preempted."""
+        assert request.block_table is not None
+        while True:
+            try:
+                request.block_table.append_tokens(num_new)
+                return True
+            except KVCacheExhausted:
+                victim = self.running[-1]
+                chunks.pop(victim.request_id, None)
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    return False
+
+    def _admit(self, budget: int, chunks: dict[str, ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens, budget)
+            table = BlockTable(self.allocator, request.request_id)
+            if not table.can_append(num_new):
+                break
+            table.append_tokens(num_new)
+            self.waiting.popleft()
+            request.block_table = table
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks[request.request_id] = ScheduledChunk(request, 0, num_new)
+            budget -= num_new
+        return budget
+
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's blocks and puts it at the front of the waiting queue."""
+        assert request.status is RequestStatus.RUNNING and request.block_table is not None
+        self.running.remove(request)
+        request.block_table.release(FreeReason.PREEMPTED)
+        request.block_table = None
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: FreeReason) -> None:
+        """Removes a request from whichever queue holds it and frees its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            assert request.block_table is not None
+            request.block_table.release(reason)
+            request.block_table = None
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
