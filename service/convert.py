@@ -7,15 +7,19 @@ allocation events and audit reports become messages here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanoserve.engine import AsyncLLMEngine, ChatPrompt, RequestOutput, SamplingParams, TokensPrompt
-from nanoserve.allocator.events import Event
-from nanoserve.engine.llm_engine import PoolStatus
-from nanoserve.engine.outputs import RequestMetrics, TokenLogprob
+from nanoserve.engine.outputs import RequestMetrics
+from nanoserve.engine.prompts import ChatPrompt, TokensPrompt
+from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.service.metrics import FinishedRequest
 from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import generation_pb2 as pb
+
+if TYPE_CHECKING:  # the engine proper imports torch; these are only types here
+    from nanoserve.allocator.events import Event
+    from nanoserve.engine import AsyncLLMEngine, PoolStatus, RequestOutput
+    from nanoserve.engine.outputs import TokenLogprob
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
