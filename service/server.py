@@ -4,12 +4,12 @@
 owns the order of shutdown, which the event log's audit depends on:
 
 1. health goes NOT_SERVING (load balancers stop sending) and the server stops
-   accepting calls;
-2. streams in flight get ``grace_s`` seconds to finish; the rest are cancelled,
-   and each cancelled servicer aborts its request (blocks freed, FREE events
+   accepting calls (UNAVAILABLE);
+2. streams in flight get ``grace_s`` seconds to finish; the engine aborts the
+   rest, whose streams end with finish_reason abort (blocks freed, FREE events
    with reason aborted);
-3. the engine shuts down: the log is flushed and POOL_CLOSE written, so the
-   epoch audits clean.
+3. the engine closes the log (flushed, POOL_CLOSE written, so the epoch audits
+   clean), which also ends the WatchEvents streams; then the server stops.
 
 ``serve`` is the process's main: build the engine, start, wait for SIGTERM or
 SIGINT, stop.
@@ -45,6 +45,8 @@ ALLOCATION_SERVICE = allocation_pb2.DESCRIPTOR.services_by_name["Allocation"].fu
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MONITOR_INTERVAL_S = 0.5
+# after the engine has ended every stream, seconds the last messages get to reach clients
+SHUTDOWN_MARGIN_S = 5.0
 
 
 class NanoServer:
@@ -154,10 +156,14 @@ class NanoServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
         await self.health.enter_graceful_shutdown()
-        if self._server is not None:
-            await self._server.stop(grace_s)
+        # stop() refuses new calls at once; calls in flight end below
+        stopping = asyncio.ensure_future(self._server.stop(grace_s + SHUTDOWN_MARGIN_S)) if self._server else None
         if self.owns_engine:
-            await self.engine.shutdown(0.0)
+            # streams get grace_s to finish; the rest end with finish_reason abort;
+            # POOL_CLOSE then ends the WatchEvents streams
+            await self.engine.shutdown(grace_s)
+        if stopping is not None:
+            await stopping
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         log.info("shutdown_finished")
