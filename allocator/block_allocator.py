@@ -227,15 +227,20 @@ class BlockAllocator:
 
     def state(self, last_seq: int | None = None) -> PoolState:
         """A copy of the pool as it stands: free stack and owner map."""
-        if last_seq is None and self._log is not None:
-            last_seq = self._log.last_seq
+        log = self._log
         return PoolState(
             num_blocks=self._num_blocks,
             block_size=self._block_size,
             free_block_ids=tuple(self._free),
             owners=dict(self._owners),
-            last_seq=last_seq,
+            last_seq=log.last_seq if last_seq is None and log is not None else last_seq,
+            pool_id=None if log is None else log.pool_id,
+            epoch=None if log is None else log.epoch,
         )
+
+    def snapshot_data(self) -> dict[str, object]:
+        """Copies of the free stack and owner map, for a SNAPSHOT record."""
+        return {"free_block_ids": list(self._free), "owners": dict(self._owners)}
 
     def _bad_free(self, block_id: object) -> ValueError:
         if type(block_id) is int and 0 <= block_id < self._num_blocks:

@@ -10,6 +10,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule found in a log: where (seq, block, owner) and what."""
+
+    seq: int
+    rule: str
+    message: str
+    block_id: int | None = None
+    owner: str | None = None
+
+    def __str__(self) -> str:
+        where = f"seq {self.seq}"
+        if self.block_id is not None:
+            where += f" block {self.block_id}"
+        if self.owner is not None:
+            where += f" owner {self.owner!r}"
+        return f"{where}: {self.rule}: {self.message}"
+
+
 @dataclass
 class PoolState:
     """Free stack and owner map of a pool of ``num_blocks`` blocks.
@@ -19,6 +38,8 @@ class PoolState:
     owners: block_id -> owner (request id) of every allocated block.
     last_seq: sequence number of the last event applied; None for a pool
         without a log.
+    pool_id, epoch, violations: where a replayed state came from and what was
+        wrong on the way (not part of ``==``).
     """
 
     num_blocks: int
@@ -26,6 +47,10 @@ class PoolState:
     free_block_ids: tuple[int, ...]
     owners: dict[int, str] = field(default_factory=dict)
     last_seq: int | None = None
+    pool_id: str | None = field(default=None, compare=False)
+    epoch: int | None = field(default=None, compare=False)
+    # broken rules met while rebuilding this state from a log (replay only)
+    violations: list[Violation] = field(default_factory=list, compare=False)
 
     @property
     def num_free(self) -> int:

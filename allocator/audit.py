@@ -1,0 +1,107 @@
+"""Audit: replay a whole epoch from its genesis and report what it shows.
+
+An epoch is clean when its log breaks no rule (see ``replay``). At a clean
+close every block must be free; blocks still held are leaks (a violation,
+listed with their owners). An epoch without POOL_CLOSE crashed: that is not a
+violation of the log, and the report gives the pool as it stood at the last
+durable event (which owner held which blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+
+from nanoserve.allocator.log_reader import EpochInfo, LogNotFoundError, connect, event_rows, list_epochs, resolve_epoch
+from nanoserve.allocator.pool_state import PoolState, Violation
+from nanoserve.allocator.replay import Replayer
+
+
+@dataclass
+class AuditReport:
+    """What the audit of one epoch found.
+
+    state: the pool after the last stored event (for a crashed epoch: as it
+        stood at the crash, as far as it is durable).
+    leaked: block_id -> owner of blocks still held at a clean close.
+    """
+
+    pool_id: str
+    epoch: int
+    num_events: int
+    last_seq: int
+    closed: bool
+    state: PoolState
+    violations: list[Violation] = field(default_factory=list)
+    leaked: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return not self.violations
+
+    @property
+    def crashed(self) -> bool:
+        return not self.closed
+
+    @property
+    def first_bad_seq(self) -> int | None:
+        return min((violation.seq for violation in self.violations), default=None)
+
+    def render(self) -> str:
+        """A short human-readable account."""
+        head = f"pool {self.pool_id!r} epoch {self.epoch}: {self.num_events} events, last seq {self.last_seq}, "
+        head += "closed" if self.closed else "CRASHED (no POOL_CLOSE)"
+        lines = [head]
+        if self.clean:
+            lines.append("  clean")
+        else:
+            lines.append(f"  {len(self.violations)} violation(s), first bad seq {self.first_bad_seq}:")
+            lines.extend(f"    {violation}" for violation in self.violations)
+        if self.crashed:
+            held = self.state.blocks_by_owner()
+            lines.append(f"  at the last durable event (seq {self.last_seq}): {self.state.num_free} free blocks")
+            lines.extend(f"    {owner!r} held blocks {blocks}" for owner, blocks in held.items())
+        return "\n".join(lines)
+
+
+def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
+    """Audit one epoch on an open connection (see ``audit``)."""
+    replayer = Replayer(info)
+    replayer.apply_rows(event_rows(conn, info.pool_id, info.epoch))
+    replayer.finish()
+    closed = replayer.closed_seq is not None
+    leaked: dict[int, str] = {}
+    if closed:
+        leaked = dict(sorted(replayer.owners.items()))
+        for block_id, owner in leaked.items():
+            replayer.violate(replayer.closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner)
+    state = replayer.state()
+    return AuditReport(
+        pool_id=info.pool_id,
+        epoch=info.epoch,
+        num_events=replayer.num_events,
+        last_seq=replayer.last_seq,
+        closed=closed,
+        state=state,
+        violations=sorted(replayer.violations, key=lambda violation: violation.seq),
+        leaked=leaked,
+    )
+
+
+def audit(url: str, pool_id: str | None = None, epoch: int | None = None) -> AuditReport:
+    """Audit one epoch: ``pool_id`` None means the log's only pool, ``epoch`` None its newest.
+
+    Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch.
+    """
+    with connect(url) as conn:
+        return audit_epoch(conn, resolve_epoch(conn, pool_id, epoch))
+
+
+def audit_all(url: str, pool_id: str | None = None) -> list[AuditReport]:
+    """Audit every epoch of one pool (or of every pool when ``pool_id`` is None)."""
+    with connect(url) as conn:
+        epochs = list_epochs(conn, pool_id)
+        if not epochs:
+            raise LogNotFoundError("the log holds no pools" if pool_id is None else f"the log holds no pool {pool_id!r}")
+        return [audit_epoch(conn, info) for info in epochs]

@@ -1,0 +1,38 @@
+"""Engines for the event log's database: SQLite (WAL) by default, PostgreSQL in production."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+# The server's default log: a SQLite file in the working directory.
+DEFAULT_EVENT_LOG_URL = "sqlite:///nanoserve-log.db"
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # WAL lets readers (audit, replay, the CLI) run beside the writer;
+    # synchronous=FULL makes a commit durable before durable_seq advances.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()
+
+
+def create_log_engine(url: str) -> Engine:
+    """An engine for ``url`` (``sqlite:///file.db`` or ``postgresql+psycopg://...``).
+
+    SQLite connections get WAL journaling, synchronous=FULL and a 10 s busy
+    timeout. Raises ValueError for a URL SQLAlchemy cannot parse.
+    """
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa.exc.ArgumentError as exc:
+        raise ValueError(f"event log url {url!r} is not a database URL: {exc}") from exc
+    if parsed.get_backend_name() == "sqlite":
+        engine = sa.create_engine(parsed, connect_args={"check_same_thread": False})
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return sa.create_engine(parsed, pool_pre_ping=True)

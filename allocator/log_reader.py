@@ -1,0 +1,190 @@
+"""Reading a stored event log: epochs, events, and the rows replay walks.
+
+Every function takes the log's SQLAlchemy URL and opens (and disposes) its own
+engine, so it can run beside a live writer (SQLite WAL readers do not block it).
+A missing SQLite file, a database without the log's tables, or an unknown
+pool or epoch raises ``LogNotFoundError`` (a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from nanoserve.allocator.database import create_log_engine
+from nanoserve.allocator.events import Event, decode_block_ids
+from nanoserve.allocator.schema import allocator_events, pool_epochs
+
+# columns replay reads, in this order
+EVENT_COLUMNS = (
+    allocator_events.c.seq,
+    allocator_events.c.batch_seq,
+    allocator_events.c.kind,
+    allocator_events.c.block_ids,
+    allocator_events.c.owner,
+    allocator_events.c.step,
+    allocator_events.c.reason,
+    allocator_events.c.wall_time_ns,
+    allocator_events.c.monotonic_ns,
+    allocator_events.c.data,
+    allocator_events.c.hash,
+)
+
+
+class LogNotFoundError(ValueError):
+    """The URL, pool or epoch names no stored log."""
+
+
+@dataclass(frozen=True)
+class EpochInfo:
+    """One epoch's row: who opened it, how far it got, whether it closed."""
+
+    pool_id: str
+    epoch: int
+    num_blocks: int
+    block_size: int
+    model: str | None
+    opened_wall_ns: int
+    durable_seq: int
+    head_hash: bytes
+    closed_seq: int | None
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_seq is not None
+
+
+@contextmanager
+def connect(url: str) -> Iterator[sa.Connection]:
+    """A read connection to an existing log; LogNotFoundError when there is none."""
+    parsed = sa.engine.make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        if not Path(parsed.database).is_file():
+            raise LogNotFoundError(f"no event log at {url!r}: file {parsed.database!r} does not exist")
+    engine = create_log_engine(url)
+    try:
+        with engine.connect() as conn:
+            if not sa.inspect(conn).has_table(pool_epochs.name):
+                raise LogNotFoundError(f"{url!r} holds no event log (run `nanoserve db upgrade {url}`)")
+            yield conn
+    finally:
+        engine.dispose()
+
+
+def list_epochs(conn: sa.Connection, pool_id: str | None = None) -> list[EpochInfo]:
+    """Epochs in (pool_id, epoch) order, of one pool or all."""
+    query = sa.select(pool_epochs).order_by(pool_epochs.c.pool_id, pool_epochs.c.epoch)
+    if pool_id is not None:
+        query = query.where(pool_epochs.c.pool_id == pool_id)
+    return [
+        EpochInfo(
+            pool_id=row.pool_id,
+            epoch=row.epoch,
+            num_blocks=row.num_blocks,
+            block_size=row.block_size,
+            model=row.model,
+            opened_wall_ns=row.opened_wall_ns,
+            durable_seq=row.durable_seq,
+            head_hash=bytes(row.head_hash),
+            closed_seq=row.closed_seq,
+        )
+        for row in conn.execute(query)
+    ]
+
+
+def resolve_epoch(conn: sa.Connection, pool_id: str | None, epoch: int | None) -> EpochInfo:
+    """The epoch meant: ``pool_id`` None means the log's only pool, ``epoch`` None its newest."""
+    epochs = list_epochs(conn, pool_id)
+    if not epochs:
+        raise LogNotFoundError("the log holds no pools" if pool_id is None else f"the log holds no pool {pool_id!r}")
+    pools = sorted({info.pool_id for info in epochs})
+    if len(pools) > 1:
+        raise LogNotFoundError(f"the log holds several pools, choose one with pool_id: {pools}")
+    if epoch is None:
+        return epochs[-1]
+    for info in epochs:
+        if info.epoch == epoch:
+            return info
+    raise LogNotFoundError(f"pool {pools[0]!r} has no epoch {epoch}; epochs: {[info.epoch for info in epochs]}")
+
+
+def event_rows(
+    conn: sa.Connection, pool_id: str, epoch: int, from_seq: int = 1, until_seq: int | None = None
+) -> Iterator[tuple]:
+    """Stored rows (EVENT_COLUMNS) of one epoch in seq order, streamed."""
+    query = (
+        sa.select(*EVENT_COLUMNS)
+        .where(
+            allocator_events.c.pool_id == pool_id,
+            allocator_events.c.epoch == epoch,
+            allocator_events.c.seq >= from_seq,
+        )
+        .order_by(allocator_events.c.seq)
+    )
+    if until_seq is not None:
+        query = query.where(allocator_events.c.seq <= until_seq)
+    result = conn.execution_options(yield_per=10_000).execute(query)
+    for partition in result.partitions():
+        yield from partition
+
+
+def latest_snapshot_seq(conn: sa.Connection, pool_id: str, epoch: int, until_seq: int | None) -> int | None:
+    """Seq of the newest SNAPSHOT at or before ``until_seq`` (any when None)."""
+    query = sa.select(sa.func.max(allocator_events.c.seq)).where(
+        allocator_events.c.pool_id == pool_id,
+        allocator_events.c.epoch == epoch,
+        allocator_events.c.kind == "snapshot",
+    )
+    if until_seq is not None:
+        query = query.where(allocator_events.c.seq <= until_seq)
+    return conn.execute(query).scalar()
+
+
+def stored_hash(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> bytes | None:
+    """The stored hash of one event, None when the row is missing."""
+    value = conn.execute(
+        sa.select(allocator_events.c.hash).where(
+            allocator_events.c.pool_id == pool_id,
+            allocator_events.c.epoch == epoch,
+            allocator_events.c.seq == seq,
+        )
+    ).scalar()
+    return None if value is None else bytes(value)
+
+
+def to_event(pool_id: str, epoch: int, row: tuple) -> Event:
+    """An ``Event`` from one EVENT_COLUMNS row."""
+    seq, batch_seq, kind, block_ids, owner, step, reason, wall_ns, mono_ns, data, hash_ = row
+    return Event(
+        pool_id=pool_id,
+        epoch=epoch,
+        seq=seq,
+        batch_seq=batch_seq,
+        kind=kind,
+        block_ids=decode_block_ids(block_ids),
+        owner=owner,
+        step=step,
+        reason=reason,
+        wall_time_ns=wall_ns,
+        monotonic_ns=mono_ns,
+        data=None if data is None else json.loads(data),
+        hash=bytes(hash_),
+    )
+
+
+def read_events(
+    url: str, pool_id: str | None = None, epoch: int | None = None, from_seq: int = 1, until_seq: int | None = None
+) -> list[Event]:
+    """Committed events of one epoch with ``from_seq <= seq <= until_seq``, in seq order.
+
+    ``pool_id`` None means the log's only pool, ``epoch`` None its newest
+    epoch. Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch.
+    """
+    with connect(url) as conn:
+        info = resolve_epoch(conn, pool_id, epoch)
+        return [to_event(info.pool_id, info.epoch, row) for row in event_rows(conn, info.pool_id, info.epoch, from_seq, until_seq)]

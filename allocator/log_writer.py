@@ -1,0 +1,330 @@
+"""The event log's background writer: hash, group-commit, retry, publish.
+
+The allocator's thread seals each scheduler step's events into one batch and
+appends it to ``pending`` (a deque: appending is one atomic call, no lock).
+The writer thread takes every ready batch, chains their hashes, and commits
+them in one transaction (group commit), then advances ``durable_seq`` and hands
+the committed events to subscribers.
+
+Each commit first moves the epoch row's ``(durable_seq, head_hash)`` from the
+values this writer last wrote to the new ones, guarded by ``writer_id``. A
+second writer therefore cannot interleave, and a retry after an unknown outcome
+(the commit went through but the acknowledgement was lost) finds the guard
+already moved and recognises its own batch by the stored hash.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+import structlog
+from sqlalchemy.engine import Engine
+
+from nanoserve.allocator.event_chain import canonical, chain_hash
+from nanoserve.allocator.events import Event, decode_block_ids
+from nanoserve.allocator.schema import allocator_events, pool_epochs
+
+log = structlog.get_logger(__name__)
+
+# (seq, kind, block_ids, owner, step, reason, wall_time_ns, monotonic_ns, data)
+Record = tuple[int, str, tuple[int, ...], "str | None", "int | None", "str | None", int, int, Any]
+Batch = list[Record]
+Subscriber = Callable[[Sequence[Event]], None]
+
+MAX_EVENTS_PER_COMMIT = 20_000
+RETRY_DELAYS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class EventLogError(RuntimeError):
+    """The event log cannot record: the writer failed for good."""
+
+
+class SecondWriterError(EventLogError):
+    """Another writer holds (or took over) this pool epoch."""
+
+
+class _GuardMoved(Exception):
+    """The epoch row no longer holds what this writer last wrote."""
+
+
+def _encode_data(data: Any) -> str | None:
+    return None if data is None else json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+
+class LogWriter:
+    """Commits sealed batches for one (pool_id, epoch) from a background thread.
+
+    ``durable_seq`` only grows, and every event at or below it is committed.
+    ``healthy`` is False while commits fail (they are retried with backoff,
+    never dropped) and after a fatal error (``error`` is then set and every
+    later ``submit`` raises it).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        pool_id: str,
+        epoch: int,
+        writer_id: str,
+        durable_seq: int,
+        head_hash: bytes,
+        max_pending_batches: int,
+    ) -> None:
+        self._engine = engine
+        self.pool_id = pool_id
+        self.epoch = epoch
+        self.writer_id = writer_id
+        self.durable_seq = durable_seq
+        self._head_hash = head_hash  # hash of the last event handed to a commit
+        self._chained_seq = durable_seq
+        self._max_pending = max_pending_batches
+        self.pending: deque[Batch] = deque()
+        self._wakeup = threading.Event()
+        self._progress = threading.Condition()  # notified after every commit or failure
+        self._subscribers: list[Subscriber] = []
+        self._subscribers_lock = threading.Lock()
+        self._stopping = False
+        self.healthy = True
+        self.error: BaseException | None = None
+        self.num_retries = 0
+        self._thread = threading.Thread(target=self._run, name=f"event-log-writer-{pool_id}-{epoch}", daemon=True)
+
+    def start(self) -> None:
+        """Start the writer thread (after the epoch's first record is committed)."""
+        self._thread.start()
+
+    # -- caller side -------------------------------------------------------
+    def submit(self, batch: Batch) -> None:
+        """Queue one sealed batch; blocks while ``max_pending_batches`` are waiting."""
+        if self.error is not None:
+            raise self.error
+        pending = self.pending
+        if len(pending) >= self._max_pending:
+            self._wait_for_room()
+        pending.append(batch)
+        if not self._wakeup.is_set():
+            self._wakeup.set()
+
+    def _wait_for_room(self) -> None:
+        with self._progress:
+            while len(self.pending) >= self._max_pending and self.error is None:
+                self._progress.wait(0.1)
+        if self.error is not None:
+            raise self.error
+
+    def wait_durable(self, seq: int, timeout_s: float | None = None) -> bool:
+        """Wait until ``durable_seq >= seq``; False on timeout. Raises the writer's fatal error."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._progress:
+            while self.durable_seq < seq:
+                if self.error is not None:
+                    raise self.error
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._progress.wait(0.1 if remaining is None else min(remaining, 0.1))
+        return True
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call ``callback(events)`` on the writer thread after each commit; returns unsubscribe."""
+        with self._subscribers_lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._subscribers_lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Commit what is queued, then end the thread."""
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- writer thread -----------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._wakeup.wait(0.5)
+            self._wakeup.clear()
+            while self.pending:
+                group = self._take_group()
+                try:
+                    self._commit_with_retry(*self._seal_rows(group))
+                except EventLogError as exc:
+                    self._fail(exc)
+                    return
+                except BaseException as exc:  # a bug here must not hang callers in backpressure
+                    self._fail(EventLogError(f"event log writer crashed: {exc!r}"))
+                    raise
+            if self._stopping and not self.pending:
+                return
+
+    def _take_group(self) -> list[Batch]:
+        batches: list[Batch] = []
+        num_events = 0
+        pending = self.pending
+        while pending and num_events < MAX_EVENTS_PER_COMMIT:
+            batch = pending.popleft()
+            batches.append(batch)
+            num_events += len(batch)
+        with self._progress:
+            self._progress.notify_all()
+        return batches
+
+    def seal_first(self, batch: Batch) -> tuple[list[dict[str, Any]], bytes]:
+        """Rows and head hash of the epoch's first batch, committed by ``EventLog.open`` itself."""
+        rows, last_seq, head_hash, _ = self._seal_rows([batch])
+        self.durable_seq = last_seq
+        return rows, head_hash
+
+    def _seal_rows(self, batches: list[Batch]) -> tuple[list[dict[str, Any]], int, bytes, int | None]:
+        """Rows with their chained hashes; each row's batch_seq is the last seq of its batch."""
+        rows = []
+        previous = self._head_hash
+        pool_id, epoch = self.pool_id, self.epoch
+        closed_seq = None
+        expected_seq = self._chained_seq + 1
+        for batch in batches:
+            batch_seq = batch[-1][0]
+            for seq, kind, block_ids, owner, step, reason, wall_ns, mono_ns, data in batch:
+                assert seq == expected_seq, f"seq {seq} sealed where {expected_seq} was due"
+                expected_seq += 1
+                block_text = ",".join(map(str, block_ids))
+                data_text = _encode_data(data)
+                previous = chain_hash(
+                    previous,
+                    canonical(seq, batch_seq, kind, block_text, owner, step, reason, wall_ns, mono_ns, data_text),
+                )
+                if kind == "pool_close":
+                    closed_seq = seq
+                rows.append(
+                    {
+                        "pool_id": pool_id,
+                        "epoch": epoch,
+                        "seq": seq,
+                        "batch_seq": batch_seq,
+                        "kind": kind,
+                        "block_ids": block_text,
+                        "owner": owner,
+                        "step": step,
+                        "reason": reason,
+                        "wall_time_ns": wall_ns,
+                        "monotonic_ns": mono_ns,
+                        "data": data_text,
+                        "hash": previous,
+                    }
+                )
+        self._head_hash = previous
+        self._chained_seq = expected_seq - 1
+        return rows, expected_seq - 1, previous, closed_seq
+
+    def _commit_with_retry(self, rows: list[dict[str, Any]], last_seq: int, head_hash: bytes, closed_seq: int | None) -> None:
+        attempt = 0
+        while True:
+            try:
+                self._commit(rows, last_seq, head_hash, closed_seq)
+                break
+            except _GuardMoved:
+                self._check_already_committed(last_seq, head_hash)
+                break
+            except sa.exc.SQLAlchemyError as exc:
+                self.healthy = False
+                self.num_retries += 1
+                delay_s = RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)]
+                log.warning("event_log_commit_failed", pool_id=self.pool_id, epoch=self.epoch,
+                            last_seq=last_seq, attempt=attempt + 1, retry_in_s=delay_s, error=str(exc))
+                with self._progress:
+                    self._progress.notify_all()
+                time.sleep(delay_s)
+                attempt += 1
+        self.healthy = True
+        with self._progress:
+            self.durable_seq = last_seq
+            self._progress.notify_all()
+        self._publish(rows)
+
+    def _commit(self, rows: list[dict[str, Any]], last_seq: int, head_hash: bytes, closed_seq: int | None) -> None:
+        table = pool_epochs
+        guard = (
+            sa.update(table)
+            .where(
+                table.c.pool_id == self.pool_id,
+                table.c.epoch == self.epoch,
+                table.c.writer_id == self.writer_id,
+                table.c.durable_seq == self.durable_seq,
+            )
+            .values(durable_seq=last_seq, head_hash=head_hash, closed_seq=closed_seq)
+        )
+        with self._engine.begin() as conn:
+            if conn.execute(guard).rowcount != 1:
+                raise _GuardMoved
+            conn.execute(sa.insert(allocator_events), rows)
+
+    def _check_already_committed(self, last_seq: int, head_hash: bytes) -> None:
+        """After the guard moved: our own earlier attempt (fine) or another writer (fatal)."""
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                sa.select(pool_epochs.c.writer_id, pool_epochs.c.durable_seq).where(
+                    pool_epochs.c.pool_id == self.pool_id, pool_epochs.c.epoch == self.epoch
+                )
+            ).one_or_none()
+            stored_hash = conn.execute(
+                sa.select(allocator_events.c.hash).where(
+                    allocator_events.c.pool_id == self.pool_id,
+                    allocator_events.c.epoch == self.epoch,
+                    allocator_events.c.seq == last_seq,
+                )
+            ).scalar_one_or_none()
+        if row is None or row.writer_id != self.writer_id:
+            raise SecondWriterError(
+                f"pool {self.pool_id!r} epoch {self.epoch} is held by another writer; "
+                f"this writer ({self.writer_id}) stops at seq {self.durable_seq}"
+            )
+        if stored_hash != head_hash:
+            raise EventLogError(
+                f"pool {self.pool_id!r} epoch {self.epoch}: stored log diverged at seq <= {last_seq} "
+                f"(durable_seq in the database is {row.durable_seq})"
+            )
+        log.info("event_log_duplicate_commit_recognised", pool_id=self.pool_id, epoch=self.epoch, last_seq=last_seq)
+
+    def _publish(self, rows: list[dict[str, Any]]) -> None:
+        with self._subscribers_lock:
+            subscribers = list(self._subscribers)
+        if not subscribers:
+            return
+        events = [
+            Event(
+                pool_id=r["pool_id"], epoch=r["epoch"], seq=r["seq"], batch_seq=r["batch_seq"], kind=r["kind"],
+                block_ids=decode_block_ids(r["block_ids"]), owner=r["owner"], step=r["step"], reason=r["reason"],
+                wall_time_ns=r["wall_time_ns"], monotonic_ns=r["monotonic_ns"],
+                data=None if r["data"] is None else json.loads(r["data"]), hash=r["hash"],
+            )
+            for r in rows
+        ]
+        for callback in subscribers:
+            try:
+                callback(events)
+            except Exception as exc:  # one broken consumer must not stop the log
+                log.warning("event_log_subscriber_failed", error=repr(exc))
+                with self._subscribers_lock:
+                    if callback in self._subscribers:
+                        self._subscribers.remove(callback)
+
+    def _fail(self, error: EventLogError) -> None:
+        log.error("event_log_writer_failed", pool_id=self.pool_id, epoch=self.epoch, error=str(error))
+        self.healthy = False
+        self.error = error
+        with self._progress:
+            self._progress.notify_all()

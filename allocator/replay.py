@@ -1,0 +1,228 @@
+"""Replay: rebuild a pool from its log, checking every event against the state.
+
+``Replayer`` walks an epoch's rows in seq order and applies each to a free
+stack and owner map exactly as ``BlockAllocator`` did. On the way it checks
+the log's rules and collects every break as a ``Violation`` (never raising
+half-way): sequence numbers contiguous, hash chain intact, batches whole,
+allocate only free blocks, free only allocated blocks of the named owner,
+POOL_INIT first, nothing after POOL_CLOSE, snapshots equal to the replayed state.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nanoserve.allocator.event_chain import canonical, chain_hash, genesis_hash
+from nanoserve.allocator.events import EventKind
+from nanoserve.allocator.log_reader import (
+    EpochInfo,
+    connect,
+    event_rows,
+    latest_snapshot_seq,
+    resolve_epoch,
+    stored_hash,
+)
+from nanoserve.allocator.pool_state import PoolState, Violation
+
+_ALLOCATE_KINDS = frozenset((EventKind.ALLOCATE.value, EventKind.ALLOCATE_FOR.value))
+_FREE_KINDS = frozenset((EventKind.FREE.value, EventKind.FREE_ALL.value))
+_INIT = EventKind.POOL_INIT.value
+_SNAPSHOT = EventKind.SNAPSHOT.value
+_CLOSE = EventKind.POOL_CLOSE.value
+
+
+class Replayer:
+    """The pool state of one epoch, advanced one stored row at a time.
+
+    Start from the epoch's genesis (``start_seq=1``) or from a SNAPSHOT row
+    (``start_seq`` its seq, ``previous_hash`` the stored hash of the row
+    before it).
+    """
+
+    def __init__(self, info: EpochInfo, start_seq: int = 1, previous_hash: bytes | None = None) -> None:
+        self.info = info
+        self.num_blocks = info.num_blocks
+        self.block_size = info.block_size
+        self.free: list[int] = list(range(info.num_blocks - 1, -1, -1))  # stack, top at the end
+        self.owners: dict[int, str] = {}  # block_id -> owner
+        self.violations: list[Violation] = []
+        self.expected_seq = start_seq
+        self.previous_hash = genesis_hash(info.pool_id, info.epoch) if previous_hash is None else previous_hash
+        self.batch_end = start_seq - 1  # last seq of the batch being read
+        self.last_seq = start_seq - 1
+        self.closed_seq: int | None = None
+        self._start_snapshot_seq = start_seq if start_seq > 1 else None
+        self.num_events = 0
+
+    def apply_rows(self, rows: Any) -> None:
+        """Check and apply rows (EVENT_COLUMNS tuples) in seq order."""
+        previous = self.previous_hash
+        expected = self.expected_seq
+        batch_end = self.batch_end
+        violate = self.violate
+        for row in rows:
+            seq, batch_seq, kind, block_text, owner, step, reason, wall_ns, mono_ns, data, stored = row
+            if seq != expected:
+                if seq > expected:
+                    violate(expected, "missing_events", f"seqs {expected}..{seq - 1} are missing")
+                else:
+                    violate(seq, "out_of_order", f"seq {seq} follows seq {expected - 1}")
+                if batch_end >= expected and seq > batch_end:
+                    batch_end = seq - 1  # the gap already reported the torn batch
+            payload = canonical(seq, batch_seq, kind, block_text, owner, step, reason, wall_ns, mono_ns, data)
+            if chain_hash(previous, payload) != stored:
+                violate(seq, "hash_mismatch", "stored hash does not match the record and the previous hash", owner=owner)
+            previous = bytes(stored)
+            if seq > batch_end:
+                batch_end = batch_seq
+                if batch_seq < seq:
+                    violate(seq, "torn_batch", f"batch_seq {batch_seq} is before the record's own seq")
+            elif batch_seq != batch_end:
+                violate(seq, "torn_batch", f"batch ending at seq {batch_end} is cut short: batch_seq {batch_seq} starts here")
+                batch_end = batch_seq
+            expected = seq + 1
+            self.last_seq = seq
+            self.num_events += 1
+            if self.closed_seq is not None:
+                violate(seq, "after_close", f"{kind} after POOL_CLOSE at seq {self.closed_seq}", owner=owner)
+            if kind in _ALLOCATE_KINDS or kind in _FREE_KINDS:
+                try:
+                    block_ids = [int(text) for text in block_text.split(",")]
+                except ValueError:
+                    violate(seq, "bad_record", f"block_ids {block_text!r} is not a list of block ids", owner=owner)
+                    continue
+                if kind in _ALLOCATE_KINDS:
+                    self._allocate(seq, block_ids, owner)
+                else:
+                    self._free(seq, block_ids, owner)
+            elif kind == _SNAPSHOT:
+                self._snapshot(seq, data)
+            elif kind == _INIT:
+                if seq != 1:
+                    violate(seq, "misplaced_init", "POOL_INIT is not the epoch's first record")
+            elif kind == _CLOSE:
+                self.closed_seq = seq
+            else:
+                violate(seq, "unknown_kind", f"event kind {kind!r} is not known to this replay", owner=owner)
+        self.previous_hash = previous
+        self.expected_seq = expected
+        self.batch_end = batch_end
+
+    def finish(self) -> None:
+        """Checks at the end of the stored rows: whole last batch, nothing cut from the tail."""
+        durable_seq = self.info.durable_seq
+        if self.batch_end > self.last_seq:
+            self.violate(
+                self.last_seq + 1, "torn_batch", f"batch ending at seq {self.batch_end} stops at seq {self.last_seq}"
+            )
+        elif durable_seq > self.last_seq:
+            self.violate(
+                self.last_seq + 1, "missing_events", f"seqs {self.last_seq + 1}..{durable_seq} are missing (durable_seq {durable_seq})"
+            )
+        elif durable_seq == self.last_seq and self.info.head_hash != self.previous_hash:
+            self.violate(self.last_seq, "hash_mismatch", "last record's hash differs from the epoch's head_hash")
+        if self.info.closed_seq is not None and self.closed_seq is None:
+            self.violate(self.info.closed_seq, "missing_close", "the epoch was closed but its POOL_CLOSE record is missing")
+
+    def state(self) -> PoolState:
+        return PoolState(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            free_block_ids=tuple(self.free),
+            owners=dict(self.owners),
+            last_seq=self.last_seq,
+            pool_id=self.info.pool_id,
+            epoch=self.info.epoch,
+            violations=list(self.violations),
+        )
+
+    def load_snapshot(self, data: str) -> None:
+        """Take the state stored in a SNAPSHOT record as the current one."""
+        free, owners = _decode_snapshot(data)
+        self.free = free
+        self.owners = owners
+
+    def _allocate(self, seq: int, block_ids: list[int], owner: str | None) -> None:
+        free, owners = self.free, self.owners
+        for block_id in block_ids:
+            holder = owners.get(block_id)
+            if holder is not None:
+                self.violate(seq, "allocate_of_allocated", f"block is held by {holder!r}", block_id, owner)
+            elif not 0 <= block_id < self.num_blocks:
+                self.violate(seq, "foreign_block", f"block is not in the pool of {self.num_blocks}", block_id, owner)
+            else:
+                if free[-1] == block_id:
+                    free.pop()
+                else:
+                    free.remove(block_id)
+                owners[block_id] = owner  # type: ignore[assignment]
+
+    def _free(self, seq: int, block_ids: list[int], owner: str | None) -> None:
+        free, owners = self.free, self.owners
+        for block_id in block_ids:
+            holder = owners.pop(block_id, None)
+            if holder is None:
+                rule = "free_of_free_block" if 0 <= block_id < self.num_blocks else "foreign_block"
+                self.violate(seq, rule, "block is not allocated", block_id, owner)
+                continue
+            if holder != owner:
+                self.violate(seq, "owner_mismatch", f"block is held by {holder!r}", block_id, owner)
+            free.append(block_id)
+
+    def _snapshot(self, seq: int, data: str | None) -> None:
+        if seq == self._start_snapshot_seq:
+            return  # the snapshot this replay started from
+        try:
+            free, owners = _decode_snapshot(data or "")
+        except (ValueError, KeyError, TypeError) as exc:
+            self.violate(seq, "bad_snapshot", f"snapshot data unreadable: {exc}")
+            return
+        if free != self.free or owners != self.owners:
+            self.violate(seq, "snapshot_mismatch", "snapshot differs from the replayed state")
+
+    def violate(
+        self, seq: int, rule: str, message: str, block_id: int | None = None, owner: str | None = None
+    ) -> None:
+        self.violations.append(Violation(seq=seq, rule=rule, message=message, block_id=block_id, owner=owner))
+
+
+def _decode_snapshot(data: str) -> tuple[list[int], dict[int, str]]:
+    decoded = json.loads(data)
+    return list(decoded["free_block_ids"]), {int(block): owner for block, owner in decoded["owners"].items()}
+
+
+def replay(
+    url: str,
+    pool_id: str | None = None,
+    epoch: int | None = None,
+    until_seq: int | None = None,
+    *,
+    from_snapshot: bool = True,
+) -> PoolState:
+    """The pool of ``(pool_id, epoch)`` as of ``until_seq`` (default: the last stored event).
+
+    ``pool_id`` None means the log's only pool, ``epoch`` None its newest
+    epoch. With ``from_snapshot`` replay starts at the newest SNAPSHOT at or
+    before ``until_seq``. Broken rules are in ``PoolState.violations``.
+    Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch.
+    """
+    with connect(url) as conn:
+        info = resolve_epoch(conn, pool_id, epoch)
+        replayer = _start(conn, info, until_seq, from_snapshot)
+        replayer.apply_rows(event_rows(conn, info.pool_id, info.epoch, replayer.expected_seq, until_seq))
+        if until_seq is None:
+            replayer.finish()
+        return replayer.state()
+
+
+def _start(conn: Any, info: EpochInfo, until_seq: int | None, from_snapshot: bool) -> Replayer:
+    snapshot_seq = latest_snapshot_seq(conn, info.pool_id, info.epoch, until_seq) if from_snapshot else None
+    if snapshot_seq is None:
+        return Replayer(info)
+    previous = stored_hash(conn, info.pool_id, info.epoch, snapshot_seq - 1)
+    rows = list(event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq))
+    replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous or b"")
+    replayer.load_snapshot(rows[0][9])
+    replayer.apply_rows(rows)
+    return replayer

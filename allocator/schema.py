@@ -1,0 +1,89 @@
+"""SQLAlchemy models of the event log: one row per epoch, one row per event.
+
+The tables are created only by the Alembic migrations in ``nanoserve.migrations``;
+these models are the migrations' ``target_metadata`` (``alembic check`` proves
+they agree). Constraint names follow one naming convention so that migrations
+are portable between SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    ForeignKeyConstraint,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class PoolEpoch(Base):
+    """One run of one pool: opened by POOL_INIT, ended by POOL_CLOSE or a crash.
+
+    ``writer_id`` names the only process allowed to append to this epoch; each
+    group commit advances ``durable_seq``/``head_hash`` only where they still
+    hold the values that writer last wrote, which refuses a second writer and
+    lets a retried commit recognise itself. ``closed_seq`` is set by the commit
+    that carries POOL_CLOSE; an epoch without it crashed.
+    """
+
+    __tablename__ = "pool_epochs"
+
+    pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    writer_id: Mapped[str] = mapped_column(String(64))
+    num_blocks: Mapped[int] = mapped_column(Integer)
+    block_size: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str | None] = mapped_column(String(512))
+    opened_wall_ns: Mapped[int] = mapped_column(BigInteger)
+    durable_seq: Mapped[int] = mapped_column(BigInteger)  # last committed seq (0: none)
+    head_hash: Mapped[bytes] = mapped_column(LargeBinary(32))  # hash of the event at durable_seq
+    closed_seq: Mapped[int | None] = mapped_column(BigInteger)  # seq of POOL_CLOSE, None while open
+
+
+class AllocatorEvent(Base):
+    """One allocator event. ``seq`` is assigned by the allocator's process, 1, 2, 3, ...
+
+    ``batch_seq`` is the seq of the last event of the batch this one was sealed
+    in (all of a batch commit together). ``block_ids`` is the comma-separated
+    list of block ids; ``data`` is JSON for POOL_INIT, SNAPSHOT and POOL_CLOSE.
+    ``hash`` = sha256(previous hash + canonical payload), see ``event_chain``.
+    """
+
+    __tablename__ = "allocator_events"
+    __table_args__ = (
+        ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),
+    )
+
+    pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    batch_seq: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(32))
+    block_ids: Mapped[str] = mapped_column(Text)
+    owner: Mapped[str | None] = mapped_column(String(256))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    reason: Mapped[str | None] = mapped_column(String(16))
+    wall_time_ns: Mapped[int] = mapped_column(BigInteger)
+    monotonic_ns: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[str | None] = mapped_column(Text)
+    hash: Mapped[bytes] = mapped_column(LargeBinary(32))
+
+
+pool_epochs = PoolEpoch.__table__
+allocator_events = AllocatorEvent.__table__

@@ -1,0 +1,59 @@
+"""Alembic environment: URL from the application's config, metadata from the models."""
+
+from __future__ import annotations
+
+import logging.config
+import os
+
+from alembic import context
+
+from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL, create_log_engine
+from nanoserve.allocator.schema import Base
+
+config = context.config
+# Only the Alembic CLI configures logging; programmatic upgrades leave the app's alone.
+if config.config_file_name is not None and config.get_main_option("configure_logging", "false") == "true":
+    logging.config.fileConfig(config.config_file_name)
+
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    return (
+        context.get_x_argument(as_dictionary=True).get("url")
+        or config.get_main_option("sqlalchemy.url")
+        or os.environ.get("NANOSERVE_EVENT_LOG_URL")
+        or DEFAULT_EVENT_LOG_URL
+    )
+
+
+def _configure(**kwargs: object) -> None:
+    context.configure(
+        target_metadata=target_metadata,
+        compare_type=True,
+        render_as_batch=True,  # SQLite alters tables by copying them
+        **kwargs,
+    )
+
+
+def run_migrations_offline() -> None:
+    _configure(url=_url(), literal_binds=True, dialect_opts={"paramstyle": "named"})
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = create_log_engine(_url())
+    try:
+        with engine.connect() as connection:
+            _configure(connection=connection)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,142 @@
+"""Audit: clean logs, leaks at close, crashed epochs, and tampering named by its first bad seq."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, LogNotFoundError, audit, audit_all, replay
+
+
+def write_log(url: str, pool_id: str, close: bool = True) -> EventLog:
+    """Seq 1 POOL_INIT, 2..9 eight single-event batches, 10..11 one step, 12 POOL_CLOSE."""
+    log = EventLog.open(url, pool_id=pool_id, num_blocks=8, block_size=4)
+    pool = BlockAllocator(8, 4, event_log=log)
+    for owner in ("A", "B", "C", "D"):
+        pool.allocate_for(8, owner)  # seqs 2..5: A [0, 1], B [2, 3], C [4, 5], D [6, 7]
+    pool.free_all([0, 1], FreeReason.FINISHED)  # 6
+    pool.free_all([2, 3], FreeReason.ABORTED)  # 7
+    pool.allocate("E")  # 8 -> block 3
+    pool.free(3)  # 9
+    pool.begin_step(1)
+    pool.free_all([4, 5])  # 10
+    pool.free_all([6, 7])  # 11
+    pool.end_step()
+    if close:
+        log.close()
+    else:
+        log.flush()
+    return log
+
+
+def execute(url: str, sql: str, **params: object) -> None:
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(sql), params)
+    finally:
+        engine.dispose()
+
+
+def test_clean_log_audits_clean(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    report = audit(log_url, pool_id)
+    assert (report.clean, report.closed, report.num_events, report.last_seq, report.leaked) == (True, True, 12, 12, {})
+
+
+def test_leaked_blocks_at_close_are_named_with_owners(log_url: str, pool_id: str) -> None:
+    with EventLog.open(log_url, pool_id=pool_id, num_blocks=4, block_size=4) as log:
+        pool = BlockAllocator(4, 4, event_log=log)
+        pool.allocate_for(8, "A")
+        pool.allocate("B")
+        pool.free(0)
+    report = audit(log_url, pool_id)
+    assert report.leaked == {1: "A", 2: "B"}
+    assert [(v.seq, v.rule, v.block_id, v.owner) for v in report.violations] == [
+        (5, "leaked_block", 1, "A"),
+        (5, "leaked_block", 2, "B"),
+    ]
+
+
+def test_crashed_epoch_reports_the_pool_at_the_last_durable_event(log_url: str, pool_id: str) -> None:
+    log = EventLog.open(log_url, pool_id=pool_id, num_blocks=4, block_size=4)
+    pool = BlockAllocator(4, 4, event_log=log)
+    pool.allocate_for(8, "A")
+    pool.allocate("B")
+    log.flush()
+    log._writer.stop()  # the process dies: no POOL_CLOSE
+    report = audit(log_url, pool_id)
+    assert (report.crashed, report.clean, report.last_seq) == (True, True, 3)
+    assert report.state.blocks_by_owner() == {"A": [0, 1], "B": [2]}
+    assert "CRASHED" in report.render()
+
+
+def test_audit_all_covers_every_epoch(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    write_log(log_url, pool_id, close=False)._writer.stop()
+    reports = audit_all(log_url, pool_id)
+    assert [(r.epoch, r.closed, r.clean) for r in reports] == [(1, True, True), (2, False, True)]
+
+
+def test_unknown_pool_is_refused(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    with pytest.raises(LogNotFoundError, match="the log holds no pool 'nope'"):
+        audit(log_url, "nope")
+
+
+def test_missing_sqlite_file_is_refused(tmp_path: object) -> None:
+    with pytest.raises(LogNotFoundError, match="does not exist"):
+        replay(f"sqlite:///{tmp_path}/none.db")
+
+
+def test_flipped_byte_in_payload_is_named(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    execute(log_url, "UPDATE allocator_events SET owner = 'X' WHERE pool_id = :p AND seq = 7", p=pool_id)
+    report = audit(log_url, pool_id)
+    assert report.first_bad_seq == 7
+    assert report.violations[0].rule == "hash_mismatch"
+
+
+def test_flipped_block_id_is_named(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    execute(log_url, "UPDATE allocator_events SET block_ids = '4,1' WHERE pool_id = :p AND seq = 6", p=pool_id)
+    assert audit(log_url, pool_id).first_bad_seq == 6
+
+
+def test_deleted_row_is_named(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    execute(log_url, "DELETE FROM allocator_events WHERE pool_id = :p AND seq = 5", p=pool_id)
+    report = audit(log_url, pool_id)
+    assert report.first_bad_seq == 5
+    assert report.violations[0].rule == "missing_events"
+
+
+def test_swapped_rows_are_named(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    execute(log_url, "UPDATE allocator_events SET seq = -1 WHERE pool_id = :p AND seq = 4", p=pool_id)
+    execute(log_url, "UPDATE allocator_events SET seq = 4 WHERE pool_id = :p AND seq = 8", p=pool_id)
+    execute(log_url, "UPDATE allocator_events SET seq = 8 WHERE pool_id = :p AND seq = -1", p=pool_id)
+    assert audit(log_url, pool_id).first_bad_seq == 4
+
+
+def test_cut_tail_is_named(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    execute(log_url, "DELETE FROM allocator_events WHERE pool_id = :p AND seq >= 9", p=pool_id)
+    report = audit(log_url, pool_id)
+    assert report.first_bad_seq == 9
+    assert report.violations[0].rule == "missing_events"
+
+
+def test_cut_tail_inside_a_batch_is_a_torn_batch(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id, close=False)._writer.stop()
+    execute(log_url, "DELETE FROM allocator_events WHERE pool_id = :p AND seq = 11", p=pool_id)
+    report = audit(log_url, pool_id)
+    assert (report.first_bad_seq, report.violations[0].rule) == (11, "torn_batch")
+
+
+def test_state_violations_carry_block_and_owner(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    # a forged free of a block A never held, with a correct hash chain from there on
+    execute(log_url, "UPDATE allocator_events SET owner = 'Z' WHERE pool_id = :p AND seq = 10", p=pool_id)
+    rules = [(v.seq, v.rule, v.block_id, v.owner) for v in audit(log_url, pool_id).violations]
+    assert rules[:3] == [(10, "hash_mismatch", None, "Z"), (10, "owner_mismatch", 4, "Z"), (10, "owner_mismatch", 5, "Z")]
