@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 
-from nanoserve.allocator.events import Event, EventKind
-from nanoserve.allocator.log_reader import read_events
+from nanoserve.allocator import Event, EventKind, EventLog, EventStream, EventStreamLagged, audit, read_events
 from nanoserve.engine import AsyncLLMEngine
 from nanoserve.service import convert
 from nanoserve.service.errors import EventLogDisabledError
@@ -30,48 +29,53 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
 
         The live subscription opens *before* the stored events are read, so an
         event committed meanwhile is in one or both; duplicates are dropped by
-        seq. The stream ends after POOL_CLOSE.
+        seq. A subscriber that falls too far behind is cut off by the log
+        (EventStreamLagged) and catches up from the store again. The stream
+        ends after POOL_CLOSE.
         """
         event_log = self._event_log()
-        url = self._engine.config.event_log.event_log_url
-        loop = asyncio.get_running_loop()
-        live: asyncio.Queue[Sequence[Event]] = asyncio.Queue()  # groups of committed events, in seq order
-        unsubscribe = event_log.subscribe(lambda events: loop.call_soon_threadsafe(live.put_nowait, events))
         next_seq = max(request.from_seq, 1)
-        try:
-            while True:
-                page = await asyncio.to_thread(
-                    read_events, url, event_log.pool_id, event_log.epoch, next_seq, next_seq + NUM_EVENTS_PER_PAGE - 1
-                )
-                for event in page:
+        while True:
+            live = EventStream(event_log)
+            try:
+                async for event in self._stored_events(event_log, next_seq):
                     yield convert.to_event(event)
                     next_seq = event.seq + 1
                     if event.kind == EventKind.POOL_CLOSE.value:
                         return
-                if len(page) < NUM_EVENTS_PER_PAGE:
-                    break
-            while True:
-                for event in await live.get():
+                async for event in live:
                     if event.seq < next_seq:
                         continue
-                    assert event.seq == next_seq, f"live events skipped from {next_seq} to {event.seq}"
+                    assert event.seq == next_seq, f"live events jumped from {next_seq} to {event.seq}"
                     yield convert.to_event(event)
                     next_seq = event.seq + 1
-                    if event.kind == EventKind.POOL_CLOSE.value:
-                        return
-        finally:
-            unsubscribe()
+                return  # POOL_CLOSE ended the live stream
+            except EventStreamLagged:
+                continue
+            finally:
+                live.close()
+
+    async def _stored_events(self, event_log: EventLog, from_seq: int) -> AsyncIterator[Event]:
+        """Committed events of the current epoch from ``from_seq``, a page per query."""
+        url = self._engine.config.event_log.event_log_url
+        while True:
+            page = await asyncio.to_thread(
+                read_events, url, event_log.pool_id, event_log.epoch, from_seq, from_seq + NUM_EVENTS_PER_PAGE - 1
+            )
+            for event in page:
+                yield event
+            if len(page) < NUM_EVENTS_PER_PAGE:
+                return
+            from_seq = page[-1].seq + 1
 
     async def Audit(self, request: apb.AuditRequest, context: grpc.aio.ServicerContext) -> apb.AuditReport:
-        from nanoserve.allocator.replay import audit
-
         event_log = self._event_log()
         url = self._engine.config.event_log.event_log_url
         epoch = request.epoch if request.HasField("epoch") else event_log.epoch
         report = await asyncio.to_thread(audit, url, pool_id=event_log.pool_id, epoch=epoch)
         return convert.to_audit_report(report)
 
-    def _event_log(self):  # -> EventLog
+    def _event_log(self) -> EventLog:
         event_log = self._engine.engine.event_log
         if event_log is None:
             raise EventLogDisabledError("the server keeps no event log (--event-log-url none)")

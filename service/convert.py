@@ -17,6 +17,7 @@ from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import generation_pb2 as pb
 
 if TYPE_CHECKING:  # the engine proper imports torch; these are only types here
+    from nanoserve.allocator.audit import AuditReport
     from nanoserve.allocator.events import Event
     from nanoserve.engine import AsyncLLMEngine, PoolStatus, RequestOutput
     from nanoserve.engine.outputs import TokenLogprob
@@ -172,21 +173,21 @@ def to_event(event: Event) -> apb.AllocationEvent:
     return message
 
 
-def to_audit_report(report: Any) -> apb.AuditReport:
+def to_audit_report(report: AuditReport) -> apb.AuditReport:
     message = apb.AuditReport(
         pool_id=report.pool_id,
         epoch=report.epoch,
         clean=report.clean,
         closed=report.closed,
         num_events=report.num_events,
-        last_seq=report.last_seq or 0,
-        summary=str(report),
+        last_seq=report.last_seq,
+        summary=report.render(),
     )
     for violation in report.violations:
-        entry = apb.Violation(seq=violation.seq or 0, owner=violation.owner or "", message=violation.message)
+        entry = apb.Violation(seq=violation.seq, rule=violation.rule, owner=violation.owner or "", message=violation.message)
         if violation.block_id is not None:
             entry.block_id = violation.block_id
         message.violations.append(entry)
-    for block_id, owner in sorted(report.held_blocks.items()):
-        message.held_blocks.append(apb.BlockOwner(block_id=block_id, owner=owner or ""))
+    held = report.leaked if report.closed else report.state.owners
+    message.held_blocks.extend(apb.BlockOwner(block_id=b, owner=o or "") for b, o in sorted(held.items()))
     return message
