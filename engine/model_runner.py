@@ -1,0 +1,89 @@
+"""ModelRunner: the model, its tokenizer and its paged KV cache, behind one ``forward(batch)``.
+
+Start-up resolves device and dtype, loads the checkpoint (GGUF or Hugging Face
+folder), sizes the KV cache from ``num_kv_blocks`` or the ``kv_cache_memory``
+budget, and picks the attention backend. Each step the scheduler hands over a
+``ForwardBatch`` and gets back the logits of the sequences that asked for them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from nanoserve.engine.attention import select_backend
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.device import resolve_device, resolve_dtype
+from nanoserve.engine.forward_batch import ForwardBatch
+from nanoserve.engine.kv_cache import KVCache, KVCacheSpec
+from nanoserve.engine.models.llama import LlamaForCausalLM
+from nanoserve.engine.tokenizer import Tokenizer
+from nanoserve.engine.weights import load_checkpoint, resolve_model_path
+
+log = structlog.get_logger(__name__)
+
+
+class ModelRunner:
+    """Owns the weights and the KV cache tensors; the block ids are the allocator's.
+
+    Raises ValueError at start-up when ``max_model_len`` exceeds the model's context
+    length or the cache budget holds no block, FileNotFoundError for a missing model.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        path = resolve_model_path(config.model.model)
+        checkpoint = load_checkpoint(path)
+        arch = checkpoint.config
+        self.model_name = checkpoint.name
+        self.vocab_size = arch.vocab_size
+        if config.model.max_model_len is not None and config.model.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be <= the model's context length {arch.max_position_embeddings}, "
+                f"got {config.model.max_model_len}"
+            )
+        self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
+        self.model = LlamaForCausalLM(arch, self.dtype, self.device, checkpoint.rope_freq_factors)
+        self.model.load_weights(checkpoint.weights)
+        self.model.eval()
+        self.tokenizer = Tokenizer.from_path(path, checkpoint.eos_token_ids)
+        del checkpoint
+
+        self.block_size = config.cache.block_size
+        spec = KVCacheSpec(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, self.dtype)
+        self.num_kv_blocks = config.cache.num_kv_blocks or spec.num_blocks_for(config.cache.kv_cache_memory)
+        self.kv_cache = KVCache(spec, self.num_kv_blocks, self.device)
+        self.attention = select_backend(self.device)
+        log.info(
+            "model_runner.ready",
+            model=self.model_name,
+            architecture=arch.architecture,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.attention.name,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            num_kv_tokens=self.kv_cache.num_tokens,
+            kv_cache_bytes=self.kv_cache.num_bytes,
+            bytes_per_block=spec.bytes_per_block,
+            max_model_len=self.max_model_len,
+            load_s=round(time.perf_counter() - started, 2),
+        )
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One step: write the batch's K/V into its slots, return logits.
+
+        Returns [num_logits, vocab_size] float32, one row per ``logits_indices`` entry,
+        in batch order.
+        """
+        with torch.inference_mode():
+            metadata = self.attention.prepare(batch, self.block_size)
+            logits = self.model(
+                batch.input_ids, batch.positions, batch.logits_indices, self.kv_cache, self.attention, metadata
+            )
+            return logits.float()

