@@ -22,7 +22,14 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
         self._engine = engine
 
     async def GetPoolStatus(self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext) -> apb.PoolStatus:
-        return convert.to_pool_status(self._engine.pool_status())
+        status = convert.to_pool_status(self._engine.pool_status())
+        event_log = self._engine.engine.event_log
+        if event_log is not None:
+            # the engine publishes its status after a step; the writer commits later,
+            # so an idle engine's snapshot would show a stale durable_seq forever
+            status.last_seq = max(status.last_seq, event_log.last_seq)
+            status.durable_seq = event_log.durable_seq
+        return status
 
     async def WatchEvents(self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[apb.AllocationEvent]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate.

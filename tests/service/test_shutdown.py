@@ -64,12 +64,11 @@ class ServeProcess:
         self.process.send_signal(signal.SIGTERM)
         code = self.process.wait(timeout=60)
         self._reader.join(timeout=5)
-        self.channel.close()
         return code
 
 
 def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_epoch(tmp_path: Path) -> None:
-    from nanoserve.allocator.replay import audit
+    from nanoserve.allocator import audit, read_events
 
     log_url = f"sqlite:///{tmp_path / 'events.db'}"
     first = ServeProcess(log_url)
@@ -89,15 +88,20 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_e
     assert (short_rest or [short_first])[-1].finish.reason == pb.FINISH_REASON_LENGTH
     long_rest = list(long_call)
     assert long_rest[-1].finish.reason == pb.FINISH_REASON_ABORT
+    first.channel.close()
     events = [line["event"] for line in first.lines]
     assert events.index("shutdown_started") < events.index("shutdown_finished")
 
     report = audit(log_url, pool_id="default", epoch=epoch)
     assert report.clean and report.closed
-    assert not report.held_blocks
+    assert report.leaked == {}
+    assert report.state.num_free == 64
+    frees = [e for e in read_events(log_url, "default", epoch) if e.owner == "long" and e.kind in ("free", "free_all")]
+    assert {e.reason for e in frees} == {"aborted"}
 
     second = ServeProcess(log_url)
     status = allocation_pb2_grpc.AllocationStub(second.channel).GetPoolStatus(apb.GetPoolStatusRequest())
     assert status.epoch == epoch + 1
     assert second.terminate() == 0
+    second.channel.close()
     assert audit(log_url, pool_id="default", epoch=epoch).clean
