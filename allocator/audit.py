@@ -68,7 +68,7 @@ class AuditReport:
 def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
     """Audit one epoch on an open connection (see ``audit``)."""
     replayer = Replayer(info)
-    replayer.apply_rows(event_rows(conn, info.pool_id, info.epoch))
+    replayer.apply_chunks(event_rows(conn, info.pool_id, info.epoch))
     replayer.finish()
     closed = replayer.closed_seq is not None
     leaked: dict[int, str] = {}

@@ -116,7 +116,7 @@ class EventLog:
             writer = LogWriter(engine, pool_id, epoch, uuid.uuid4().hex, 0, genesis_hash(pool_id, epoch), max_pending_batches)
             init: Record = (1, EventKind.POOL_INIT.value, (), None, None, None, _time_ns(), _monotonic_ns(), init_data)
             rows, head_hash = writer.seal_first([init])
-            _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash)
+            _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init[6])
         except BaseException:
             engine.dispose()
             raise
@@ -282,6 +282,7 @@ def _insert_epoch(
     model: str | None,
     rows: list[dict[str, Any]],
     head_hash: bytes,
+    opened_wall_ns: int,
 ) -> None:
     try:
         with engine.begin() as conn:
@@ -293,7 +294,7 @@ def _insert_epoch(
                     num_blocks=num_blocks,
                     block_size=block_size,
                     model=model,
-                    opened_wall_ns=rows[0]["wall_time_ns"],
+                    opened_wall_ns=opened_wall_ns,
                     durable_seq=rows[-1]["seq"],
                     head_hash=head_hash,
                     closed_seq=None,

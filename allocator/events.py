@@ -8,6 +8,7 @@ the existing rows.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +51,34 @@ class Event:
     hash: bytes
 
 
-def encode_block_ids(block_ids: tuple[int, ...] | list[int]) -> str:
-    """Block ids as stored: ``"3,4"``."""
-    return ",".join(map(str, block_ids))
-
-
 def decode_block_ids(text: str) -> tuple[int, ...]:
-    """Inverse of ``encode_block_ids``; ValueError on a malformed list."""
+    """Stored block ids (``"3,4"``) as a tuple; ValueError on a malformed list."""
     return tuple(map(int, text.split(","))) if text else ()
+
+
+# kinds whose record tail is JSON data rather than an owner
+DATA_KINDS = frozenset((EventKind.POOL_INIT.value, EventKind.SNAPSHOT.value, EventKind.POOL_CLOSE.value))
+
+
+def parse_event(pool_id: str, epoch: int, seq: int, record: str, hash_: bytes) -> Event:
+    """An ``Event`` from its stored record (see ``event_chain``). ValueError when malformed."""
+    fields = record.split("|", 8)
+    if len(fields) != 9:
+        raise ValueError(f"seq {seq}: record has {len(fields)} fields, expected 9")
+    _, batch_seq, kind, block_ids, step, reason, wall_ns, mono_ns, tail = fields
+    is_data = kind in DATA_KINDS
+    return Event(
+        pool_id=pool_id,
+        epoch=epoch,
+        seq=seq,
+        batch_seq=int(batch_seq),
+        kind=kind,
+        block_ids=decode_block_ids(block_ids),
+        owner=None if is_data else tail,
+        step=int(step) if step else None,
+        reason=reason or None,
+        wall_time_ns=int(wall_ns),
+        monotonic_ns=int(mono_ns),
+        data=json.loads(tail) if is_data else None,
+        hash=bytes(hash_),
+    )

@@ -26,8 +26,8 @@ import sqlalchemy as sa
 import structlog
 from sqlalchemy.engine import Engine
 
-from nanoserve.allocator.event_chain import canonical, chain_hash
-from nanoserve.allocator.events import Event, decode_block_ids
+from nanoserve.allocator.event_chain import DATA_KINDS, chain_hash, encode_record
+from nanoserve.allocator.events import Event, parse_event
 from nanoserve.allocator.schema import allocator_events, pool_epochs
 
 log = structlog.get_logger(__name__)
@@ -53,8 +53,8 @@ class _GuardMoved(Exception):
     """The epoch row no longer holds what this writer last wrote."""
 
 
-def _encode_data(data: Any) -> str | None:
-    return None if data is None else json.dumps(data, separators=(",", ":"), sort_keys=True)
+def _encode_data(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
 
 
 class LogWriter:
@@ -201,30 +201,13 @@ class LogWriter:
             for seq, kind, block_ids, owner, step, reason, wall_ns, mono_ns, data in batch:
                 assert seq == expected_seq, f"seq {seq} sealed where {expected_seq} was due"
                 expected_seq += 1
-                block_text = ",".join(map(str, block_ids))
-                data_text = _encode_data(data)
-                previous = chain_hash(
-                    previous,
-                    canonical(seq, batch_seq, kind, block_text, owner, step, reason, wall_ns, mono_ns, data_text),
-                )
+                tail = _encode_data(data) if kind in DATA_KINDS else owner
+                record = encode_record(seq, batch_seq, kind, ",".join(map(str, block_ids)), step, reason, wall_ns, mono_ns, tail)
+                previous = chain_hash(previous, record)
                 if kind == "pool_close":
                     closed_seq = seq
                 rows.append(
-                    {
-                        "pool_id": pool_id,
-                        "epoch": epoch,
-                        "seq": seq,
-                        "batch_seq": batch_seq,
-                        "kind": kind,
-                        "block_ids": block_text,
-                        "owner": owner,
-                        "step": step,
-                        "reason": reason,
-                        "wall_time_ns": wall_ns,
-                        "monotonic_ns": mono_ns,
-                        "data": data_text,
-                        "hash": previous,
-                    }
+                    {"pool_id": pool_id, "epoch": epoch, "seq": seq, "kind": kind, "owner": owner, "record": record, "hash": previous}
                 )
         self._head_hash = previous
         self._chained_seq = expected_seq - 1
@@ -304,15 +287,7 @@ class LogWriter:
             subscribers = list(self._subscribers)
         if not subscribers:
             return
-        events = [
-            Event(
-                pool_id=r["pool_id"], epoch=r["epoch"], seq=r["seq"], batch_seq=r["batch_seq"], kind=r["kind"],
-                block_ids=decode_block_ids(r["block_ids"]), owner=r["owner"], step=r["step"], reason=r["reason"],
-                wall_time_ns=r["wall_time_ns"], monotonic_ns=r["monotonic_ns"],
-                data=None if r["data"] is None else json.loads(r["data"]), hash=r["hash"],
-            )
-            for r in rows
-        ]
+        events = [parse_event(r["pool_id"], r["epoch"], r["seq"], r["record"], r["hash"]) for r in rows]
         for callback in subscribers:
             try:
                 callback(events)

@@ -10,10 +10,13 @@ POOL_INIT first, nothing after POOL_CLOSE, snapshots equal to the replayed state
 
 from __future__ import annotations
 
+import hashlib
 import json
+import operator
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from nanoserve.allocator.event_chain import canonical, chain_hash, genesis_hash
+from nanoserve.allocator.event_chain import DATA_KINDS, genesis_hash
 from nanoserve.allocator.events import EventKind
 from nanoserve.allocator.log_reader import (
     EpochInfo,
@@ -27,7 +30,9 @@ from nanoserve.allocator.pool_state import PoolState, Violation
 
 _ALLOCATE_KINDS = frozenset((EventKind.ALLOCATE.value, EventKind.ALLOCATE_FOR.value))
 _FREE_KINDS = frozenset((EventKind.FREE.value, EventKind.FREE_ALL.value))
+_BLOCK_KINDS = _ALLOCATE_KINDS | _FREE_KINDS
 _INIT = EventKind.POOL_INIT.value
+_digest = operator.methodcaller("digest")
 _SNAPSHOT = EventKind.SNAPSHOT.value
 _CLOSE = EventKind.POOL_CLOSE.value
 
@@ -55,25 +60,59 @@ class Replayer:
         self._start_snapshot_seq = start_seq if start_seq > 1 else None
         self.num_events = 0
 
-    def apply_rows(self, rows: Any) -> None:
-        """Check and apply rows (EVENT_COLUMNS tuples) in seq order."""
+    def apply_chunks(self, chunks: Iterable[Sequence[tuple]]) -> None:
+        """Check and apply chunks of rows (EVENT_COLUMNS tuples) in seq order.
+
+        A chunk whose seqs run on from the last one and whose hashes all
+        chain is checked in bulk (C-level ``map``); any other goes through the
+        row-by-row checks that name what is wrong.
+        """
+        for chunk in chunks:
+            self.apply_rows(chunk, verified=self._chunk_is_intact(chunk))
+
+    def _chunk_is_intact(self, chunk: Sequence[tuple]) -> bool:
+        if not chunk:
+            return True
+        seqs, _, _, records, hashes = zip(*chunk)
+        first = self.expected_seq
+        if seqs != tuple(range(first, first + len(seqs))):
+            return False
+        previous = (self.previous_hash, *hashes[:-1])
+        computed = tuple(map(_digest, map(hashlib.sha256, map(operator.add, previous, map(str.encode, records)))))
+        return computed == hashes
+
+    def apply_rows(self, rows: Sequence[tuple], verified: bool = False) -> None:
+        """Check and apply rows in seq order; ``verified`` skips the seq and hash checks already done."""
         previous = self.previous_hash
         expected = self.expected_seq
         batch_end = self.batch_end
         violate = self.violate
-        for row in rows:
-            seq, batch_seq, kind, block_text, owner, step, reason, wall_ns, mono_ns, data, stored = row
-            if seq != expected:
-                if seq > expected:
-                    violate(expected, "missing_events", f"seqs {expected}..{seq - 1} are missing")
-                else:
-                    violate(seq, "out_of_order", f"seq {seq} follows seq {expected - 1}")
-                if batch_end >= expected and seq > batch_end:
-                    batch_end = seq - 1  # the gap already reported the torn batch
-            payload = canonical(seq, batch_seq, kind, block_text, owner, step, reason, wall_ns, mono_ns, data)
-            if chain_hash(previous, payload) != stored:
-                violate(seq, "hash_mismatch", "stored hash does not match the record and the previous hash", owner=owner)
-            previous = bytes(stored)
+        sha256 = hashlib.sha256
+        closed_seq = self.closed_seq
+        for seq, kind_column, owner_column, record, stored in rows:
+            if not verified:
+                if seq != expected:
+                    if seq > expected:
+                        violate(expected, "missing_events", f"seqs {expected}..{seq - 1} are missing")
+                    else:
+                        violate(seq, "out_of_order", f"seq {seq} follows seq {expected - 1}")
+                    if batch_end >= expected and seq > batch_end:
+                        batch_end = seq - 1  # the gap already reported the torn batch
+                if sha256(previous + record.encode()).digest() != stored:
+                    violate(seq, "hash_mismatch", "stored hash does not match the record and the previous hash", owner=owner_column)
+            expected = seq + 1
+            previous = stored
+            try:
+                record_seq, batch_text, kind, block_text, step, reason, wall_ns, mono_ns, tail = record.split("|", 8)
+                batch_seq = int(batch_text)
+                if not verified and int(record_seq) != seq:
+                    violate(seq, "seq_mismatch", f"the record says seq {record_seq}")
+            except ValueError:
+                violate(seq, "bad_record", f"record {record[:80]!r} is malformed", owner=owner_column)
+                continue
+            owner = None if kind in DATA_KINDS else tail
+            if kind != kind_column or owner != owner_column:
+                violate(seq, "column_mismatch", f"columns kind={kind_column!r} owner={owner_column!r} differ from the record", owner=owner)
             if seq > batch_end:
                 batch_end = batch_seq
                 if batch_seq < seq:
@@ -81,14 +120,11 @@ class Replayer:
             elif batch_seq != batch_end:
                 violate(seq, "torn_batch", f"batch ending at seq {batch_end} is cut short: batch_seq {batch_seq} starts here")
                 batch_end = batch_seq
-            expected = seq + 1
-            self.last_seq = seq
-            self.num_events += 1
-            if self.closed_seq is not None:
+            if closed_seq is not None:
                 violate(seq, "after_close", f"{kind} after POOL_CLOSE at seq {self.closed_seq}", owner=owner)
-            if kind in _ALLOCATE_KINDS or kind in _FREE_KINDS:
+            if kind in _BLOCK_KINDS:
                 try:
-                    block_ids = [int(text) for text in block_text.split(",")]
+                    block_ids = list(map(int, block_text.split(",")))
                 except ValueError:
                     violate(seq, "bad_record", f"block_ids {block_text!r} is not a list of block ids", owner=owner)
                     continue
@@ -97,16 +133,18 @@ class Replayer:
                 else:
                     self._free(seq, block_ids, owner)
             elif kind == _SNAPSHOT:
-                self._snapshot(seq, data)
+                self._snapshot(seq, tail)
             elif kind == _INIT:
                 if seq != 1:
                     violate(seq, "misplaced_init", "POOL_INIT is not the epoch's first record")
             elif kind == _CLOSE:
-                self.closed_seq = seq
+                self.closed_seq = closed_seq = seq
             else:
                 violate(seq, "unknown_kind", f"event kind {kind!r} is not known to this replay", owner=owner)
         self.previous_hash = previous
         self.expected_seq = expected
+        self.last_seq = expected - 1
+        self.num_events += len(rows)
         self.batch_end = batch_end
 
     def finish(self) -> None:
@@ -210,7 +248,7 @@ def replay(
     with connect(url) as conn:
         info = resolve_epoch(conn, pool_id, epoch)
         replayer = _start(conn, info, until_seq, from_snapshot)
-        replayer.apply_rows(event_rows(conn, info.pool_id, info.epoch, replayer.expected_seq, until_seq))
+        replayer.apply_chunks(event_rows(conn, info.pool_id, info.epoch, replayer.expected_seq, until_seq))
         if until_seq is None:
             replayer.finish()
         return replayer.state()
@@ -221,8 +259,8 @@ def _start(conn: Any, info: EpochInfo, until_seq: int | None, from_snapshot: boo
     if snapshot_seq is None:
         return Replayer(info)
     previous = stored_hash(conn, info.pool_id, info.epoch, snapshot_seq - 1)
-    rows = list(event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq))
+    rows = [row for chunk in event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq) for row in chunk]
     replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous or b"")
-    replayer.load_snapshot(rows[0][9])
+    replayer.load_snapshot(rows[0][3].split("|", 8)[8])
     replayer.apply_rows(rows)
     return replayer

@@ -57,12 +57,13 @@ class PoolEpoch(Base):
 
 
 class AllocatorEvent(Base):
-    """One allocator event. ``seq`` is assigned by the allocator's process, 1, 2, 3, ...
+    """One allocator event. ``seq`` is assigned by the allocator's process: 1, 2, 3, ...
 
-    ``batch_seq`` is the seq of the last event of the batch this one was sealed
-    in (all of a batch commit together). ``block_ids`` is the comma-separated
-    list of block ids; ``data`` is JSON for POOL_INIT, SNAPSHOT and POOL_CLOSE.
-    ``hash`` = sha256(previous hash + canonical payload), see ``event_chain``.
+    ``record`` holds the whole event as one line (see ``event_chain.encode_record``):
+    the canonical payload that ``hash`` = sha256(previous hash + record) covers,
+    so replay hashes the stored text as it is and parses it once. ``kind`` and
+    ``owner`` repeat two of its fields so that SQL can filter on them; replay
+    checks that they agree with the record.
     """
 
     __tablename__ = "allocator_events"
@@ -73,15 +74,9 @@ class AllocatorEvent(Base):
     pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    batch_seq: Mapped[int] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(32))
-    block_ids: Mapped[str] = mapped_column(Text)
     owner: Mapped[str | None] = mapped_column(String(256))
-    step: Mapped[int | None] = mapped_column(BigInteger)
-    reason: Mapped[str | None] = mapped_column(String(16))
-    wall_time_ns: Mapped[int] = mapped_column(BigInteger)
-    monotonic_ns: Mapped[int] = mapped_column(BigInteger)
-    data: Mapped[str | None] = mapped_column(Text)
+    record: Mapped[str] = mapped_column(Text)
     hash: Mapped[bytes] = mapped_column(LargeBinary(32))
 
 

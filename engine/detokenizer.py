@@ -24,14 +24,16 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class Decoder(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
+    """A tokenizer's decode; special tokens (chat markers, EOS) are skipped in output text."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class IncrementalDetokenizer:
     """Turns one sequence's growing token ids into text deltas.
 
     Invariant: the concatenation of every delta (``push`` then ``flush``)
-    equals ``decoder.decode(all ids)`` for byte-level BPE tokenizers; no delta
+    equals ``decoder.decode(all ids, skip_special_tokens=True)`` for byte-level BPE tokenizers; no delta
     ends in the middle of a UTF-8 character.
     """
 
@@ -40,6 +42,9 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # ids before this have had their text emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._decoder.decode(ids, skip_special_tokens=True) if ids else ""
 
     @property
     def num_pending(self) -> int:
@@ -53,8 +58,8 @@ class IncrementalDetokenizer:
         ("", 0) while the window ends in a partial character.
         """
         self._ids.append(token_id)
-        prefix_text = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset])
-        window_text = self._decoder.decode(self._ids[self._prefix_offset :])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
             return "", 0
         num_completed = len(self._ids) - self._read_offset
@@ -66,8 +71,8 @@ class IncrementalDetokenizer:
         """Emits whatever is pending, partial characters included (end of stream)."""
         if self.num_pending == 0:
             return "", 0
-        prefix_text = self._decoder.decode(self._ids[self._prefix_offset : self._read_offset])
-        window_text = self._decoder.decode(self._ids[self._prefix_offset :])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
         num_completed = self.num_pending
         self._prefix_offset = self._read_offset = len(self._ids)
         return window_text[len(prefix_text) :], num_completed

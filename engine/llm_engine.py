@@ -72,9 +72,10 @@ class LLMEngine:
     requests hold none, so an idle engine's pool is all free.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, runner: ModelRunner | None = None) -> None:
+        """Loads the model (or takes ``runner``, already loaded from ``config``)."""
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = runner if runner is not None else ModelRunner(config)
         self.tokenizer: Tokenizer = self.runner.tokenizer
         self.model_name: str = self.runner.model_name
         self.block_size: int = self.runner.block_size
@@ -306,7 +307,7 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             raise RequestNotFoundError(request_id)
-        _log.info("request_aborted", request_id=request_id, reason=reason, num_output_tokens=request.num_output_tokens)
+        _log.debug("request_aborted", request_id=request_id, reason=reason, num_output_tokens=request.num_output_tokens)
         request.finish_reason = "abort"
         # Frees outside a scheduler step get a step of their own in the log.
         self._step += 1

@@ -38,6 +38,22 @@ def execute(url: str, sql: str, **params: object) -> None:
         engine.dispose()
 
 
+def edit_record(url: str, pool_id: str, seq: int, old: str, new: str) -> None:
+    """Replace ``old`` by ``new`` once in the stored record of ``seq`` (its hash is left alone)."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            where = "WHERE pool_id = :p AND epoch = 1 AND seq = :s"
+            record = conn.execute(sa.text(f"SELECT record FROM allocator_events {where}"), {"p": pool_id, "s": seq}).scalar_one()
+            assert old in record
+            conn.execute(
+                sa.text(f"UPDATE allocator_events SET record = :r {where}"),
+                {"r": record.replace(old, new, 1), "p": pool_id, "s": seq},
+            )
+    finally:
+        engine.dispose()
+
+
 def test_clean_log_audits_clean(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     report = audit(log_url, pool_id)
@@ -91,7 +107,7 @@ def test_missing_sqlite_file_is_refused(tmp_path: object) -> None:
 
 def test_flipped_byte_in_payload_is_named(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
-    execute(log_url, "UPDATE allocator_events SET owner = 'X' WHERE pool_id = :p AND seq = 7", p=pool_id)
+    edit_record(log_url, pool_id, 7, "|aborted|", "|abortec|")
     report = audit(log_url, pool_id)
     assert report.first_bad_seq == 7
     assert report.violations[0].rule == "hash_mismatch"
@@ -99,8 +115,15 @@ def test_flipped_byte_in_payload_is_named(log_url: str, pool_id: str) -> None:
 
 def test_flipped_block_id_is_named(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
-    execute(log_url, "UPDATE allocator_events SET block_ids = '4,1' WHERE pool_id = :p AND seq = 6", p=pool_id)
+    edit_record(log_url, pool_id, 6, "|0,1|", "|4,1|")
     assert audit(log_url, pool_id).first_bad_seq == 6
+
+
+def test_edited_filter_column_is_named(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    execute(log_url, "UPDATE allocator_events SET owner = 'X' WHERE pool_id = :p AND seq = 3", p=pool_id)
+    report = audit(log_url, pool_id)
+    assert [(v.seq, v.rule) for v in report.violations] == [(3, "column_mismatch")]
 
 
 def test_deleted_row_is_named(log_url: str, pool_id: str) -> None:
@@ -136,7 +159,8 @@ def test_cut_tail_inside_a_batch_is_a_torn_batch(log_url: str, pool_id: str) -> 
 
 def test_state_violations_carry_block_and_owner(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
-    # a forged free of a block A never held, with a correct hash chain from there on
+    # a forged owner on a free: the chain breaks there, and the state check names blocks and owners
+    edit_record(log_url, pool_id, 10, "|C", "|Z")
     execute(log_url, "UPDATE allocator_events SET owner = 'Z' WHERE pool_id = :p AND seq = 10", p=pool_id)
     rules = [(v.seq, v.rule, v.block_id, v.owner) for v in audit(log_url, pool_id).violations]
     assert rules[:3] == [(10, "hash_mismatch", None, "Z"), (10, "owner_mismatch", 4, "Z"), (10, "owner_mismatch", 5, "Z")]

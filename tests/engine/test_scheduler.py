@@ -18,7 +18,7 @@ TOKEN = 5  # the token every request "samples"
 
 
 class CharDecoder:
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 

@@ -20,7 +20,7 @@ class PieceDecoder:
     def __init__(self, pieces: list[str]) -> None:
         self.pieces = pieces
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(self.pieces[i] for i in ids)
 
     def ids(self, *pieces: str) -> list[int]:

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print a table and the ratio against a peer run."""

@@ -1,0 +1,142 @@
+"""Engine throughput against Hugging Face transformers, same model, same workload, same run.
+
+Mixed workload (bench/workload.py): 256 chat requests, prompts of 20-200
+tokens, max_tokens 16-256 (seed 0), greedy, ignore_eos. nanoserve runs them
+all through ``LLM.generate`` (continuous batching); transformers runs
+``generate`` in batches of 64 in workload order, left-padded, each batch
+until its longest max_tokens (it has no per-request stop length); both count
+the same useful tokens, sum(max_tokens). Then single-stream decode: one
+request, decode tokens per second after the first token.
+
+    .venv/bin/python -m bench.engine_throughput            # full run
+    .venv/bin/python -m bench.engine_throughput --num-requests 32 --hf-batch-size 16   # quick look
+
+Both sides use the same weights (the runner's, copied into a transformers
+LlamaForCausalLM) in bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.workload import WorkloadRequest, build_workload
+from nanoserve.engine import LLM, SamplingParams, TokensPrompt
+
+
+def run_nanoserve(llm: LLM, workload: list[WorkloadRequest]) -> tuple[float, int]:
+    """Seconds and generated tokens for the whole workload through LLM.generate."""
+    prompts = [TokensPrompt(r.prompt_token_ids) for r in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    assert num_tokens == sum(r.max_tokens for r in workload), "ignore_eos: every request runs to max_tokens"
+    return elapsed, num_tokens
+
+
+@torch.inference_mode()
+def run_transformers(model: torch.nn.Module, workload: list[WorkloadRequest], batch_size: int, pad_id: int) -> tuple[float, int]:
+    """Seconds and useful generated tokens, batches of ``batch_size`` in workload order."""
+    elapsed = 0.0
+    for i in range(0, len(workload), batch_size):
+        batch = workload[i : i + batch_size]
+        input_ids, attention_mask = _left_pad([r.prompt_token_ids for r in batch], pad_id)
+        max_new = max(r.max_tokens for r in batch)
+        start = time.perf_counter()
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+        elapsed += time.perf_counter() - start
+    return elapsed, sum(r.max_tokens for r in workload)
+
+
+def single_stream_nanoserve(llm: LLM, request: WorkloadRequest, num_tokens: int) -> float:
+    """Decode tokens per second after the first token, one request alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    output = llm.generate([TokensPrompt(request.prompt_token_ids)], params)[0]
+    metrics = output.metrics
+    assert metrics is not None and metrics.first_token_time is not None and metrics.finished_time is not None
+    return (num_tokens - 1) / (metrics.finished_time - metrics.first_token_time)
+
+
+@torch.inference_mode()
+def single_stream_transformers(model: torch.nn.Module, request: WorkloadRequest, num_tokens: int, pad_id: int) -> float:
+    """Decode tokens per second after the first token: (generate(n) - generate(1)) time."""
+    input_ids = torch.tensor([request.prompt_token_ids])
+    kwargs = {"do_sample": False, "pad_token_id": pad_id}
+    start = time.perf_counter()
+    model.generate(input_ids=input_ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(input_ids=input_ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, **kwargs)
+    total = time.perf_counter() - start
+    return (num_tokens - 1) / (total - first)
+
+
+def _left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        input_ids[row, width - len(seq) :] = torch.tensor(seq)
+        attention_mask[row, width - len(seq) :] = 1
+    return input_ids, attention_mask
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--single-stream-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    llm = LLM(
+        dtype="bfloat16",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    workload = build_workload(llm.tokenizer, args.num_requests, seed=args.seed)
+    from bench.hf_reference import hf_model_from_runner
+
+    model = hf_model_from_runner(llm.engine.runner, torch.bfloat16)
+    pad_id = llm.tokenizer.eos_token_ids[0]
+
+    # warm-up: one short request each, so neither side pays first-call costs in the timing
+    run_nanoserve(llm, workload[:2])
+    run_transformers(model, workload[:2], 2, pad_id)
+
+    ns_s, ns_tokens = run_nanoserve(llm, workload)
+    hf_s, hf_tokens = run_transformers(model, workload, args.hf_batch_size, pad_id)
+    single = max(workload, key=lambda r: len(r.prompt_token_ids))
+    ns_single = single_stream_nanoserve(llm, single, args.single_stream_tokens)
+    hf_single = single_stream_transformers(model, single, args.single_stream_tokens, pad_id)
+
+    ns_rate, hf_rate = ns_tokens / ns_s, hf_tokens / hf_s
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    print(
+        f"workload: {len(workload)} requests, {prompt_tokens} prompt tokens, {ns_tokens} generated tokens; "
+        f"threads {torch.get_num_threads()}"
+    )
+    print(f"{'run':<34}{'seconds':>10}{'tok/s':>10}{'ratio':>8}")
+    print(f"{'nanoserve LLM.generate (mixed)':<34}{ns_s:>10.1f}{ns_rate:>10.1f}{ns_rate / hf_rate:>8.2f}")
+    print(f"{f'transformers generate bs={args.hf_batch_size}':<34}{hf_s:>10.1f}{hf_rate:>10.1f}{1.0:>8.2f}")
+    print(f"{'nanoserve single-stream decode':<34}{'':>10}{ns_single:>10.1f}{ns_single / hf_single:>8.2f}")
+    print(f"{'transformers single-stream decode':<34}{'':>10}{hf_single:>10.1f}{1.0:>8.2f}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
