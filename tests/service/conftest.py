@@ -64,7 +64,8 @@ async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Serv
 
 
 async def wait_pool_free(served: Served, timeout_s: float = 10.0) -> object:
-    """Polls GetPoolStatus until every block is free and no request runs or waits."""
+    """Polls GetPoolStatus until every block is free, no request runs or waits, and
+    every event is durable (so the store, which Audit and WatchEvents read, has them)."""
     from nanoserve.v1 import allocation_pb2 as apb
     from nanoserve.v1 import allocation_pb2_grpc
 
@@ -72,7 +73,8 @@ async def wait_pool_free(served: Served, timeout_s: float = 10.0) -> object:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         status = await stub.GetPoolStatus(apb.GetPoolStatusRequest())
-        if status.num_free == status.num_blocks and status.num_running == 0 and status.num_waiting == 0:
+        idle = status.num_free == status.num_blocks and status.num_running == 0 and status.num_waiting == 0
+        if idle and status.durable_seq == status.last_seq:
             return status
         assert asyncio.get_running_loop().time() < deadline, f"pool not free after {timeout_s} s: {status}"
         await asyncio.sleep(0.02)
