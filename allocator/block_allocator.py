@@ -178,18 +178,23 @@ class BlockAllocator:
         Blocks are pushed in the order given, so the last one is reused first.
         Every block is checked before any is freed: a double free, a foreign
         block or a block listed twice raises ValueError and frees nothing.
-        One event is recorded per owner (one in the usual case of a sequence
-        releasing its own blocks). An empty list is a no-op.
+        One event is recorded per run of consecutive blocks of one owner (one
+        event in the usual case of a sequence releasing its own blocks), all in
+        one batch, so replay pushes them in the same order. An empty list is a
+        no-op.
         """
         reason_value = _check_reason(reason)
         block_ids = list(block_ids)
         owners = self._owners
-        groups: dict[str, list[int]] = {}  # owner -> its blocks in block_ids, in order
+        runs: list[tuple[str, list[int]]] = []  # (owner, consecutive blocks of that owner) in order
         for block_id in block_ids:
             owner = owners.get(block_id)
             if owner is None:
                 raise self._bad_free(block_id)
-            groups.setdefault(owner, []).append(block_id)
+            if runs and runs[-1][0] == owner:
+                runs[-1][1].append(block_id)
+            else:
+                runs.append((owner, [block_id]))
         if len(set(block_ids)) != len(block_ids):
             twice = next(b for b in block_ids if block_ids.count(b) > 1)
             raise ValueError(f"block {twice} is listed twice in free_all (it would be freed twice)")
@@ -197,8 +202,10 @@ class BlockAllocator:
             del owners[block_id]
         self._free.extend(block_ids)
         if self._log is not None:
-            for owner, group in groups.items():
-                self._log.record(_FREE_ALL, tuple(group), owner, reason_value)
+            num_runs = len(runs)
+            for index, (owner, run) in enumerate(runs, 1):
+                # one batch for the whole call: seal only after the last run's event
+                self._log.record(_FREE_ALL, tuple(run), owner, reason_value, index == num_runs)
 
     def begin_step(self, step: int) -> None:
         """Stamp the events that follow with scheduler step ``step``.

@@ -166,11 +166,18 @@ class EventLog:
         assert allocator.num_allocated == 0, "attach the log before the first allocation"
         self._allocator = allocator
 
-    def record(self, kind: str, block_ids: tuple[int, ...], owner: str | None, reason: str | None) -> None:
-        """Append one event (allocator thread). Outside a step it is sealed at once."""
+    def record(
+        self, kind: str, block_ids: tuple[int, ...], owner: str | None, reason: str | None, last: bool = True
+    ) -> None:
+        """Append one event (allocator thread).
+
+        Outside a step the call's events form one batch, sealed at its ``last``
+        event (an allocator call that records several events passes
+        ``last=False`` for all but the final one).
+        """
         self._seq = seq = self._seq + 1
         self._batch.append((seq, kind, block_ids, owner, self._step, reason, _time_ns(), _monotonic_ns(), None))
-        if self._step is None:
+        if last and self._step is None:
             self._seal()
 
     def begin_step(self, step: int) -> None:
@@ -185,12 +192,12 @@ class EventLog:
         if self._batch:
             self._seal()
 
-    def _seal(self) -> None:
+    def _seal(self, may_snapshot: bool = True) -> None:
         if self._closed:
             raise EventLogError(f"event log of pool {self.pool_id!r} epoch {self.epoch} is closed")
         batch = self._batch
         self._batch = []
-        if self._allocator is not None and self._seq - self._snapshot_seq >= self._num_events_per_snapshot:
+        if may_snapshot and self._allocator is not None and self._seq - self._snapshot_seq >= self._num_events_per_snapshot:
             self._seq = self._snapshot_seq = self._seq + 1
             batch.append(
                 (self._seq, _SNAPSHOT, (), None, self._step, None, _time_ns(), _monotonic_ns(), self._allocator.snapshot_data())
@@ -222,7 +229,7 @@ class EventLog:
             self._step = None
             self._seq = seq = self._seq + 1
             self._batch = [(seq, EventKind.POOL_CLOSE.value, (), None, None, None, _time_ns(), _monotonic_ns(), summary)]
-            self._seal()
+            self._seal(may_snapshot=False)
             if not self._writer.wait_durable(seq, timeout_s):
                 raise EventLogError(f"event log did not commit seq {seq} within {timeout_s} s (durable_seq {self.durable_seq})")
         finally:

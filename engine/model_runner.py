@@ -50,7 +50,6 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         self.model = LlamaForCausalLM(arch, self.dtype, self.device, checkpoint.rope_freq_factors)
         self.model.load_weights(checkpoint.weights)
-        self.model.eval()
         self.tokenizer = Tokenizer.from_path(path, checkpoint.eos_token_ids)
         del checkpoint
 

@@ -12,15 +12,16 @@ matmuls plus the output projection.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from nanoserve.engine.attention import AttentionBackend
 from nanoserve.engine.kv_cache import KVCache
+from nanoserve.engine.models.linear import Linear
 from nanoserve.engine.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -51,31 +52,45 @@ class LlamaConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
 
-class LlamaDecoderLayer(nn.Module):
-    """One block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class LlamaDecoderLayer:
+    """One block: x + attn(norm(x)), then x + mlp(norm(x)). Weights arrive through ``load``."""
 
-    def __init__(self, config: LlamaConfig, layer_id: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.layer_id = layer_id
+    def __init__(self, config: LlamaConfig, layer_id: int) -> None:
         c = config
+        self.layer_id = layer_id
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
         self.hidden_shape = (c.hidden_size,)
+        self.input_norm: torch.Tensor  # [hidden]
+        self.post_attention_norm: torch.Tensor  # [hidden]
+        self.q_norm: torch.Tensor | None = None  # [head_dim], Qwen3
+        self.k_norm: torch.Tensor | None = None
+        self.qkv_proj: Linear  # hidden -> (H + 2 * Hkv) * D
+        self.o_proj: Linear  # H * D -> hidden
+        self.gate_up_proj: Linear  # hidden -> 2 * intermediate
+        self.down_proj: Linear  # intermediate -> hidden
 
-        def empty(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-        self.input_norm = empty(c.hidden_size)
-        self.qkv_proj = empty(self.q_size + 2 * self.kv_size, c.hidden_size)
-        self.qkv_bias = empty(self.q_size + 2 * self.kv_size) if c.attention_bias else None
-        self.q_norm = empty(c.head_dim) if c.qk_norm else None
-        self.k_norm = empty(c.head_dim) if c.qk_norm else None
-        self.o_proj = empty(c.hidden_size, self.q_size)
-        self.post_attention_norm = empty(c.hidden_size)
-        self.gate_up_proj = empty(2 * c.intermediate_size, c.hidden_size)
-        self.down_proj = empty(c.hidden_size, c.intermediate_size)
+    def load(self, tensor: Callable[[str, tuple[int, ...]], torch.Tensor], config: LlamaConfig) -> None:
+        """Take this layer's tensors (``tensor(hf_name, expected_shape)``) and fuse them."""
+        c, p = config, f"model.layers.{self.layer_id}."
+        h, q, kv, i = c.hidden_size, self.q_size, self.kv_size, c.intermediate_size
+        qkv = torch.cat([tensor(f"{p}self_attn.q_proj.weight", (q, h)), tensor(f"{p}self_attn.k_proj.weight", (kv, h)),
+                         tensor(f"{p}self_attn.v_proj.weight", (kv, h))])
+        bias = None
+        if c.attention_bias:
+            bias = torch.cat([tensor(f"{p}self_attn.{n}_proj.bias", (size,)) for n, size in (("q", q), ("k", kv), ("v", kv))])
+        self.qkv_proj = Linear(qkv, bias)
+        self.o_proj = Linear(tensor(f"{p}self_attn.o_proj.weight", (h, q)))
+        gate_up = torch.cat([tensor(f"{p}mlp.gate_proj.weight", (i, h)), tensor(f"{p}mlp.up_proj.weight", (i, h))])
+        self.gate_up_proj = Linear(gate_up)
+        self.down_proj = Linear(tensor(f"{p}mlp.down_proj.weight", (h, i)))
+        self.input_norm = tensor(f"{p}input_layernorm.weight", (h,))
+        self.post_attention_norm = tensor(f"{p}post_attention_layernorm.weight", (h,))
+        if c.qk_norm:
+            self.q_norm = tensor(f"{p}self_attn.q_norm.weight", (c.head_dim,))
+            self.k_norm = tensor(f"{p}self_attn.k_norm.weight", (c.head_dim,))
 
     def forward(
         self,
@@ -89,7 +104,7 @@ class LlamaDecoderLayer(nn.Module):
         """hidden: [num_tokens, hidden_size] -> same shape."""
         num_tokens = hidden.shape[0]
         x = F.rms_norm(hidden, self.hidden_shape, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 * Hkv) * D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -101,16 +116,16 @@ class LlamaDecoderLayer(nn.Module):
         attn = attention.forward(
             q, k, v, kv_cache.key_caches[self.layer_id], kv_cache.value_caches[self.layer_id], attn_metadata
         )  # [T, H * D]
-        hidden = hidden + F.linear(attn, self.o_proj)
+        hidden = hidden + self.o_proj(attn)
         x = F.rms_norm(hidden, self.hidden_shape, self.post_attention_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)  # each [T, intermediate]
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
+        return hidden + self.down_proj(F.silu(gate) * up)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM:
     """Token ids -> logits, reading and writing K/V through the paged cache.
 
-    Weights are empty until ``load_weights``; the rope tables are built at init.
+    Weights are absent until ``load_weights``; the rope tables are built at init.
     """
 
     def __init__(
@@ -120,19 +135,13 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         rope_freq_factors: torch.Tensor | None = None,
     ) -> None:
-        super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device), requires_grad=False
-        )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
-        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings
-            else nn.Parameter(torch.empty_like(self.embed_tokens), requires_grad=False)
-        )
+        self.device = device
+        self.layers = [LlamaDecoderLayer(config, i) for i in range(config.num_layers)]
+        self.embed_tokens: torch.Tensor  # [vocab, hidden]
+        self.norm: torch.Tensor  # [hidden]
+        self.lm_head: Linear  # hidden -> vocab
         self.rope = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -143,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
             rope_freq_factors,
         )
 
-    def forward(
+    def __call__(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
@@ -162,41 +171,27 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer.forward(hidden, cos, sin, kv_cache, attention, attn_metadata)
         hidden = hidden.index_select(0, logits_indices)  # only the rows whose logits are wanted
         hidden = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy (and fuse) Hugging Face-named tensors into the model.
+        """Take Hugging Face-named tensors, cast to the model dtype and device, fuse per layer.
 
         Raises ValueError naming the first missing tensor or a shape mismatch.
         """
+        c = self.config
 
-        def take(name: str) -> torch.Tensor:
+        def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint lacks tensor {name!r}")
-            return weights[name]
+            value = weights[name]
+            if tuple(value.shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, the config expects {shape}")
+            return value.to(device=self.device, dtype=self.dtype).contiguous()
 
-        def put(param: nn.Parameter, name: str, tensor: torch.Tensor) -> None:
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the config expects {tuple(param.shape)}")
-            param.copy_(tensor)
-
-        put(self.embed_tokens, "model.embed_tokens.weight", take("model.embed_tokens.weight"))
-        put(self.norm, "model.norm.weight", take("model.norm.weight"))
-        if not self.config.tie_word_embeddings:
-            put(self.lm_head, "lm_head.weight", take("lm_head.weight"))
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn = [take(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-            put(layer.qkv_proj, f"{p}self_attn.qkv_proj", torch.cat(attn))
-            if layer.qkv_bias is not None:
-                put(layer.qkv_bias, f"{p}self_attn.qkv_bias", torch.cat([take(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]))
-            if layer.q_norm is not None:
-                put(layer.q_norm, f"{p}self_attn.q_norm.weight", take(f"{p}self_attn.q_norm.weight"))
-                put(layer.k_norm, f"{p}self_attn.k_norm.weight", take(f"{p}self_attn.k_norm.weight"))
-            put(layer.o_proj, f"{p}self_attn.o_proj.weight", take(f"{p}self_attn.o_proj.weight"))
-            put(layer.input_norm, f"{p}input_layernorm.weight", take(f"{p}input_layernorm.weight"))
-            put(layer.post_attention_norm, f"{p}post_attention_layernorm.weight", take(f"{p}post_attention_layernorm.weight"))
-            gate_up = torch.cat([take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")])
-            put(layer.gate_up_proj, f"{p}mlp.gate_up_proj", gate_up)
-            put(layer.down_proj, f"{p}mlp.down_proj.weight", take(f"{p}mlp.down_proj.weight"))
+        self.embed_tokens = tensor("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.norm = tensor("model.norm.weight", (c.hidden_size,))
+        head = self.embed_tokens if c.tie_word_embeddings else tensor("lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.lm_head = Linear(head.clone() if c.tie_word_embeddings else head)
+        for layer in self.layers:
+            layer.load(tensor, c)

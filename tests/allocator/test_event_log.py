@@ -266,3 +266,19 @@ def test_attaching_a_pool_of_another_shape_is_refused(log_url: str, pool_id: str
 def test_open_refuses_bad_settings(tmp_path: object) -> None:
     with pytest.raises(ValueError, match="num_events_per_snapshot must be an int >= 1, got 0"):
         EventLog.open(f"sqlite:///{tmp_path}/x.db", num_blocks=4, block_size=16, num_events_per_snapshot=0)
+
+
+def test_free_all_of_two_owners_records_runs_in_one_batch(log_url: str, pool_id: str) -> None:
+    with open_log(log_url, pool_id) as log:
+        pool = BlockAllocator(6, 16, event_log=log)
+        pool.allocate_for(32, "A")
+        pool.allocate("B")
+        pool.free_all([1, 2, 0])
+        assert pool.state().free_block_ids == (5, 4, 3, 1, 2, 0)
+    events = read_events(log_url, pool_id)[3:6]
+    assert [(e.seq, e.batch_seq, e.block_ids, e.owner) for e in events] == [
+        (4, 6, (1,), "A"),
+        (5, 6, (2,), "B"),
+        (6, 6, (0,), "A"),
+    ]
+    assert replay(log_url, pool_id, until_seq=6).free_block_ids == (5, 4, 3, 1, 2, 0)

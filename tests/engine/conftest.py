@@ -56,7 +56,7 @@ def make_tiny_model_dir(tmp_path_factory, real_hf_tokenizer) -> Callable[..., Pa
     }
 
     def make(model_type: str = "llama", tie_word_embeddings: bool = False, **overrides) -> Path:
-        key = (model_type, tie_word_embeddings, tuple(sorted(overrides.items())))
+        key = (model_type, tie_word_embeddings, json.dumps(overrides, sort_keys=True))
         if key in built:
             return built[key]
         config_class, model_class = classes[model_type]

