@@ -31,8 +31,8 @@ import sqlalchemy as sa
 from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL, create_log_engine
 from nanoserve.allocator.event_chain import genesis_hash
 from nanoserve.allocator.events import Event, EventKind
-from nanoserve.allocator.log_writer import Batch, EventLogError, LogWriter, Record, SecondWriterError
-from nanoserve.allocator.schema import allocator_events, pool_epochs
+from nanoserve.allocator.log_writer import Batch, EventLogError, LogWriter, Record, Row, SecondWriterError, insert_rows
+from nanoserve.allocator.schema import pool_epochs
 
 if TYPE_CHECKING:
     from nanoserve.allocator.block_allocator import BlockAllocator
@@ -287,7 +287,7 @@ def _insert_epoch(
     num_blocks: int,
     block_size: int,
     model: str | None,
-    rows: list[dict[str, Any]],
+    rows: list[Row],
     head_hash: bytes,
     opened_wall_ns: int,
 ) -> None:
@@ -302,12 +302,12 @@ def _insert_epoch(
                     block_size=block_size,
                     model=model,
                     opened_wall_ns=opened_wall_ns,
-                    durable_seq=rows[-1]["seq"],
+                    durable_seq=rows[-1][2],
                     head_hash=head_hash,
                     closed_seq=None,
                 )
             )
-            conn.execute(sa.insert(allocator_events), rows)
+            insert_rows(conn, rows)
     except sa.exc.IntegrityError as exc:
         raise SecondWriterError(
             f"pool {writer.pool_id!r} epoch {writer.epoch} already has a writer; "

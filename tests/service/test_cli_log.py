@@ -1,0 +1,109 @@
+"""``nanoserve log`` and ``nanoserve db`` through ``main([...])``: output and exit codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from nanoserve.allocator import BlockAllocator, EventLog, FreeReason
+from nanoserve.service.cli import main
+
+
+@pytest.fixture
+def log_url(tmp_path: Path) -> str:
+    """A closed epoch: A [0, 1] finished, B [2] still held (a leak)."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    with EventLog.open(url, pool_id="p", num_blocks=4, block_size=16) as log:
+        pool = BlockAllocator(4, 16, event_log=log)
+        pool.allocate_for(20, "A")  # seq 2
+        pool.allocate("B")  # seq 3
+        pool.free_all([0, 1], FreeReason.FINISHED)  # seq 4
+    return url
+
+
+def test_db_upgrade_creates_the_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    assert main(["db", "upgrade", url]) == 0
+    engine = sa.create_engine(url)
+    assert "allocator_events" in sa.inspect(engine).get_table_names()
+    engine.dispose()
+    assert capsys.readouterr().out == f"{url}: schema at head\n"
+
+
+def test_db_upgrade_of_unreachable_database_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["db", "upgrade", "postgresql+psycopg://nobody@127.0.0.1:1/none"]) == 2
+    assert "nanoserve db upgrade:" in capsys.readouterr().err
+
+
+def test_audit_with_leak_exits_1_and_names_block_and_owner(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "audit", "--url", log_url]) == 1
+    out = capsys.readouterr().out
+    assert "seq 5 block 2 owner 'B': leaked_block" in out
+
+
+def test_audit_of_clean_log_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'clean.db'}"
+    with EventLog.open(url, num_blocks=4, block_size=16) as log:
+        pool = BlockAllocator(4, 16, event_log=log)
+        pool.free(pool.allocate("A"))
+    assert main(["log", "audit", "--url", url]) == 0
+    assert "clean" in capsys.readouterr().out
+
+
+def test_audit_of_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "audit", "--url", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_audit_of_unknown_epoch_exits_2(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "audit", "--url", log_url, "--epoch", "9"]) == 2
+    assert "pool 'p' has no epoch 9; epochs: [1]" in capsys.readouterr().err
+
+
+def test_audit_of_tampered_log_names_first_bad_seq(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM allocator_events WHERE seq = 3"))
+    engine.dispose()
+    assert main(["log", "audit", "--url", log_url, "--pool", "p", "--epoch", "1"]) == 1
+    assert "first bad seq 3" in capsys.readouterr().out
+
+
+def test_show_filters_by_owner(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "show", "--url", log_url, "--owner", "A"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["seq", "batch", "step", "time", "(UTC)", "kind", "blocks", "owner", "reason"]
+    assert [line.split()[0] for line in lines[2:]] == ["2", "4"]
+    assert lines[3].split()[-3:] == ["0,1", "A", "finished"]
+
+
+def test_show_filters_by_block_and_range(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "show", "--url", log_url, "--block", "1", "--from", "3", "--to", "5"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["4"]
+
+
+def test_state_at_seq_lists_holders(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "state", "--url", log_url, "--at", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "at seq 3: 1 free, 3 allocated of 4 blocks of 16 tokens" in out
+    assert "free stack (next out first): 3" in out
+    owners = {line.split()[0]: line.split()[2] for line in out.splitlines() if line.startswith(("A ", "B "))}
+    assert owners == {"A": "0,1", "B": "2"}
+
+
+def test_epochs_lists_each_epoch_with_status(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    log = EventLog.open(log_url, pool_id="p", num_blocks=4, block_size=16)
+    log._writer.stop()  # crashed: never closed
+    assert main(["log", "epochs", "--url", log_url]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert [line.split()[:4] for line in lines] == [["p", "1", "4", "16"], ["p", "2", "4", "16"]]
+    assert lines[0].endswith("5            closed at seq 5")
+    assert lines[1].endswith("1            open or crashed")
+
+
+def test_url_defaults_to_environment(log_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("NANOSERVE_EVENT_LOG_URL", log_url)
+    assert main(["log", "show", "--kind", "allocate"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["3"]
