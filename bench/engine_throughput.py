@@ -100,11 +100,15 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", help="nanoserve's dtype (transformers runs bfloat16)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides")
     args = parser.parse_args()
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     llm = LLM(
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -112,7 +116,7 @@ def main() -> None:
     from bench.hf_reference import hf_model_from_runner
 
     model = hf_model_from_runner(llm.engine.runner, torch.bfloat16)
-    pad_id = llm.tokenizer.eos_token_ids[0]
+    pad_id = min(llm.tokenizer.eos_token_ids)
 
     # warm-up: one short request each, so neither side pays first-call costs in the timing
     run_nanoserve(llm, workload[:2])
@@ -128,7 +132,7 @@ def main() -> None:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     print(
         f"workload: {len(workload)} requests, {prompt_tokens} prompt tokens, {ns_tokens} generated tokens; "
-        f"threads {torch.get_num_threads()}"
+        f"nanoserve {args.dtype}, transformers bfloat16, torch threads {torch.get_num_threads()}"
     )
     print(f"{'run':<34}{'seconds':>10}{'tok/s':>10}{'ratio':>8}")
     print(f"{'nanoserve LLM.generate (mixed)':<34}{ns_s:>10.1f}{ns_rate:>10.1f}{ns_rate / hf_rate:>8.2f}")

@@ -285,3 +285,10 @@ def test_abort_is_logged_with_reason_aborted(make_llm: Callable[..., LLM], tmp_p
     frees = [(e.kind, e.block_ids, e.owner, e.reason) for e in read_events(url) if e.kind.startswith("free")]
     assert frees == [("free_all", (0, 1), "a", "aborted")]
     assert audit(url).clean
+
+
+def test_generate_with_one_bad_request_queues_nothing(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError):
+        llm.generate(_prompts(3), [GREEDY, GREEDY, SamplingParams(max_tokens=10**6)])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.pool_status().num_free == llm.engine.pool_status().num_blocks
