@@ -1,9 +1,11 @@
 """Paged attention: write new K/V through the slot mapping, attend through block tables.
 
-One small interface, ``AttentionBackend``: ``prepare(batch)`` turns a
-``ForwardBatch`` into per-step metadata once (masks, gathered block tables), and
-``forward(q, k, v, key_cache, value_cache, metadata)`` runs one layer. The torch
-backend runs on CPU and CUDA with ``scaled_dot_product_attention``:
+One small interface, ``AttentionBackend``: ``prepare(batch, block_size)`` turns a
+``ForwardBatch`` into per-step metadata once (masks, decode block tables), and
+``forward(q, k, v, key_cache, value_cache, metadata)`` runs one layer.
+``select_backend`` picks flash-attn on CUDA where it can run (``flash_attention.py``)
+and this module's torch backend otherwise; the torch backend runs on CPU and CUDA
+with ``scaled_dot_product_attention``:
 
 - decodes (query_len 1) are attended all at once: the K/V blocks of every decoding
   sequence are gathered through the block tables into ``[num_decodes, L, kv_heads, D]``
@@ -201,79 +203,6 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1).flatten(1)
 
 
-@dataclass
-class FlashAttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32, start row of each sequence's queries
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, running sum of context lengths
-    max_query_len: int
-    max_context_len: int
-    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
-
-
-class FlashAttentionBackend:
-    """flash-attn 2.6+ on CUDA: one varlen call with a block table covers prefill and decode.
-
-    ``flash_attn_varlen_func(..., block_table=...)`` reads K/V straight from the
-    paged cache, and its causal mask is aligned bottom-right, which is exactly
-    "query i at position start + i sees keys 0 .. start + i". flash-attn requires
-    fp16/bf16 and a block size that is a multiple of 256; ``select_backend`` checks both.
-    Not exercised by the test suite on CPU-only machines (``prepare`` is).
-    """
-
-    name = "flash-attn"
-
-    def __init__(self) -> None:
-        self._varlen = None
-
-    def prepare(self, batch: ForwardBatch, block_size: int) -> FlashAttentionMetadata:
-        device = batch.input_ids.device
-        cu_q = [0]
-        cu_k = [0]
-        for query_len, context_len in zip(batch.query_lens, batch.context_lens):
-            cu_q.append(cu_q[-1] + query_len)
-            cu_k.append(cu_k[-1] + context_len)
-        return FlashAttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
-            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
-            max_query_len=max(batch.query_lens),
-            max_context_len=max(batch.context_lens),
-            block_tables=batch.block_tables,
-        )
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: FlashAttentionMetadata,
-    ) -> torch.Tensor:
-        if self._varlen is None:
-            from flash_attn import flash_attn_varlen_func
-
-            self._varlen = flash_attn_varlen_func
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
-        out = self._varlen(
-            q,
-            key_cache,
-            value_cache,
-            metadata.cu_seqlens_q,
-            metadata.cu_seqlens_k,
-            metadata.max_query_len,
-            metadata.max_context_len,
-            softmax_scale=1.0 / math.sqrt(head_dim),
-            causal=True,
-            block_table=metadata.block_tables,
-        )  # [T, H, D]
-        return out.reshape(num_tokens, num_heads * head_dim)
-
-
 def _flash_attn_version() -> tuple[int, ...] | None:
     try:
         import flash_attn
@@ -299,4 +228,6 @@ def select_backend(device: torch.device, dtype: torch.dtype, block_size: int) ->
         return TorchAttentionBackend(), f"flash-attn needs float16/bfloat16, dtype is {dtype}"
     if block_size % 256:
         return TorchAttentionBackend(), f"flash-attn paged KV needs block_size % 256 == 0, block_size is {block_size}"
+    from nanoserve.engine.flash_attention import FlashAttentionBackend
+
     return FlashAttentionBackend(), f"flash-attn {'.'.join(map(str, version))} importable on CUDA"

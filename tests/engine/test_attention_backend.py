@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from nanoserve.engine.attention import FlashAttentionBackend, TorchAttentionBackend, select_backend
+from nanoserve.engine.attention import TorchAttentionBackend, select_backend
+from nanoserve.engine.flash_attention import FlashAttentionBackend
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
 
 
