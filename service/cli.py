@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 # sub-command module names under nanoserve.service.commands, in --help order
-COMMANDS: tuple[str, ...] = ("generate", "health", "log", "db")
+COMMANDS: tuple[str, ...] = ("serve", "generate", "health", "log", "db")
 
 
 def build_parser() -> argparse.ArgumentParser:

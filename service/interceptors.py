@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import structlog
 
+from nanoserve.allocator.log_reader import LogNotFoundError
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     EngineDeadError,
@@ -38,6 +39,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (LogNotFoundError, grpc.StatusCode.NOT_FOUND),  # Audit of an epoch the log does not hold
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 

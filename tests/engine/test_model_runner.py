@@ -57,3 +57,9 @@ def test_forward_writes_kv_into_the_mapped_slots_only(tiny_runner_factory):
     runner.forward(ForwardBatch.build([SeqSlice([5, 6, 7, 8, 9], 0, [3, 1])], 4))
     written = runner.kv_cache.key_caches[0].abs().sum(dim=(2, 3)) != 0  # [num_blocks, block_size]
     assert written.nonzero().tolist() == [[1, 0], [3, 0], [3, 1], [3, 2], [3, 3]]
+
+
+def test_forward_without_logits_requested_returns_empty_rows(tiny_runner_factory):
+    runner = tiny_runner_factory()
+    logits = runner.forward(ForwardBatch.build([SeqSlice([5, 6, 7], 0, [0], needs_logits=False)], 4))
+    assert logits.shape == (0, 49152)

@@ -73,16 +73,18 @@ class AuditRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class Violation(_message.Message):
-    __slots__ = ("seq", "block_id", "owner", "message")
+    __slots__ = ("seq", "block_id", "owner", "message", "rule")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     block_id: int
     owner: str
     message: str
-    def __init__(self, seq: _Optional[int] = ..., block_id: _Optional[int] = ..., owner: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    rule: str
+    def __init__(self, seq: _Optional[int] = ..., block_id: _Optional[int] = ..., owner: _Optional[str] = ..., message: _Optional[str] = ..., rule: _Optional[str] = ...) -> None: ...
 
 class BlockOwner(_message.Message):
     __slots__ = ("block_id", "owner")

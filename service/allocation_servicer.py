@@ -1,0 +1,89 @@
+"""``nanoserve.v1.Allocation``: the KV pool's status, its live event stream, its audit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from nanoserve.allocator import Event, EventKind, EventLog, EventStream, EventStreamLagged, audit, read_events
+from nanoserve.engine import AsyncLLMEngine
+from nanoserve.service import convert
+from nanoserve.service.errors import EventLogDisabledError
+from nanoserve.v1 import allocation_pb2 as apb
+from nanoserve.v1 import allocation_pb2_grpc
+
+NUM_EVENTS_PER_PAGE = 1000  # stored events read per query while catching up
+
+
+class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self._engine = engine
+
+    async def GetPoolStatus(self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext) -> apb.PoolStatus:
+        status = convert.to_pool_status(self._engine.pool_status())
+        event_log = self._engine.engine.event_log
+        if event_log is not None:
+            # the engine publishes its status after a step; the writer commits later,
+            # so an idle engine's snapshot would show a stale durable_seq forever
+            status.last_seq = max(status.last_seq, event_log.last_seq)
+            status.durable_seq = event_log.durable_seq
+        return status
+
+    async def WatchEvents(self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[apb.AllocationEvent]:
+        """Stored events from ``from_seq``, then live ones, without gap or duplicate.
+
+        The live subscription opens *before* the stored events are read, so an
+        event committed meanwhile is in one or both; duplicates are dropped by
+        seq. A subscriber that falls too far behind is cut off by the log
+        (EventStreamLagged) and catches up from the store again. The stream
+        ends after POOL_CLOSE.
+        """
+        event_log = self._event_log()
+        next_seq = max(request.from_seq, 1)
+        while True:
+            live = EventStream(event_log)
+            try:
+                async for event in self._stored_events(event_log, next_seq):
+                    yield convert.to_event(event)
+                    next_seq = event.seq + 1
+                    if event.kind == EventKind.POOL_CLOSE.value:
+                        return
+                async for event in live:
+                    if event.seq < next_seq:
+                        continue
+                    assert event.seq == next_seq, f"live events jumped from {next_seq} to {event.seq}"
+                    yield convert.to_event(event)
+                    next_seq = event.seq + 1
+                return  # POOL_CLOSE ended the live stream
+            except EventStreamLagged:
+                continue
+            finally:
+                live.close()
+
+    async def _stored_events(self, event_log: EventLog, from_seq: int) -> AsyncIterator[Event]:
+        """Committed events of the current epoch from ``from_seq``, a page per query."""
+        url = self._engine.config.event_log.event_log_url
+        while True:
+            page = await asyncio.to_thread(
+                read_events, url, event_log.pool_id, event_log.epoch, from_seq, from_seq + NUM_EVENTS_PER_PAGE - 1
+            )
+            for event in page:
+                yield event
+            if len(page) < NUM_EVENTS_PER_PAGE:
+                return
+            from_seq = page[-1].seq + 1
+
+    async def Audit(self, request: apb.AuditRequest, context: grpc.aio.ServicerContext) -> apb.AuditReport:
+        event_log = self._event_log()
+        url = self._engine.config.event_log.event_log_url
+        epoch = request.epoch if request.HasField("epoch") else event_log.epoch
+        report = await asyncio.to_thread(audit, url, pool_id=event_log.pool_id, epoch=epoch)
+        return convert.to_audit_report(report)
+
+    def _event_log(self) -> EventLog:
+        event_log = self._engine.engine.event_log
+        if event_log is None:
+            raise EventLogDisabledError("the server keeps no event log (--event-log-url none)")
+        return event_log

