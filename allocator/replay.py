@@ -13,19 +13,28 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import sqlalchemy as sa
+
+from nanoserve.allocator import chain_verifier
 from nanoserve.allocator.event_chain import DATA_KINDS, genesis_hash
 from nanoserve.allocator.events import EventKind
 from nanoserve.allocator.log_reader import (
+    EVENT_COLUMNS,
     EpochInfo,
+    compile_for_driver,
     connect,
     event_rows,
+    last_stored_seq,
     latest_snapshot_seq,
     resolve_epoch,
+    rows_query,
     stored_hash,
 )
+from nanoserve.allocator.schema import allocator_events
 from nanoserve.allocator.pool_state import PoolState, Violation
 
 _ALLOCATE_KINDS = frozenset((EventKind.ALLOCATE.value, EventKind.ALLOCATE_FOR.value))
@@ -33,8 +42,30 @@ _FREE_KINDS = frozenset((EventKind.FREE.value, EventKind.FREE_ALL.value))
 _BLOCK_KINDS = _ALLOCATE_KINDS | _FREE_KINDS
 _INIT = EventKind.POOL_INIT.value
 _digest = operator.methodcaller("digest")
+# columns of an EVENT_COLUMNS row, taken out of a whole chunk at C speed (zip(*chunk) is ten times slower)
+_seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(3), operator.itemgetter(4)
 _SNAPSHOT = EventKind.SNAPSHOT.value
 _CLOSE = EventKind.POOL_CLOSE.value
+
+# kind -> small int for the replay loop: block kinds <= _FREE_CODE < unknown kinds < data kinds (>= _DATA)
+_ALLOCATE_CODE, _FREE_CODE, _UNKNOWN, _SNAPSHOT_CODE, _INIT_CODE, _CLOSE_CODE = range(6)
+_DATA = _SNAPSHOT_CODE
+_KIND_CODES = {
+    EventKind.ALLOCATE.value: _ALLOCATE_CODE,
+    EventKind.ALLOCATE_FOR.value: _ALLOCATE_CODE,
+    EventKind.FREE.value: _FREE_CODE,
+    EventKind.FREE_ALL.value: _FREE_CODE,
+    _SNAPSHOT: _SNAPSHOT_CODE,
+    _INIT: _INIT_CODE,
+    _CLOSE: _CLOSE_CODE,
+}
+
+# an epoch with at least this many rows to replay has its hash chain verified in a second process
+# (when a core is idle: the split costs more CPU in all than one process reading once)
+NUM_EVENTS_FOR_VERIFIER = 100_000
+# seq, kind, owner, record, NULL: the hash is the verifier's to read
+_REPLAY_COLUMNS = (*EVENT_COLUMNS[:4], sa.null())
+_CHAIN_COLUMNS = (allocator_events.c.seq, sa.cast(allocator_events.c.record, sa.LargeBinary), allocator_events.c.hash)
 
 
 class Replayer:
@@ -67,19 +98,27 @@ class Replayer:
         chain is checked in bulk (C-level ``map``); any other goes through the
         row-by-row checks that name what is wrong.
         """
+        fast = self.invariant_holds()
         for chunk in chunks:
-            self.apply_rows(chunk, verified=self._chunk_is_intact(chunk))
+            if not self._chunk_is_intact(chunk):
+                self.apply_rows(chunk)
+            elif fast:
+                self.apply_intact_rows(chunk)
+                self.previous_hash = chunk[-1][4]
+            else:
+                self.apply_rows(chunk, verified=True)
 
     def _chunk_is_intact(self, chunk: Sequence[tuple]) -> bool:
         if not chunk:
             return True
-        seqs, _, _, records, hashes = zip(*chunk)
         first = self.expected_seq
-        if seqs != tuple(range(first, first + len(seqs))):
+        if list(map(_seq_of, chunk)) != list(range(first, first + len(chunk))):
             return False
-        previous = (self.previous_hash, *hashes[:-1])
-        computed = tuple(map(_digest, map(hashlib.sha256, map(operator.add, previous, map(str.encode, records)))))
-        return computed == hashes
+        hashes = list(map(_hash_of, chunk))
+        previous = [self.previous_hash]
+        previous += hashes[:-1]
+        records = map(str.encode, map(_record_of, chunk))
+        return list(map(_digest, map(hashlib.sha256, map(operator.add, previous, records)))) == hashes
 
     def apply_rows(self, rows: Sequence[tuple], verified: bool = False) -> None:
         """Check and apply rows in seq order; ``verified`` skips the seq and hash checks already done."""
@@ -146,6 +185,99 @@ class Replayer:
         self.last_seq = expected - 1
         self.num_events += len(rows)
         self.batch_end = batch_end
+
+    def apply_intact_rows(self, rows: Sequence[tuple]) -> bool:
+        """Apply rows (EVENT_COLUMNS; the hash unused) whose hash chain is verified already.
+
+        Makes every check of ``apply_rows(rows, verified=True)`` (columns,
+        batches, close, the state rules) with the state machine inlined: this
+        is the loop that replays millions of events. Returns False, leaving
+        the replayer half-updated, at the first seq out of line; the caller
+        then replays from the start with ``apply_chunks``, which names it.
+        Needs ``invariant_holds()`` (a block on top of the free stack is then
+        free and in the pool).
+        """
+        expected = self.expected_seq
+        batch_end = self.batch_end
+        batch_end_text = str(batch_end)
+        closed_seq = self.closed_seq
+        free, owners = self.free, self.owners
+        pop_owner, push_free = owners.pop, free.append
+        violate = self.violate
+        num_blocks = self.num_blocks
+        kind_codes = _KIND_CODES
+        for seq, kind_column, owner_column, record, _ in rows:
+            if seq != expected:
+                return False
+            expected = seq + 1
+            try:
+                _, batch_text, kind, block_text, _, _, _, _, tail = record.split("|", 8)
+                if seq > batch_end or batch_text != batch_end_text:
+                    batch_seq = int(batch_text)
+            except ValueError:
+                violate(seq, "bad_record", f"record {record[:80]!r} is malformed", owner=owner_column)
+                continue
+            code = kind_codes.get(kind, _UNKNOWN)
+            owner = None if code >= _DATA else tail
+            if kind != kind_column or owner != owner_column:
+                violate(seq, "column_mismatch", f"columns kind={kind_column!r} owner={owner_column!r} differ from the record", owner=owner)
+            if seq > batch_end:
+                batch_end = batch_seq
+                batch_end_text = batch_text
+                if batch_seq < seq:
+                    violate(seq, "torn_batch", f"batch_seq {batch_seq} is before the record's own seq")
+            elif batch_text != batch_end_text and batch_seq != batch_end:
+                violate(seq, "torn_batch", f"batch ending at seq {batch_end} is cut short: batch_seq {batch_seq} starts here")
+                batch_end = batch_seq
+                batch_end_text = batch_text
+            if closed_seq is not None:
+                violate(seq, "after_close", f"{kind} after POOL_CLOSE at seq {closed_seq}", owner=owner)
+            if code <= _FREE_CODE:
+                try:
+                    block_ids = list(map(int, block_text.split(",")))
+                except ValueError:
+                    violate(seq, "bad_record", f"block_ids {block_text!r} is not a list of block ids", owner=owner)
+                    continue
+                if code == _FREE_CODE:
+                    for block_id in block_ids:
+                        holder = pop_owner(block_id, None)
+                        if holder == owner:
+                            push_free(block_id)
+                        elif holder is None:
+                            rule = "free_of_free_block" if 0 <= block_id < num_blocks else "foreign_block"
+                            violate(seq, rule, "block is not allocated", block_id, owner)
+                        else:
+                            violate(seq, "owner_mismatch", f"block is held by {holder!r}", block_id, owner)
+                            push_free(block_id)
+                elif free[-len(block_ids):] == block_ids[::-1]:  # the allocator pops from the top
+                    del free[-len(block_ids):]
+                    for block_id in block_ids:
+                        owners[block_id] = owner
+                else:
+                    self._allocate(seq, block_ids, owner)
+            elif code == _SNAPSHOT_CODE:
+                self._snapshot(seq, tail)
+            elif code == _INIT_CODE:
+                if seq != 1:
+                    violate(seq, "misplaced_init", "POOL_INIT is not the epoch's first record")
+            elif code == _CLOSE_CODE:
+                self.closed_seq = closed_seq = seq
+            else:
+                violate(seq, "unknown_kind", f"event kind {kind!r} is not known to this replay", owner=owner)
+        self.expected_seq = expected
+        self.last_seq = expected - 1
+        self.num_events += len(rows)
+        self.batch_end = batch_end
+        return True
+
+    def invariant_holds(self) -> bool:
+        """The free stack holds distinct pool blocks, none of them owned (true unless a snapshot says otherwise)."""
+        free = set(self.free)
+        return (
+            len(free) == len(self.free)
+            and free.isdisjoint(self.owners)
+            and all(type(block_id) is int and 0 <= block_id < self.num_blocks for block_id in free)
+        )
 
     def finish(self) -> None:
         """Checks at the end of the stored rows: whole last batch, nothing cut from the tail."""
@@ -247,11 +379,71 @@ def replay(
     """
     with connect(url) as conn:
         info = resolve_epoch(conn, pool_id, epoch)
-        replayer = _start(conn, info, until_seq, from_snapshot)
-        replayer.apply_chunks(event_rows(conn, info.pool_id, info.epoch, replayer.expected_seq, until_seq))
+        replayer = replay_epoch(conn, info, until_seq, lambda: _start(conn, info, until_seq, from_snapshot))
         if until_seq is None:
             replayer.finish()
         return replayer.state()
+
+
+def replay_epoch(conn: sa.Connection, info: EpochInfo, until_seq: int | None, start: Callable[[], Replayer]) -> Replayer:
+    """Apply the epoch's rows up to ``until_seq`` to the replayer ``start()`` makes, checking everything.
+
+    Rows are read here in chunks; a chunk whose seqs are in line and whose
+    hashes chain is applied by ``apply_intact_rows``, any other row by row
+    with every check, which names what is wrong (``apply_chunks``).
+
+    A large SQLite epoch (NUM_EVENTS_FOR_VERIFIER rows or more), on a machine
+    with an idle core, is read twice at once instead: a second process
+    verifies the hash chain (chain_verifier) while this one applies the rows
+    with ``apply_intact_rows``; the state is kept only when both agree that
+    the chain is whole and every seq in line, else the epoch is replayed
+    again the first way. Both reads stop at the highest seq stored when
+    replay began, so the two see the same rows of an append-only log even
+    beside a live writer.
+    """
+    replayer = start()
+    database = conn.engine.url.database
+    if conn.dialect.name == "sqlite" and database not in (None, "", ":memory:"):
+        last_seq = last_stored_seq(conn, info.pool_id, info.epoch, until_seq)
+        num_rows = 0 if last_seq is None else last_seq - replayer.expected_seq + 1
+        if num_rows >= NUM_EVENTS_FOR_VERIFIER and _has_idle_core() and replayer.invariant_holds():
+            if _replay_verified(conn, database, info, replayer, last_seq):  # type: ignore[arg-type]
+                return replayer
+            replayer = start()
+            until_seq = last_seq
+    replayer.apply_chunks(event_rows(conn, info.pool_id, info.epoch, replayer.expected_seq, until_seq))
+    return replayer
+
+
+def _has_idle_core() -> bool:
+    """Whether a core is free for the verifier: on a busy machine a second process only adds CPU time."""
+    return os.getloadavg()[0] <= (os.cpu_count() or 1) - 1.5
+
+
+def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replayer: Replayer, last_seq: int) -> bool:
+    """Rows from_seq..last_seq applied here while chain_verifier checks their hashes; True when both agree."""
+    from_seq = replayer.expected_seq
+    sql, params = compile_for_driver(conn, rows_query(info.pool_id, info.epoch, from_seq, last_seq, _CHAIN_COLUMNS))
+    try:
+        verifier = chain_verifier.start(database, sql, list(params), replayer.previous_hash, from_seq)
+    except OSError:
+        return False
+    in_line = True
+    try:
+        rows = event_rows(conn, info.pool_id, info.epoch, from_seq, last_seq, columns=_REPLAY_COLUMNS, num_rows_per_chunk=50_000)
+        for chunk in rows:
+            if not replayer.apply_intact_rows(chunk):
+                in_line = False
+                rows.close()
+                break
+    finally:
+        if not in_line:
+            verifier.kill()
+        verdict = chain_verifier.result(verifier)
+    if not in_line or verdict is None or not verdict.intact or verdict.num_rows != replayer.expected_seq - from_seq:
+        return False
+    replayer.previous_hash = verdict.last_hash  # type: ignore[assignment]
+    return True
 
 
 def _start(conn: Any, info: EpochInfo, until_seq: int | None, from_snapshot: bool) -> Replayer:
