@@ -417,7 +417,11 @@ def replay_epoch(conn: sa.Connection, info: EpochInfo, until_seq: int | None, st
 
 def _has_idle_core() -> bool:
     """Whether a core is free for the verifier: on a busy machine a second process only adds CPU time."""
-    return os.getloadavg()[0] <= (os.cpu_count() or 1) - 1.5
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform
+        return False
+    return load <= (os.cpu_count() or 1) - 1.5
 
 
 def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replayer: Replayer, last_seq: int) -> bool:
@@ -429,17 +433,21 @@ def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replay
     except OSError:
         return False
     in_line = True
+    rows = event_rows(conn, info.pool_id, info.epoch, from_seq, last_seq, columns=_REPLAY_COLUMNS, num_rows_per_chunk=50_000)
     try:
-        rows = event_rows(conn, info.pool_id, info.epoch, from_seq, last_seq, columns=_REPLAY_COLUMNS, num_rows_per_chunk=50_000)
         for chunk in rows:
             if not replayer.apply_intact_rows(chunk):
                 in_line = False
-                rows.close()
                 break
+    except BaseException:
+        verifier.kill()
+        verifier.communicate()
+        raise
     finally:
-        if not in_line:
-            verifier.kill()
-        verdict = chain_verifier.result(verifier)
+        rows.close()
+    if not in_line:
+        verifier.kill()
+    verdict = chain_verifier.result(verifier)
     if not in_line or verdict is None or not verdict.intact or verdict.num_rows != replayer.expected_seq - from_seq:
         return False
     replayer.previous_hash = verdict.last_hash  # type: ignore[assignment]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
 
 import pytest
 import sqlalchemy as sa
@@ -204,3 +205,19 @@ def report_head(url: str, pool_id: str) -> bytes:
             return bytes(conn.execute(sa.text(f"SELECT hash FROM allocator_events {where}"), {"p": pool_id}).scalar_one())
     finally:
         engine.dispose()
+
+
+def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanoserve.allocator import chain_verifier
+
+    monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
+    monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)
+    def failed(proc: subprocess.Popen) -> None:
+        proc.kill()
+        proc.communicate()
+        return None
+
+    monkeypatch.setattr(chain_verifier, "result", failed)
+    write_log(log_url, pool_id)
+    report = audit(log_url, pool_id)
+    assert (report.clean, report.num_events, report.state.free_block_ids) == (True, 12, (0, 1, 2, 3, 4, 5, 6, 7))
