@@ -1,4 +1,4 @@
-"""Engines for the event log's database: SQLite (WAL) by default, PostgreSQL in production."""
+"""The event log's database: engines (SQLite WAL by default, PostgreSQL in production) and bulk inserts."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+
+from nanoserve.allocator.schema import allocator_events
+
+# one stored event: (pool_id, epoch, seq, kind, owner, record, hash), in ROW_COLUMNS order
+Row = tuple[str, int, int, str, "str | None", str, bytes]
+ROW_COLUMNS = ("pool_id", "epoch", "seq", "kind", "owner", "record", "hash")
 
 # The server's default log: a SQLite file in the working directory.
 DEFAULT_EVENT_LOG_URL = "sqlite:///nanoserve-log.db"
@@ -36,3 +42,24 @@ def create_log_engine(url: str) -> Engine:
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return sa.create_engine(parsed, pool_pre_ping=True)
+
+
+def insert_rows(conn: sa.Connection, rows: list[Row]) -> None:
+    """Insert event rows inside ``conn``'s transaction through the driver itself.
+
+    PostgreSQL gets COPY, SQLite one executemany of a prepared INSERT: SQLAlchemy's
+    per-row parameter processing cost more than the database's own work here.
+    """
+    cursor = conn.connection.driver_connection.cursor()
+    columns = ", ".join(ROW_COLUMNS)
+    try:
+        if conn.dialect.name == "postgresql":
+            with cursor.copy(f"COPY {allocator_events.name} ({columns}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+        else:
+            marker = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+            placeholders = ", ".join([marker] * len(ROW_COLUMNS))
+            cursor.executemany(f"INSERT INTO {allocator_events.name} ({columns}) VALUES ({placeholders})", rows)
+    finally:
+        cursor.close()

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL, create_log_engine
+from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL, Row, create_log_engine, insert_rows
 from nanoserve.allocator.event_chain import genesis_hash
 from nanoserve.allocator.events import Event, EventKind
-from nanoserve.allocator.log_writer import Batch, EventLogError, LogWriter, Record, Row, SecondWriterError, insert_rows
+from nanoserve.allocator.log_writer import Batch, EventLogError, LogWriter, Record, SecondWriterError
 from nanoserve.allocator.schema import pool_epochs
 
 if TYPE_CHECKING:

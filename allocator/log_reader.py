@@ -109,9 +109,19 @@ def resolve_epoch(conn: sa.Connection, pool_id: str | None, epoch: int | None) -
 
 
 def event_rows(
-    conn: sa.Connection, pool_id: str, epoch: int, from_seq: int = 1, until_seq: int | None = None
+    conn: sa.Connection,
+    pool_id: str,
+    epoch: int,
+    from_seq: int = 1,
+    until_seq: int | None = None,
+    *,
+    owner: str | None = None,
+    kind: str | None = None,
 ) -> Iterator[list[tuple]]:
     """Stored rows (EVENT_COLUMNS) of one epoch in seq order, in chunks of up to 10,000.
+
+    ``owner`` and ``kind`` filter on the indexed-for-display columns (replay
+    never filters: it needs every row).
 
     Rows come straight from the driver's cursor (a server-side cursor on
     PostgreSQL), skipping SQLAlchemy's per-row result processing: replay and
@@ -128,6 +138,10 @@ def event_rows(
     )
     if until_seq is not None:
         query = query.where(allocator_events.c.seq <= until_seq)
+    if owner is not None:
+        query = query.where(allocator_events.c.owner == owner)
+    if kind is not None:
+        query = query.where(allocator_events.c.kind == kind)
     compiled = query.compile(dialect=conn.dialect)
     params: Any = compiled.construct_params()
     if compiled.positional:
@@ -176,17 +190,32 @@ def to_event(pool_id: str, epoch: int, row: tuple) -> Event:
 
 
 def read_events(
-    url: str, pool_id: str | None = None, epoch: int | None = None, from_seq: int = 1, until_seq: int | None = None
+    url: str,
+    pool_id: str | None = None,
+    epoch: int | None = None,
+    from_seq: int = 1,
+    until_seq: int | None = None,
+    *,
+    owner: str | None = None,
+    kind: str | None = None,
+    block_id: int | None = None,
+    limit: int | None = None,
 ) -> list[Event]:
     """Committed events of one epoch with ``from_seq <= seq <= until_seq``, in seq order.
 
     ``pool_id`` None means the log's only pool, ``epoch`` None its newest
-    epoch. Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch.
+    epoch. ``owner``, ``kind`` and ``block_id`` keep only matching events;
+    ``limit`` stops after that many. Raises LogNotFoundError (a ValueError) for
+    an unknown log, pool or epoch.
     """
+    events: list[Event] = []
     with connect(url) as conn:
         info = resolve_epoch(conn, pool_id, epoch)
-        return [
-            to_event(info.pool_id, info.epoch, row)
-            for chunk in event_rows(conn, info.pool_id, info.epoch, from_seq, until_seq)
-            for row in chunk
-        ]
+        for chunk in event_rows(conn, info.pool_id, info.epoch, from_seq, until_seq, owner=owner, kind=kind):
+            for row in chunk:
+                event = to_event(info.pool_id, info.epoch, row)
+                if block_id is None or block_id in event.block_ids:
+                    events.append(event)
+                    if limit is not None and len(events) >= limit:
+                        return events
+    return events

@@ -28,6 +28,7 @@ from sqlalchemy.engine import Engine
 
 from nanoserve.allocator.event_chain import DATA_KINDS, chain_hash, encode_record
 from nanoserve.allocator.events import Event, parse_event
+from nanoserve.allocator.database import Row, insert_rows
 from nanoserve.allocator.schema import allocator_events, pool_epochs
 
 log = structlog.get_logger(__name__)
@@ -36,9 +37,7 @@ log = structlog.get_logger(__name__)
 Record = tuple[int, str, tuple[int, ...], "str | None", "int | None", "str | None", int, int, Any]
 Batch = list[Record]
 Subscriber = Callable[[Sequence[Event]], None]
-# one stored event: (pool_id, epoch, seq, kind, owner, record, hash), in ROW_COLUMNS order
-Row = tuple[str, int, int, str, "str | None", str, bytes]
-ROW_COLUMNS = ("pool_id", "epoch", "seq", "kind", "owner", "record", "hash")
+
 
 MAX_EVENTS_PER_COMMIT = 20_000
 RETRY_DELAYS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -54,27 +53,6 @@ class SecondWriterError(EventLogError):
 
 class _GuardMoved(Exception):
     """The epoch row no longer holds what this writer last wrote."""
-
-
-def insert_rows(conn: sa.Connection, rows: list[Row]) -> None:
-    """Insert event rows inside ``conn``'s transaction through the driver itself.
-
-    PostgreSQL gets COPY, SQLite one executemany of a prepared INSERT: SQLAlchemy's
-    per-row parameter processing cost more than the database's own work here.
-    """
-    cursor = conn.connection.driver_connection.cursor()
-    columns = ", ".join(ROW_COLUMNS)
-    try:
-        if conn.dialect.name == "postgresql":
-            with cursor.copy(f"COPY {allocator_events.name} ({columns}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
-        else:
-            marker = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-            placeholders = ", ".join([marker] * len(ROW_COLUMNS))
-            cursor.executemany(f"INSERT INTO {allocator_events.name} ({columns}) VALUES ({placeholders})", rows)
-    finally:
-        cursor.close()
 
 
 def _encode_data(data: Any) -> str:

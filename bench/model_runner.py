@@ -40,7 +40,7 @@ def load_transformers(model: str | None, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True, **kwargs).eval()
 
 
-REPEATS = 3
+REPEATS = 2
 
 
 def timed(fn) -> float:
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--batch-sizes", default="1,16,64,256")
     parser.add_argument("--context-len", type=int, default=128, help="tokens cached per sequence before decoding")
-    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps timed per batch size")
     parser.add_argument("--prefill-batch", type=int, default=4)
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed calls per cell; the best counts")
@@ -140,11 +140,12 @@ def main() -> None:
         num_blocks = max_batch * (-(-tokens_per_seq // 16))
         runner = ModelRunner(EngineConfig.from_kwargs(model=args.model, dtype=dtype_name, num_kv_blocks=num_blocks))
         model = load_transformers(args.model, runner.dtype)
-        rows = [("decode", b, ours_decode(runner, b, args.context_len, args.steps),
-                 hf_decode(model, b, args.context_len, args.steps)) for b in batch_sizes]
-        rows.append(("prefill", args.prefill_batch, ours_prefill(runner, args.prefill_batch, args.prefill_len),
-                     hf_prefill(model, args.prefill_batch, args.prefill_len)))
-        for phase, batch, ours, theirs in rows:
+        cells = [("decode", b, lambda b=b: ours_decode(runner, b, args.context_len, args.steps),
+                  lambda b=b: hf_decode(model, b, args.context_len, args.steps)) for b in batch_sizes]
+        cells.append(("prefill", args.prefill_batch, lambda: ours_prefill(runner, args.prefill_batch, args.prefill_len),
+                      lambda: hf_prefill(model, args.prefill_batch, args.prefill_len)))
+        for phase, batch, run_ours, run_theirs in cells:
+            ours, theirs = run_ours(), run_theirs()
             print(f"{dtype_name:<9} {phase:<8} {batch:>5} {ours:>16.1f} {theirs:>19.1f} {ours / theirs:>5.2f}x", flush=True)
         del runner, model
 

@@ -160,6 +160,10 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         assert self._all_done is not None
         self._all_done.clear()
+        if self._error is not None:  # the loop died before it could fail this stream
+            self._streams.pop(request_id)
+            self._mark_if_all_done()
+            raise EngineDeadError(f"engine loop failed: {self._error!r}")
         self._submit(_Add(request))
         finished = False
         try:

@@ -51,14 +51,15 @@ class LLM:
         prompts = list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         request_ids = [f"llm-{next(self._counter)}" for _ in prompts]
+        added: list[str] = []
         try:
             for request_id, prompt, params in zip(request_ids, prompts, params_list):
                 self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
         except Exception:
-            for request_id in request_ids:
-                if request_id in self.engine._requests:
-                    self.engine.abort(request_id, "generate_failed")
-            self.engine.step()  # collect the abort outputs
+            for request_id in added:
+                self.engine.abort(request_id, "generate_failed")
+            self.engine.step()  # hand out the aborts' final outputs, so the next call starts clean
             raise
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

@@ -27,11 +27,12 @@ import torch
 
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError, RequestNotFoundError
+from nanoserve.engine.errors import DuplicateRequestError, QueueFullError, RequestNotFoundError
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.engine.prompts import ChatPrompt, Prompt, TokensPrompt
+from nanoserve.engine.input_processor import InputProcessor
+from nanoserve.engine.prompts import Prompt
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_params import SamplingParams
@@ -82,6 +83,9 @@ class LLMEngine:
         self.num_blocks: int = self.runner.num_kv_blocks
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks, self.block_size
+        )
         self.event_log: EventLog | None = self._open_event_log()
         self.allocator = BlockAllocator(self.num_blocks, self.block_size, self.event_log)
         self.scheduler = Scheduler(config.scheduler, self.allocator)
@@ -136,26 +140,7 @@ class LLMEngine:
 
         Safe to call from any thread. Raises InvalidRequestError.
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id", f"must be a non-empty string, got {request_id!r}")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
-        prompt_text, prompt_token_ids = self._tokenize(prompt)
-        for token_id in params.stop_token_ids:
-            if token_id >= self.vocab_size:
-                raise InvalidRequestError("stop_token_ids", f"token id {token_id} is not below vocab_size {self.vocab_size}")
-        max_tokens = self._resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
-        return Request(
-            request_id,
-            prompt_token_ids,
-            params,
-            max_tokens=max_tokens,
-            eos_token_ids=list(self.tokenizer.eos_token_ids),
-            decoder=self.tokenizer,
-            prompt=prompt_text,
-            arrival_time=arrival_time,
-        )
+        return self.input_processor.process(request_id, prompt, sampling_params, arrival_time)
 
     def add_processed(self, request: Request) -> None:
         """Queues a request made by ``process_request``; engine thread only."""
@@ -166,63 +151,6 @@ class LLMEngine:
             raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting (max_num_waiting {limit})")
         self._requests[request.request_id] = request
         self.scheduler.add(request)
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        elif isinstance(prompt, TokensPrompt):
-            token_ids = list(prompt.prompt_token_ids)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]!r} is not in [0, {self.vocab_size})")
-            text = None
-        elif isinstance(prompt, ChatPrompt):
-            token_ids = self._apply_chat_template(prompt)
-            text = None
-        else:
-            raise InvalidRequestError("prompt", f"must be str, TokensPrompt or ChatPrompt, got {type(prompt).__name__}")
-        if not token_ids:
-            raise InvalidRequestError("prompt", "is empty (0 tokens)")
-        return text, token_ids
-
-    def _apply_chat_template(self, prompt: ChatPrompt) -> list[int]:
-        if not self.tokenizer.has_chat_template:
-            raise InvalidRequestError("messages", f"model {self.model_name} has no chat template")
-        if not prompt.messages:
-            raise InvalidRequestError("messages", "is empty")
-        for i, message in enumerate(prompt.messages):
-            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-                raise InvalidRequestError("messages", f"message {i} needs string 'role' and 'content'")
-        return list(self.tokenizer.apply_chat_template(prompt.messages))
-
-    def _resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """max_tokens checked against max_model_len and the pool; None -> all that fits."""
-        pool_tokens = self.num_blocks * self.block_size
-        if max_tokens is None:
-            max_tokens = min(self.max_model_len, pool_tokens) - num_prompt_tokens
-            if max_tokens < 1:
-                raise InvalidRequestError(
-                    "prompt",
-                    f"prompt has {num_prompt_tokens} tokens; at most {min(self.max_model_len, pool_tokens) - 1} "
-                    f"leave room for one generated token (max_model_len {self.max_model_len}, "
-                    f"KV pool {pool_tokens} tokens)",
-                )
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len ({self.max_model_len})",
-            )
-        if total > pool_tokens:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
-                f"needs {-(-total // self.block_size)} KV blocks; the whole pool holds {self.num_blocks} "
-                f"blocks ({pool_tokens} tokens)",
-            )
-        return max_tokens
 
     # ---- stepping ----------------------------------------------------------
 

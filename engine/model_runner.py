@@ -57,7 +57,7 @@ class ModelRunner:
         spec = KVCacheSpec(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, self.dtype)
         self.num_kv_blocks = config.cache.num_kv_blocks or spec.num_blocks_for(config.cache.kv_cache_memory)
         self.kv_cache = KVCache(spec, self.num_kv_blocks, self.device)
-        self.attention = select_backend(self.device)
+        self.attention, backend_reason = select_backend(self.device, self.dtype, self.block_size)
         log.info(
             "model_runner.ready",
             model=self.model_name,
@@ -65,6 +65,7 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.attention.name,
+            attention_backend_reason=backend_reason,
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             num_kv_tokens=self.kv_cache.num_tokens,

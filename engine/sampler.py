@@ -72,8 +72,13 @@ class Sampler:
         # noise: [num_seqs, vocab_size], Exp(1); seeded rows draw from their own generator.
         noise = torch.empty_like(probs).exponential_(generator=self._generator)
         for i, row in enumerate(rows):
-            if row.generator is not None and not row.sampling_params.greedy:
-                noise[i].exponential_(generator=row.generator)
+            generator = row.generator
+            if generator is None or row.sampling_params.greedy:
+                continue
+            if generator.device == noise.device:
+                noise[i].exponential_(generator=generator)
+            else:  # a CPU generator serving CUDA logits: same draws on every device
+                noise[i].copy_(torch.empty(noise.shape[1], device=generator.device).exponential_(generator=generator))
         return noise.clamp_(min=1e-20)
 
 
@@ -117,7 +122,7 @@ def mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     if not row_index:
         return logits
     logits = logits.clone()
-    logits[torch.tensor(row_index), torch.tensor(token_index)] = float("-inf")
+    logits[torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device)] = float("-inf")
     return logits
 
 

@@ -207,6 +207,11 @@ def _load_hf_folder(path: Path) -> Checkpoint:
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
         rope_scaling = rope
     num_heads = raw["num_attention_heads"]
+    max_positions = raw.get("max_position_embeddings", 2048)
+    window = raw.get("sliding_window")
+    if window and raw.get("use_sliding_window", arch == "mistral") and window < max_positions:
+        # We attend over the whole context; within the window that equals sliding-window attention.
+        max_positions = window
     config = LlamaConfig(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -217,7 +222,7 @@ def _load_hf_folder(path: Path) -> Checkpoint:
         head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=raw.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         rope_scaling=rope_scaling,
         tie_word_embeddings=raw.get("tie_word_embeddings", "lm_head.weight" not in weights),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),

@@ -27,10 +27,16 @@ def _url() -> str:
     )
 
 
+def _include_name(name: str | None, type_: str, parent_names: object) -> bool:
+    # The log may share a database with other applications: compare only our tables.
+    return type_ != "table" or name in target_metadata.tables
+
+
 def _configure(**kwargs: object) -> None:
     context.configure(
         target_metadata=target_metadata,
         compare_type=True,
+        include_name=_include_name,
         render_as_batch=True,  # SQLite alters tables by copying them
         **kwargs,
     )

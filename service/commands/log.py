@@ -112,29 +112,30 @@ def run_show(args: argparse.Namespace) -> int:
         raise ValueError(f"--from must be >= 1 and --to >= --from, got --from {args.from_seq} --to {args.to_seq}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    events = read_events(_url(args), args.pool_id, args.epoch, args.from_seq, args.to_seq)
-    rows = []
-    for event in events:
-        if args.owner is not None and event.owner != args.owner:
-            continue
-        if args.block is not None and args.block not in event.block_ids:
-            continue
-        if args.kind is not None and event.kind != args.kind:
-            continue
-        rows.append(
-            [
-                str(event.seq),
-                str(event.batch_seq),
-                "" if event.step is None else str(event.step),
-                _utc(event.wall_time_ns),
-                event.kind,
-                ",".join(map(str, event.block_ids)),
-                event.owner or "",
-                event.reason or "",
-            ]
-        )
-        if args.limit is not None and len(rows) == args.limit:
-            break
+    events = read_events(
+        _url(args),
+        args.pool_id,
+        args.epoch,
+        args.from_seq,
+        args.to_seq,
+        owner=args.owner,
+        kind=args.kind,
+        block_id=args.block,
+        limit=args.limit,
+    )
+    rows = [
+        [
+            str(event.seq),
+            str(event.batch_seq),
+            "" if event.step is None else str(event.step),
+            _utc(event.wall_time_ns),
+            event.kind,
+            ",".join(map(str, event.block_ids)),
+            event.owner or "",
+            event.reason or "",
+        ]
+        for event in events
+    ]
     print(_table(["seq", "batch", "step", "time (UTC)", "kind", "blocks", "owner", "reason"], rows))
     return EXIT_CLEAN
 

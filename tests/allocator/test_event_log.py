@@ -282,3 +282,12 @@ def test_free_all_of_two_owners_records_runs_in_one_batch(log_url: str, pool_id:
         (6, 6, (0,), "A"),
     ]
     assert replay(log_url, pool_id, until_seq=6).free_block_ids == (5, 4, 3, 1, 2, 0)
+
+
+def test_read_events_filters_by_owner_kind_block_and_limit(log_url: str, pool_id: str) -> None:
+    with open_log(log_url, pool_id) as log:
+        run_trace(BlockAllocator(6, 16, event_log=log))
+    assert [e.seq for e in read_events(log_url, pool_id, owner="A")] == [2, 5]
+    assert [e.seq for e in read_events(log_url, pool_id, kind="allocate_for", limit=2)] == [2, 3]
+    assert [e.seq for e in read_events(log_url, pool_id, block_id=1)] == [2, 5, 6]
+    assert [e.seq for e in read_events(log_url, pool_id, from_seq=3, until_seq=5, block_id=4)] == [3]

@@ -18,6 +18,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# On a few shared cores, torch's default of one OpenMP thread per core stalls at every
+# op's barrier whenever another process holds a core: the engine tests ran 3-4x slower
+# with 2 threads than with 1 on the 2-core CI box. NANOSERVE_TEST_TORCH_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("NANOSERVE_TEST_TORCH_THREADS", "1")))
 
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice  # noqa: E402
 from nanoserve.engine.weights import default_model_path  # noqa: E402

@@ -148,3 +148,17 @@ async def test_shutdown_lets_short_requests_finish(engine: AsyncLLMEngine) -> No
     rest = [o async for o in stream]
     await shutdown
     assert (rest or [first])[-1].finish_reason == "length"
+
+
+async def test_failed_engine_loop_fails_streams_and_refuses_new_requests(engine: AsyncLLMEngine) -> None:
+    def broken_step() -> list:
+        raise RuntimeError("device lost")
+
+    engine.engine.step = broken_step  # type: ignore[method-assign]
+    with pytest.raises(EngineDeadError) as info:
+        async for _ in engine.generate(PROMPT, LONG, "a"):
+            pass
+    assert "device lost" in str(info.value)
+    assert engine.errored and not engine.is_running
+    with pytest.raises(EngineDeadError):
+        await engine.generate(PROMPT, LONG, "b").__anext__()

@@ -94,3 +94,8 @@ def test_unsupported_architecture_is_named(tiny_model_dir, tiny_runner_factory, 
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"architecture 'gpt2' .* is not one of"):
         tiny_runner_factory(model=str(other))
+
+
+def test_sliding_window_caps_the_context(make_tiny_model_dir, tiny_runner_factory):
+    folder = make_tiny_model_dir("qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=0)
+    assert tiny_runner_factory(model=str(folder)).max_model_len == 256

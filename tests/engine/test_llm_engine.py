@@ -202,6 +202,15 @@ def test_stop_string_across_tokens_truncates_text(llm: LLM) -> None:
     assert out.token_ids == free_run.token_ids[: i + 2]
 
 
+def test_stop_string_at_the_very_start_gives_empty_text(llm: LLM) -> None:
+    prompt = _prompts(1, seed=5)[0]
+    free_run = llm.generate([prompt], GREEDY)[0]
+    stop = free_run.text[:3]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", stop)
+    assert out.token_ids == free_run.token_ids[: len(out.token_ids)]
+
+
 def test_stop_token_id_ends_generation_and_is_kept_in_token_ids(llm: LLM) -> None:
     prompt = _prompts(1, seed=6)[0]
     free_run = llm.generate([prompt], GREEDY)[0]
@@ -285,3 +294,10 @@ def test_abort_is_logged_with_reason_aborted(make_llm: Callable[..., LLM], tmp_p
     frees = [(e.kind, e.block_ids, e.owner, e.reason) for e in read_events(url) if e.kind.startswith("free")]
     assert frees == [("free_all", (0, 1), "a", "aborted")]
     assert audit(url).clean
+
+
+def test_generate_with_one_bad_request_queues_nothing(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError):
+        llm.generate(_prompts(3), [GREEDY, GREEDY, SamplingParams(max_tokens=10**6)])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.pool_status().num_free == llm.engine.pool_status().num_blocks

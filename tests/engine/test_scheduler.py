@@ -7,6 +7,8 @@ token) is played by ``_complete``, so these tests need no model.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.engine.config import SchedulerConfig
@@ -162,3 +164,60 @@ def test_finish_frees_blocks_of_running_or_waiting_request(admitted: bool) -> No
     assert target.status is RequestStatus.FINISHED
     assert scheduler.allocator.num_free == (4 if admitted else 2)
     assert target not in scheduler.running and target not in scheduler.waiting
+
+
+@st.composite
+def _workloads(draw: st.DrawFn) -> list[tuple[str, int, int]]:
+    """Operations: ("add", prompt_len, max_tokens), ("abort", index, 0), ("step", 0, 0)."""
+    ops = []
+    for _ in range(draw(st.integers(1, 60))):
+        kind = draw(st.sampled_from(["add", "add", "abort", "step", "step", "step"]))
+        if kind == "add":
+            ops.append(("add", draw(st.integers(1, 12)), draw(st.integers(1, 8))))
+        elif kind == "abort":
+            ops.append(("abort", draw(st.integers(0, 20)), 0))
+        else:
+            ops.append(("step", 0, 0))
+    return ops
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_workloads(), num_blocks=st.integers(6, 12), budget=st.integers(4, 16), max_num_seqs=st.integers(1, 4))
+def test_any_workload_keeps_block_ownership_exact_and_ends_all_free(
+    ops: list[tuple[str, int, int]], num_blocks: int, budget: int, max_num_seqs: int
+) -> None:
+    scheduler = _scheduler(num_blocks, block_size=2, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    requests: list[Request] = []
+
+    def check() -> None:
+        owned = {}
+        for request in scheduler.running:
+            assert request.block_table is not None
+            assert request.block_table.num_tokens == request.num_computed_tokens
+            for block_id in request.block_table.block_ids:
+                assert block_id not in owned
+                owned[block_id] = request.request_id
+        assert all(r.block_table is None and r.num_computed_tokens == 0 for r in scheduler.waiting)
+        assert {b: scheduler.allocator.owner_of(b) for b in owned} == owned
+        assert scheduler.allocator.num_free + len(owned) == num_blocks
+
+    for kind, a, b in ops:
+        if kind == "add":  # a request that fits the pool alone, as the engine guarantees
+            prompt_len = min(a, num_blocks * 2 - b)
+            requests.append(_request(f"r{len(requests)}", max(prompt_len, 1), max_tokens=b))
+            scheduler.add(requests[-1])
+        elif kind == "abort" and a < len(requests) and not requests[a].finished:
+            scheduler.finish(requests[a], FreeReason.ABORTED)
+        elif kind == "step":
+            _complete(scheduler, scheduler.schedule())
+        check()
+    for _ in range(500):
+        if not scheduler.has_unfinished_requests():
+            break
+        _complete(scheduler, scheduler.schedule())
+        check()
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.allocator.num_free == num_blocks
+    assert all(r.finished for r in requests)
+    for request in requests:  # aborted ones stop early; the rest generate exactly max_tokens
+        assert request.num_output_tokens <= request.max_tokens

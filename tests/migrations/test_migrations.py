@@ -52,3 +52,13 @@ def test_sqlite_log_uses_wal(tmp_path: Path) -> None:
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     finally:
         engine.dispose()
+
+
+def test_check_ignores_tables_of_other_applications(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    upgrade(url)
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE someone_elses (id INTEGER PRIMARY KEY)"))
+    engine.dispose()
+    check(url)
