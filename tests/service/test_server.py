@@ -365,3 +365,33 @@ async def test_health_cli_exit_codes(served: Served) -> None:
     assert await _cli("health", "--server", server) == (0, "SERVING\n", "")
     code, _, _ = await _cli("health", "--server", "127.0.0.1:1", "--timeout", "1")
     assert code == 2
+
+
+async def test_watch_events_catches_up_from_the_log_after_falling_behind(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanoserve.allocator import EventStream
+    from nanoserve.service import allocation_servicer
+    from nanoserve.service.allocation_servicer import AllocationServicer
+
+    subscriptions = []
+
+    class CountedEventStream(EventStream):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            subscriptions.append(self)
+
+    monkeypatch.setattr(allocation_servicer, "EventStream", CountedEventStream)
+    # a subscriber allowed to buffer 2 live events falls behind at once
+    servicer = AllocationServicer(served.engine, max_queued_events=2)
+    start = await wait_pool_free(served)
+    events = servicer.WatchEvents(apb.WatchEventsRequest(from_seq=start.last_seq + 1), context=None)
+    first = asyncio.ensure_future(events.__anext__())  # subscribes, then waits for the first new event
+    await asyncio.sleep(0.2)
+    requests = [pb.GenerateRequest(prompt=f"Say {i}.", sampling=pb.SamplingParameters(max_tokens=20, temperature=0.0, ignore_eos=True)) for i in range(4)]
+    await asyncio.gather(*(_collect(_generation(served), r) for r in requests))
+    end = await wait_pool_free(served)
+    seqs = [(await first).seq]
+    while seqs[-1] < end.last_seq:
+        seqs.append((await asyncio.wait_for(events.__anext__(), timeout=10)).seq)
+    await events.aclose()
+    assert seqs == list(range(start.last_seq + 1, end.last_seq + 1))
+    assert len(subscriptions) >= 2  # cut off at least once, resubscribed, caught up from the store
