@@ -29,7 +29,7 @@ def test_generate_plain_prompt() -> None:
     assert request.sampling == pb.SamplingParameters()
 
 
-@pytest.mark.parametrize("command", ["generate", "health"])
+@pytest.mark.parametrize("command", ["serve", "generate", "health"])
 def test_help_describes_every_flag(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args([command, "--help"])
