@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import structlog
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -395,3 +396,70 @@ async def test_watch_events_catches_up_from_the_log_after_falling_behind(served:
     await events.aclose()
     assert seqs == list(range(start.last_seq + 1, end.last_seq + 1))
     assert len(subscriptions) >= 2  # cut off at least once, resubscribed, caught up from the store
+
+
+def _finished_lines(logs: list[dict], request_id: str) -> list[dict]:
+    return [e for e in logs if e["event"] == "request_finished" and e["request_id"] == request_id]
+
+
+async def _settle(served: Served) -> None:
+    await wait_pool_free(served)
+    await asyncio.sleep(0.2)  # room for a second, wrong, record to show up
+
+
+async def test_cancelled_stream_is_counted_and_logged_once_as_abort(served: Served) -> None:
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="abort"}')
+    with structlog.testing.capture_logs() as logs:
+        call = _generation(served).Generate(_long_request("cancel-count"))
+        await call.read()
+        call.cancel()
+        await _settle(served)
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="abort"}') == before + 1
+    [line] = _finished_lines(logs, "cancel-count")
+    assert (line["finish_reason"], line["cause"]) == ("abort", "cancelled")
+    assert line["completion_tokens"] >= 1
+
+
+async def test_deadline_exceeded_stream_is_counted_and_logged_once_as_abort(served: Served) -> None:
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="abort"}')
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(grpc.aio.AioRpcError):
+            async for _ in _generation(served).Generate(_long_request("deadline-count"), timeout=0.5):
+                pass
+        await _settle(served)
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="abort"}') == before + 1
+    [line] = _finished_lines(logs, "deadline-count")
+    assert (line["finish_reason"], line["cause"]) == ("abort", "deadline")
+
+
+async def test_abort_rpc_stream_is_counted_and_logged_once_as_abort(served: Served) -> None:
+    stub = _generation(served)
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="abort"}')
+    with structlog.testing.capture_logs() as logs:
+        call = stub.Generate(_long_request("abort-count"))
+        await call.read()
+        await stub.Abort(pb.AbortRequest(request_id="abort-count"))
+        await _read_rest(call)
+        await _settle(served)
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="abort"}') == before + 1
+    [line] = _finished_lines(logs, "abort-count")
+    assert (line["finish_reason"], line["cause"]) == ("abort", "abort_rpc")
+
+
+async def test_stream_cancelled_while_waiting_is_logged_with_its_prompt_tokens(served: Served) -> None:
+    stub = _generation(served)
+    running = [stub.Generate(_long_request(f"busy-{i}")) for i in range(MAX_NUM_SEQS)]
+    for call in running:
+        await call.read()
+    waiting_request = _long_request("cancel-waiting")
+    with structlog.testing.capture_logs() as logs:
+        waiting = stub.Generate(waiting_request)
+        while (await _allocation(served).GetPoolStatus(apb.GetPoolStatusRequest())).num_waiting == 0:
+            await asyncio.sleep(0.01)
+        waiting.cancel()
+        for call in running:
+            call.cancel()
+        await _settle(served)
+    [line] = _finished_lines(logs, "cancel-waiting")
+    assert line["prompt_tokens"] == len(served.engine.tokenizer.encode(waiting_request.prompt))
+    assert (line["completion_tokens"], line["ttft_s"], line["cause"]) == (0, None, "cancelled")
