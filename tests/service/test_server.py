@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -359,6 +360,33 @@ async def test_generate_cli_json_prints_one_object_per_message(served: Served) -
     assert {m["request_id"] for m in messages} == {"json-1"}
     assert sum(len(m.get("token_ids", [])) for m in messages) == 3
     assert messages[-1]["finish"]["reason"] == "FINISH_REASON_LENGTH"
+
+
+async def test_generate_cli_error_before_any_text_starts_with_error(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    code, stdout, stderr = await _cli("generate", "--server", server, "Hi", "--max-tokens", "0")
+    assert (code, stdout) == (1, "")
+    assert stderr.startswith("error: INVALID_ARGUMENT: ")
+
+
+async def test_generate_cli_ctrl_c_exits_130_quietly_and_the_server_aborts(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    with structlog.testing.capture_logs() as logs:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "nanoserve.service.cli", "generate", "--server", server, "--request-id", "ctrl-c",
+            "--max-tokens", "400", "--ignore-eos", "--temperature", "0", "Count from one to one thousand: one, two,",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None and process.stderr is not None
+        first = await asyncio.wait_for(process.stdout.read(1), timeout=60)
+        process.send_signal(signal.SIGINT)
+        rest, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
+        await _settle(served)
+    assert process.returncode == 130
+    assert stderr.decode() == ""
+    assert first and (first + rest).endswith(b"\n") and not (first + rest).endswith(b"\n\n")
+    [line] = _finished_lines(logs, "ctrl-c")
+    assert (line["finish_reason"], line["cause"]) == ("abort", "cancelled")
 
 
 async def test_health_cli_exit_codes(served: Served) -> None:
