@@ -15,7 +15,8 @@ import sqlalchemy as sa
 
 from nanoserve.allocator.log_reader import EpochInfo, LogNotFoundError, connect, list_epochs, resolve_epoch
 from nanoserve.allocator.pool_state import PoolState, Violation
-from nanoserve.allocator.replay import Replayer, replay_epoch
+from nanoserve.allocator.replay import replay_epoch
+from nanoserve.allocator.replayer import Replayer
 
 
 @dataclass
