@@ -128,9 +128,10 @@ class _Printer:
         if self._as_json:
             print(json.dumps(MessageToDict(response, preserving_proto_field_name=True)), flush=True)
             return
+        # marked before writing: a Ctrl-C between the two still ends the line
+        self._line_open = self._line_open or bool(response.text)
         sys.stdout.write(response.text)
         sys.stdout.flush()
-        self._line_open = self._line_open or bool(response.text)
         if response.HasField("finish"):
             self.end_line()
             print(_finish_line(response.finish), file=sys.stderr)
