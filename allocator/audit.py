@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.log_reader import EpochInfo, LogNotFoundError, connect, event_rows, list_epochs, resolve_epoch
+from nanoserve.allocator.log_reader import EpochInfo, LogNotFoundError, connect, list_epochs, resolve_epoch
 from nanoserve.allocator.pool_state import PoolState, Violation
-from nanoserve.allocator.replay import Replayer
+from nanoserve.allocator.replay import replay_epoch
+from nanoserve.allocator.replayer import Replayer
 
 
 @dataclass
@@ -67,8 +68,7 @@ class AuditReport:
 
 def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
     """Audit one epoch on an open connection (see ``audit``)."""
-    replayer = Replayer(info)
-    replayer.apply_chunks(event_rows(conn, info.pool_id, info.epoch))
+    replayer = replay_epoch(conn, info, None, lambda: Replayer(info))
     replayer.finish()
     closed = replayer.closed_seq is not None
     leaked: dict[int, str] = {}

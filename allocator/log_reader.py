@@ -117,8 +117,10 @@ def event_rows(
     *,
     owner: str | None = None,
     kind: str | None = None,
+    columns: tuple[sa.ColumnElement[Any], ...] = EVENT_COLUMNS,
+    num_rows_per_chunk: int = 10_000,
 ) -> Iterator[list[tuple]]:
-    """Stored rows (EVENT_COLUMNS) of one epoch in seq order, in chunks of up to 10,000.
+    """Stored rows (``columns``, EVENT_COLUMNS by default) of one epoch in seq order, in chunks.
 
     ``owner`` and ``kind`` filter on the indexed-for-display columns (replay
     never filters: it needs every row).
@@ -127,8 +129,31 @@ def event_rows(
     PostgreSQL), skipping SQLAlchemy's per-row result processing: replay and
     audit read millions of them.
     """
+    query = rows_query(pool_id, epoch, from_seq, until_seq, columns)
+    if owner is not None:
+        query = query.where(allocator_events.c.owner == owner)
+    if kind is not None:
+        query = query.where(allocator_events.c.kind == kind)
+    sql, params = compile_for_driver(conn, query)
+    driver = conn.connection.driver_connection
+    if conn.dialect.name == "postgresql":
+        cursor = driver.cursor(name=f"nanoserve_replay_{uuid.uuid4().hex[:12]}")
+    else:
+        cursor = driver.cursor()
+    try:
+        cursor.execute(sql, params)
+        while chunk := cursor.fetchmany(num_rows_per_chunk):
+            yield chunk
+    finally:
+        cursor.close()
+
+
+def rows_query(
+    pool_id: str, epoch: int, from_seq: int, until_seq: int | None, columns: tuple[sa.ColumnElement[Any], ...]
+) -> sa.Select:
+    """SELECT ``columns`` of one epoch's rows with ``from_seq <= seq <= until_seq``, in seq order."""
     query = (
-        sa.select(*EVENT_COLUMNS)
+        sa.select(*columns)
         .where(
             allocator_events.c.pool_id == pool_id,
             allocator_events.c.epoch == epoch,
@@ -138,25 +163,26 @@ def event_rows(
     )
     if until_seq is not None:
         query = query.where(allocator_events.c.seq <= until_seq)
-    if owner is not None:
-        query = query.where(allocator_events.c.owner == owner)
-    if kind is not None:
-        query = query.where(allocator_events.c.kind == kind)
+    return query
+
+
+def compile_for_driver(conn: sa.Connection, query: sa.Select) -> tuple[str, Any]:
+    """``query`` as the DBAPI driver takes it: SQL text and its parameters."""
     compiled = query.compile(dialect=conn.dialect)
     params: Any = compiled.construct_params()
     if compiled.positional:
         params = tuple(params[name] for name in compiled.positiontup or ())
-    driver = conn.connection.driver_connection
-    if conn.dialect.name == "postgresql":
-        cursor = driver.cursor(name=f"nanoserve_replay_{uuid.uuid4().hex[:12]}")
-    else:
-        cursor = driver.cursor()
-    try:
-        cursor.execute(str(compiled), params)
-        while chunk := cursor.fetchmany(10_000):
-            yield chunk
-    finally:
-        cursor.close()
+    return str(compiled), params
+
+
+def last_stored_seq(conn: sa.Connection, pool_id: str, epoch: int, until_seq: int | None) -> int | None:
+    """The highest stored seq of the epoch at or below ``until_seq`` (any when None); None without rows."""
+    query = sa.select(sa.func.max(allocator_events.c.seq)).where(
+        allocator_events.c.pool_id == pool_id, allocator_events.c.epoch == epoch
+    )
+    if until_seq is not None:
+        query = query.where(allocator_events.c.seq <= until_seq)
+    return conn.execute(query).scalar()
 
 
 def latest_snapshot_seq(conn: sa.Connection, pool_id: str, epoch: int, until_seq: int | None) -> int | None:

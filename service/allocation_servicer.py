@@ -18,8 +18,12 @@ NUM_EVENTS_PER_PAGE = 1000  # stored events read per query while catching up
 
 
 class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    """max_queued_events: live events one WatchEvents stream may buffer before the log
+    cuts it off (it then catches up from the store)."""
+
+    def __init__(self, engine: AsyncLLMEngine, max_queued_events: int = 100_000) -> None:
         self._engine = engine
+        self._max_queued_events = max_queued_events
 
     async def GetPoolStatus(self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext) -> apb.PoolStatus:
         status = convert.to_pool_status(self._engine.pool_status())
@@ -43,7 +47,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
         event_log = self._event_log()
         next_seq = max(request.from_seq, 1)
         while True:
-            live = EventStream(event_log)
+            live = EventStream(event_log, max_queued_events=self._max_queued_events)
             try:
                 async for event in self._stored_events(event_log, next_seq):
                     yield convert.to_event(event)

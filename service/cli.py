@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 
 # sub-command module names under nanoserve.service.commands, in --help order
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
 COMMANDS: tuple[str, ...] = ("serve", "generate", "health", "log", "db")
 
 
@@ -30,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: quiet, as shells expect
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -50,6 +50,20 @@ SHUTDOWN_MARGIN_S = 5.0
 LOADING_PROGRESS_INTERVAL_S = 2.0
 
 
+def health_statuses(engine_ok: bool, log_ok: bool) -> dict[str, int]:
+    """Health status by service name ('' = the whole server).
+
+    Generation needs the engine loop; while the log writer retries, the engine
+    keeps generating (its queue gives backpressure only when full). Allocation
+    (events, audit) and the server as a whole need both.
+    """
+    return {
+        "": SERVING if engine_ok and log_ok else NOT_SERVING,
+        GENERATION_SERVICE: SERVING if engine_ok else NOT_SERVING,
+        ALLOCATION_SERVICE: SERVING if engine_ok and log_ok else NOT_SERVING,
+    }
+
+
 class NanoServer:
     """One gRPC server in front of one started engine.
 
@@ -112,24 +126,22 @@ class NanoServer:
             raise OSError(f"could not bind the gRPC port {address}")
         return port
 
-    def _statuses(self) -> dict[str, int]:
-        """Health status by service name ('' = the whole server)."""
-        engine_ok = self.engine.is_running and not self.engine.errored
-        event_log = self.engine.engine.event_log
-        log_ok = event_log is None or bool(event_log.healthy)
-        generation = SERVING if engine_ok else NOT_SERVING
-        allocation = SERVING if engine_ok and log_ok else NOT_SERVING
-        overall = SERVING if engine_ok and log_ok else NOT_SERVING
-        return {"": overall, GENERATION_SERVICE: generation, ALLOCATION_SERVICE: allocation}
-
     async def _update_health(self) -> None:
-        for service, status in self._statuses().items():
+        event_log = self.engine.engine.event_log
+        statuses = health_statuses(
+            engine_ok=self.engine.is_running and not self.engine.errored,
+            log_ok=event_log is None or bool(event_log.healthy),
+        )
+        for service, status in statuses.items():
             await self.health.set(service, status)
 
     async def _monitor_loop(self) -> None:
         """Refreshes health and the pool gauges every MONITOR_INTERVAL_S seconds."""
         while True:
-            await self._update_health()
+            try:
+                await self._update_health()
+            except Exception:  # noqa: BLE001 - health must keep being refreshed
+                log.exception("health_update_failed")
             status = self.engine.pool_status()
             self.metrics.observe_pool(
                 num_running=status.num_running,

@@ -1,7 +1,8 @@
 """``nanoserve generate``: stream a completion from a running server and print it.
 
 The text is printed as it streams; ``--json`` prints one JSON object per
-streamed message instead (protobuf field names), for scripts.
+streamed message instead (protobuf field names), for scripts. Ctrl-C cancels
+the call (the server aborts the request) and exits 130.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import os
 import sys
 from typing import Any
 
+# a CLI user expects a whole answer; API clients that leave max_tokens unset get the engine's default
+DEFAULT_MAX_TOKENS = 256
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -21,7 +26,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("prompt", help="the prompt text (with --chat: the user message)")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message, rendered with the model's chat template")
-    parser.add_argument("--system", default=None, help="with --chat: a system message placed before the user message")
+    parser.add_argument("--system", default=None, help="a system message placed before the user message (implies --chat)")
     parser.add_argument("--server", default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"), help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]")
     parser.add_argument("--token", default=os.environ.get("NANOSERVE_AUTH_TOKEN"), help="bearer token, when the server requires one [env NANOSERVE_AUTH_TOKEN]")
     parser.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates unless --ca-cert)")
@@ -31,7 +36,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS", help="first wait up to this long for the server's health to be SERVING (for scripts that just started it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per streamed message instead of the text")
     sampling = parser.add_argument_group("sampling (unset: the engine's defaults)")
-    sampling.add_argument("--max-tokens", type=int, default=None, help="new tokens at most (>= 1)")
+    sampling.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"new tokens at most (>= 1) [default: {DEFAULT_MAX_TOKENS}, the API's default is the engine's]")
     sampling.add_argument("--min-tokens", type=int, default=0, help="new tokens before EOS or a stop may end the request")
     sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     sampling.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
@@ -53,7 +58,7 @@ def build_request(args: argparse.Namespace) -> Any:
     from nanoserve.v1 import generation_pb2 as pb
 
     request = pb.GenerateRequest(request_id=args.request_id)
-    if args.chat:
+    if args.chat or args.system is not None:
         messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
         messages.append(pb.ChatMessage(role="user", content=args.prompt))
         request.chat.messages.extend(messages)
@@ -84,7 +89,6 @@ def _finish_line(finish: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from nanoserve.service.client import auth_metadata, open_channel, wait_ready
     from nanoserve.v1 import generation_pb2_grpc
@@ -95,17 +99,46 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {args.server} not SERVING after {args.wait_ready} s", file=sys.stderr)
             return 1
         stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request, timeout=args.timeout, metadata=auth_metadata(args.token))
+        printer = _Printer(args.json)
         try:
-            for response in stub.Generate(request, timeout=args.timeout, metadata=auth_metadata(args.token)):
-                if args.json:
-                    print(json.dumps(MessageToDict(response, preserving_proto_field_name=True)), flush=True)
-                    continue
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-                if response.HasField("finish"):
-                    sys.stdout.write("\n")
-                    print(_finish_line(response.finish), file=sys.stderr)
+            for response in call:
+                printer.print(response)
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            printer.end_line()
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            call.cancel()  # the server sees the cancel and aborts the request
+            printer.end_line()
+            return EXIT_INTERRUPTED
     return 0
+
+
+class _Printer:
+    """Prints streamed messages; knows whether a line of text is left open."""
+
+    def __init__(self, as_json: bool) -> None:
+        self._as_json = as_json
+        self._line_open = False  # text written since the last newline
+
+    def print(self, response: Any) -> None:
+        from google.protobuf.json_format import MessageToDict
+
+        if self._as_json:
+            print(json.dumps(MessageToDict(response, preserving_proto_field_name=True)), flush=True)
+            return
+        # marked before writing: a Ctrl-C between the two still ends the line
+        self._line_open = self._line_open or bool(response.text)
+        sys.stdout.write(response.text)
+        sys.stdout.flush()
+        if response.HasField("finish"):
+            self.end_line()
+            print(_finish_line(response.finish), file=sys.stderr)
+
+    def end_line(self) -> None:
+        """Ends the streamed text's line, if any text is on it."""
+        if self._line_open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self._line_open = False

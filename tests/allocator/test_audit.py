@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import subprocess
+
 import pytest
 import sqlalchemy as sa
 
 from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, LogNotFoundError, audit, audit_all, replay
+
+replay_module = importlib.import_module("nanoserve.allocator.replay")  # the module, not the function
 
 
 def write_log(url: str, pool_id: str, close: bool = True) -> EventLog:
@@ -164,3 +169,55 @@ def test_state_violations_carry_block_and_owner(log_url: str, pool_id: str) -> N
     execute(log_url, "UPDATE allocator_events SET owner = 'Z' WHERE pool_id = :p AND seq = 10", p=pool_id)
     rules = [(v.seq, v.rule, v.block_id, v.owner) for v in audit(log_url, pool_id).violations]
     assert rules[:3] == [(10, "hash_mismatch", None, "Z"), (10, "owner_mismatch", 4, "Z"), (10, "owner_mismatch", 5, "Z")]
+
+
+def test_large_epoch_is_verified_in_a_second_process(log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not log_url.startswith("sqlite"):
+        pytest.skip("the second process reads SQLite files only")
+    from nanoserve.allocator import chain_verifier
+
+    verdicts = []
+    collect = chain_verifier.result
+    monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
+    monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)
+    monkeypatch.setattr(chain_verifier, "result", lambda proc: verdicts.append(collect(proc)) or verdicts[-1])
+    write_log(log_url, pool_id)
+    report = audit(log_url, pool_id)
+    assert (report.clean, report.num_events, verdicts) == (True, 12, [chain_verifier.ChainResult(True, 12, report_head(log_url, pool_id))])
+
+
+def test_large_epoch_with_a_flipped_byte_is_named_like_a_small_one(log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_log(log_url, pool_id)
+    edit_record(log_url, pool_id, 7, "|aborted|", "|abortec|")
+    small = audit(log_url, pool_id)
+    monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
+    monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)
+    large = audit(log_url, pool_id)
+    assert large.violations == small.violations
+    assert (large.first_bad_seq, large.violations[0].rule) == (7, "hash_mismatch")
+
+
+def report_head(url: str, pool_id: str) -> bytes:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            where = "WHERE pool_id = :p AND epoch = 1 AND seq = 12"
+            return bytes(conn.execute(sa.text(f"SELECT hash FROM allocator_events {where}"), {"p": pool_id}).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanoserve.allocator import chain_verifier
+
+    monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
+    monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)
+    def failed(proc: subprocess.Popen) -> None:
+        proc.kill()
+        proc.communicate()
+        return None
+
+    monkeypatch.setattr(chain_verifier, "result", failed)
+    write_log(log_url, pool_id)
+    report = audit(log_url, pool_id)
+    assert (report.clean, report.num_events, report.state.free_block_ids) == (True, 12, (0, 1, 2, 3, 4, 5, 6, 7))

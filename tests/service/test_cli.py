@@ -26,10 +26,19 @@ def test_generate_plain_prompt() -> None:
     request = build_request(build_parser().parse_args(["generate", "Once upon a time"]))
     assert request.WhichOneof("input") == "prompt"
     assert request.prompt == "Once upon a time"
-    assert request.sampling == pb.SamplingParameters()
+    assert request.sampling == pb.SamplingParameters(max_tokens=256)
 
 
-@pytest.mark.parametrize("command", ["generate", "health"])
+def test_generate_cli_default_max_tokens_is_256() -> None:
+    assert build_request(build_parser().parse_args(["generate", "Hi"])).sampling.max_tokens == 256
+
+
+def test_generate_system_implies_chat() -> None:
+    request = build_request(build_parser().parse_args(["generate", "--system", "Be brief.", "Hi"]))
+    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "health"])
 def test_help_describes_every_flag(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args([command, "--help"])

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
+import structlog
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -297,3 +304,190 @@ async def _stored_events(served: Served) -> list:
 
     event_log = served.engine.engine.event_log
     return await asyncio.to_thread(read_events, served.log_url, event_log.pool_id, event_log.epoch)
+
+
+async def test_tls_serves_a_client_that_trusts_the_certificate(served: Served, tmp_path: Path) -> None:
+    from nanoserve.service.config import ServerConfig
+    from nanoserve.service.server import NanoServer
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=None, tls_cert=str(cert), tls_key=str(key))
+    secured = NanoServer(served.engine, config, owns_engine=False)
+    await secured.start()
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{secured.port}", credentials) as channel:
+            info = await generation_pb2_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+            assert info.block_size == 16
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{secured.port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await generation_pb2_grpc.GenerationStub(plain).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await secured.stop(0)
+
+
+async def _cli(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nanoserve.service.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    stdout, stderr = await process.communicate()
+    return process.returncode or 0, stdout.decode(), stderr.decode()
+
+
+async def test_generate_cli_streams_the_chat_completion(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    code, stdout, stderr = await _cli("generate", "--server", server, "--chat", "What is the capital of France?", "--max-tokens", "24", "--temperature", "0")
+    assert code == 0, stderr
+    assert stdout == EXPECTED_CHAT_TEXT + "\n"
+    assert stderr.startswith("[stop; ")
+
+
+async def test_generate_cli_json_prints_one_object_per_message(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    code, stdout, stderr = await _cli("generate", "--server", server, "--json", "--request-id", "json-1", "Hello", "--max-tokens", "3", "--temperature", "0", "--ignore-eos")
+    assert code == 0, stderr
+    messages = [json.loads(line) for line in stdout.splitlines()]
+    assert {m["request_id"] for m in messages} == {"json-1"}
+    assert sum(len(m.get("token_ids", [])) for m in messages) == 3
+    assert messages[-1]["finish"]["reason"] == "FINISH_REASON_LENGTH"
+
+
+async def test_generate_cli_error_before_any_text_starts_with_error(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    code, stdout, stderr = await _cli("generate", "--server", server, "Hi", "--max-tokens", "0")
+    assert (code, stdout) == (1, "")
+    assert stderr.startswith("error: INVALID_ARGUMENT: ")
+
+
+async def test_generate_cli_ctrl_c_exits_130_quietly_and_the_server_aborts(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    with structlog.testing.capture_logs() as logs:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "nanoserve.service.cli", "generate", "--server", server, "--request-id", "ctrl-c",
+            "--max-tokens", "400", "--ignore-eos", "--temperature", "0", "Count from one to one thousand: one, two,",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None and process.stderr is not None
+        first = await asyncio.wait_for(process.stdout.read(1), timeout=60)
+        process.send_signal(signal.SIGINT)
+        rest, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
+        await _settle(served)
+    assert process.returncode == 130
+    assert stderr.decode() == ""
+    assert first and (first + rest).endswith(b"\n") and not (first + rest).endswith(b"\n\n")
+    [line] = _finished_lines(logs, "ctrl-c")
+    assert (line["finish_reason"], line["cause"]) == ("abort", "cancelled")
+
+
+async def test_health_cli_exit_codes(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    assert await _cli("health", "--server", server) == (0, "SERVING\n", "")
+    code, _, _ = await _cli("health", "--server", "127.0.0.1:1", "--timeout", "1")
+    assert code == 2
+
+
+async def test_watch_events_catches_up_from_the_log_after_falling_behind(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanoserve.allocator import EventStream
+    from nanoserve.service import allocation_servicer
+    from nanoserve.service.allocation_servicer import AllocationServicer
+
+    subscriptions = []
+
+    class CountedEventStream(EventStream):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            subscriptions.append(self)
+
+    monkeypatch.setattr(allocation_servicer, "EventStream", CountedEventStream)
+    # a subscriber allowed to buffer 2 live events falls behind at once
+    servicer = AllocationServicer(served.engine, max_queued_events=2)
+    start = await wait_pool_free(served)
+    events = servicer.WatchEvents(apb.WatchEventsRequest(from_seq=start.last_seq + 1), context=None)
+    first = asyncio.ensure_future(events.__anext__())  # subscribes, then waits for the first new event
+    await asyncio.sleep(0.2)
+    requests = [pb.GenerateRequest(prompt=f"Say {i}.", sampling=pb.SamplingParameters(max_tokens=20, temperature=0.0, ignore_eos=True)) for i in range(4)]
+    await asyncio.gather(*(_collect(_generation(served), r) for r in requests))
+    end = await wait_pool_free(served)
+    seqs = [(await first).seq]
+    while seqs[-1] < end.last_seq:
+        seqs.append((await asyncio.wait_for(events.__anext__(), timeout=10)).seq)
+    await events.aclose()
+    assert seqs == list(range(start.last_seq + 1, end.last_seq + 1))
+    assert len(subscriptions) >= 2  # cut off at least once, resubscribed, caught up from the store
+
+
+def _finished_lines(logs: list[dict], request_id: str) -> list[dict]:
+    return [e for e in logs if e["event"] == "request_finished" and e["request_id"] == request_id]
+
+
+async def _settle(served: Served) -> None:
+    await wait_pool_free(served)
+    await asyncio.sleep(0.2)  # room for a second, wrong, record to show up
+
+
+async def test_cancelled_stream_is_counted_and_logged_once_as_abort(served: Served) -> None:
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="abort"}')
+    with structlog.testing.capture_logs() as logs:
+        call = _generation(served).Generate(_long_request("cancel-count"))
+        await call.read()
+        call.cancel()
+        await _settle(served)
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="abort"}') == before + 1
+    [line] = _finished_lines(logs, "cancel-count")
+    assert (line["finish_reason"], line["cause"]) == ("abort", "cancelled")
+    assert line["completion_tokens"] >= 1
+
+
+async def test_deadline_exceeded_stream_is_counted_and_logged_once_as_abort(served: Served) -> None:
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="abort"}')
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(grpc.aio.AioRpcError):
+            async for _ in _generation(served).Generate(_long_request("deadline-count"), timeout=0.5):
+                pass
+        await _settle(served)
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="abort"}') == before + 1
+    [line] = _finished_lines(logs, "deadline-count")
+    assert (line["finish_reason"], line["cause"]) == ("abort", "deadline")
+
+
+async def test_abort_rpc_stream_is_counted_and_logged_once_as_abort(served: Served) -> None:
+    stub = _generation(served)
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="abort"}')
+    with structlog.testing.capture_logs() as logs:
+        call = stub.Generate(_long_request("abort-count"))
+        await call.read()
+        await stub.Abort(pb.AbortRequest(request_id="abort-count"))
+        await _read_rest(call)
+        await _settle(served)
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="abort"}') == before + 1
+    [line] = _finished_lines(logs, "abort-count")
+    assert (line["finish_reason"], line["cause"]) == ("abort", "abort_rpc")
+
+
+async def test_stream_cancelled_while_waiting_is_logged_with_its_prompt_tokens(served: Served) -> None:
+    stub = _generation(served)
+    running = [stub.Generate(_long_request(f"busy-{i}")) for i in range(MAX_NUM_SEQS)]
+    for call in running:
+        await call.read()
+    waiting_request = _long_request("cancel-waiting")
+    with structlog.testing.capture_logs() as logs:
+        waiting = stub.Generate(waiting_request)
+        while (await _allocation(served).GetPoolStatus(apb.GetPoolStatusRequest())).num_waiting == 0:
+            await asyncio.sleep(0.01)
+        waiting.cancel()
+        for call in running:
+            call.cancel()
+        await _settle(served)
+    [line] = _finished_lines(logs, "cancel-waiting")
+    assert line["prompt_tokens"] == len(served.engine.tokenizer.encode(waiting_request.prompt))
+    assert (line["completion_tokens"], line["ttft_s"], line["cause"]) == (0, None, "cancelled")

@@ -1,0 +1,105 @@
+"""Hash-chain verification of stored rows in a second process.
+
+Record ``i`` of an epoch is intact iff ``sha256(stored_hash[i-1] + record[i])
+== stored_hash[i]``: with the stored hashes in hand each record is checked on
+its own, so the chain can be verified beside the replay instead of inside it.
+``start`` launches this module as a script (``python -I chain_verifier.py``)
+that reads the rows of one seq range from the SQLite file with its own
+connection and prints one JSON line; ``result`` collects it. The replay
+process meanwhile applies the same rows to the pool state, and takes the
+verdict before it trusts them (see ``replay``).
+
+The script imports only the standard library (no SQLAlchemy, no nanoserve),
+so it starts in milliseconds; the caller hands it the compiled SQL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass
+
+_digest = operator.methodcaller("digest")
+# columns of a (seq, record, hash) row, taken out of a whole chunk at C speed
+_seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+_FETCH_ROWS = 1_000  # small chunks stay in the CPU caches
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    """What the verifier saw: ``num_rows`` rows with seqs from_seq, from_seq + 1, ...
+
+    intact: every seq in line and every stored hash equal to
+        sha256(previous stored hash + record).
+    last_hash: stored hash of the last row (the chain's head), None without rows.
+    """
+
+    intact: bool
+    num_rows: int
+    last_hash: bytes | None
+
+
+def verify_rows(cursor: sqlite3.Cursor, previous_hash: bytes, from_seq: int) -> ChainResult:
+    """Check the rows ``(seq, record as UTF-8 bytes, hash)`` left in ``cursor``, in seq order."""
+    previous = previous_hash
+    expected = from_seq
+    num_rows = 0
+    while chunk := cursor.fetchmany(_FETCH_ROWS):
+        if list(map(_seq_of, chunk)) != list(range(expected, expected + len(chunk))):
+            return ChainResult(False, num_rows, None)
+        hashes = list(map(_hash_of, chunk))
+        chained = [previous]
+        chained += hashes[:-1]
+        computed = list(map(_digest, map(hashlib.sha256, map(operator.add, chained, map(_record_of, chunk)))))
+        if computed != hashes:
+            return ChainResult(False, num_rows, None)
+        previous = hashes[-1]
+        expected += len(chunk)
+        num_rows += len(chunk)
+    return ChainResult(True, num_rows, previous if num_rows else None)
+
+
+def start(database: str, sql: str, params: list, previous_hash: bytes, from_seq: int) -> subprocess.Popen:
+    """Launch the verifier on an SQLite file; ``sql`` selects (seq, record as BLOB, hash) in seq order."""
+    request = {"database": database, "sql": sql, "params": params, "previous_hash": previous_hash.hex(), "from_seq": from_seq}
+    return subprocess.Popen(
+        [sys.executable, "-I", __file__, json.dumps(request)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def result(proc: subprocess.Popen) -> ChainResult | None:
+    """The verdict of a started verifier; None when it failed (the caller then checks in-process)."""
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        return None
+    try:
+        answer = json.loads(out)
+        last_hash = None if answer["last_hash"] is None else bytes.fromhex(answer["last_hash"])
+        return ChainResult(bool(answer["intact"]), int(answer["num_rows"]), last_hash)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _main() -> int:
+    request = json.loads(sys.argv[1])
+    connection = sqlite3.connect(request["database"])
+    try:
+        cursor = connection.execute(request["sql"], request["params"])
+        verdict = verify_rows(cursor, bytes.fromhex(request["previous_hash"]), request["from_seq"])
+    finally:
+        connection.close()
+    last_hash = None if verdict.last_hash is None else verdict.last_hash.hex()
+    print(json.dumps({"intact": verdict.intact, "num_rows": verdict.num_rows, "last_hash": last_hash}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

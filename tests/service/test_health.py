@@ -1,0 +1,21 @@
+"""Health per service: NOT_SERVING when the engine loop died or the log writer cannot write."""
+
+from __future__ import annotations
+
+from nanoserve.service.server import ALLOCATION_SERVICE, GENERATION_SERVICE, NOT_SERVING, SERVING, health_statuses
+
+
+def test_all_serving_when_engine_and_log_are_up() -> None:
+    assert health_statuses(engine_ok=True, log_ok=True) == {"": SERVING, GENERATION_SERVICE: SERVING, ALLOCATION_SERVICE: SERVING}
+
+
+def test_dead_engine_loop_stops_every_service() -> None:
+    assert health_statuses(engine_ok=False, log_ok=True) == {"": NOT_SERVING, GENERATION_SERVICE: NOT_SERVING, ALLOCATION_SERVICE: NOT_SERVING}
+
+
+def test_unhealthy_log_writer_stops_allocation_and_the_server() -> None:
+    assert health_statuses(engine_ok=True, log_ok=False) == {"": NOT_SERVING, GENERATION_SERVICE: SERVING, ALLOCATION_SERVICE: NOT_SERVING}
+
+
+def test_service_names_are_the_proto_full_names() -> None:
+    assert (GENERATION_SERVICE, ALLOCATION_SERVICE) == ("nanoserve.v1.Generation", "nanoserve.v1.Allocation")
