@@ -75,3 +75,15 @@ def test_dockerfile_copies_every_package_folder() -> None:
     text = (ROOT / "Dockerfile").read_text()
     for folder in ("allocator", "engine", "service", "migrations", "protos"):
         assert f"COPY {folder}/ {folder}/" in text
+
+
+def test_pyproject_metadata_reads_without_setuptools_warnings() -> None:
+    import warnings
+
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = read_configuration(ROOT / "pyproject.toml")
+    assert config["project"]["license"] == "Apache-2.0"
+    assert [str(w.message) for w in caught] == []
