@@ -408,6 +408,15 @@ async def test_health_cli_exit_codes(served: Served) -> None:
     assert code == 2
 
 
+async def test_health_cli_unknown_service_exits_3_naming_the_known_ones(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    assert await _cli("health", "--server", server, "--service", "bogus") == (
+        3,
+        "",
+        f"{server}: unknown service 'bogus'; known: '', 'nanoserve.v1.Generation', 'nanoserve.v1.Allocation'\n",
+    )
+
+
 async def test_watch_events_catches_up_from_the_log_after_falling_behind(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     from nanoserve.allocator import EventStream
     from nanoserve.service import allocation_servicer
