@@ -18,10 +18,11 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
+from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL
+
 if TYPE_CHECKING:  # the engine package imports torch; `nanoserve --help` should not
     from nanoserve.engine.config import EngineConfig
 
-DEFAULT_EVENT_LOG_URL = "sqlite:///nanoserve-log.db"
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ENV_PREFIX = "NANOSERVE_"

@@ -43,6 +43,17 @@ OPTIONAL_SAMPLING_FIELDS = (
 )
 
 
+def proto_field(engine_field: str) -> str:
+    """The GenerateRequest field path of a field the engine names in an
+    ``InvalidRequestError`` (``max_tokens`` -> ``sampling.max_tokens``);
+    paths the service already gave, and unknown names, are returned as they are."""
+    if engine_field in pb.SamplingParameters.DESCRIPTOR.fields_by_name:
+        return f"sampling.{engine_field}"
+    if engine_field == "messages":
+        return "chat.messages"
+    return engine_field
+
+
 def to_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 

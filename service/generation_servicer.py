@@ -128,7 +128,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        await self._engine.abort(request.request_id)
+        try:
+            await self._engine.abort(request.request_id)
+        except RequestNotFoundError:
+            raise RequestNotFoundError(f"request_id: no live request {request.request_id!r}") from None
         self._rpc_aborts.add(request.request_id)
         return pb.AbortResponse()
 

@@ -26,6 +26,7 @@ from nanoserve.engine.errors import (
     QueueFullError,
     RequestNotFoundError,
 )
+from nanoserve.service.convert import proto_field
 from nanoserve.service.errors import EventLogDisabledError
 
 log = structlog.get_logger("nanoserve.service")
@@ -53,6 +54,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def message_for(exc: BaseException) -> str:
+    if isinstance(exc, InvalidRequestError):  # the engine names its own fields; the client knows the protobuf paths
+        return f"{proto_field(exc.field)}: {str(exc).removeprefix(exc.field + ': ')}"
     # KeyError's str() wraps its message in quotes
     if isinstance(exc, KeyError) and exc.args:
         return str(exc.args[0])

@@ -1,7 +1,8 @@
 """``nanoserve health``: ask a server's grpc.health.v1 service whether it serves.
 
 Exit 0 when SERVING, 1 when the server answers anything else, 2 when it cannot
-be reached. The container healthcheck uses it.
+be reached, 3 when it does not know the ``--service`` asked about. The
+container healthcheck uses it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import os
 import sys
 from typing import Any
 
+EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_UNKNOWN_SERVICE = 0, 1, 2, 3
+# the services a nanoserve server reports health for ('' is the whole server)
+KNOWN_SERVICES = ("", "nanoserve.v1.Generation", "nanoserve.v1.Allocation")
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "health",
-        help="check a server's health (exit 0 SERVING, 1 not serving, 2 unreachable)",
+        help="check a server's health (exit 0 SERVING, 1 not serving, 2 unreachable, 3 unknown --service)",
         description="Query grpc.health.v1 on a running server and print the status.",
     )
     parser.add_argument("--server", default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"), help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]")
@@ -38,7 +43,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             status = health_status(channel, args.service, timeout_s=args.timeout)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # grpc.health.v1's answer for a service it does not track
+                known = ", ".join(repr(name) for name in KNOWN_SERVICES)
+                print(f"{args.server}: unknown service {args.service!r}; known: {known}", file=sys.stderr)
+                return EXIT_UNKNOWN_SERVICE
             print(f"{args.server}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 2
+            return EXIT_UNREACHABLE
     print(status)
-    return 0 if status == "SERVING" else 1
+    return EXIT_SERVING if status == "SERVING" else EXIT_NOT_SERVING

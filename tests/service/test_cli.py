@@ -49,3 +49,10 @@ def test_help_describes_every_flag(command: str, capsys: pytest.CaptureFixture[s
         assert action.help, f"{command} {action.option_strings} has no help"
         for option in action.option_strings:
             assert option in text
+
+
+def test_health_cli_knows_every_service_the_server_reports() -> None:
+    from nanoserve.service.commands.health import KNOWN_SERVICES
+    from nanoserve.service.server import ALLOCATION_SERVICE, GENERATION_SERVICE
+
+    assert KNOWN_SERVICES == ("", GENERATION_SERVICE, ALLOCATION_SERVICE)

@@ -75,3 +75,17 @@ def test_dockerfile_copies_every_package_folder() -> None:
     text = (ROOT / "Dockerfile").read_text()
     for folder in ("allocator", "engine", "service", "migrations", "protos"):
         assert f"COPY {folder}/ {folder}/" in text
+
+
+def test_pyproject_metadata_applies_without_setuptools_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    monkeypatch.chdir(ROOT)  # the readme and package dirs are relative to the project
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distribution = apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert distribution.metadata.license_expression == "Apache-2.0"
+    assert [str(w.message) for w in caught] == []

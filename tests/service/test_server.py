@@ -142,7 +142,7 @@ async def test_abort_ends_the_stream_with_finish_reason_abort(served: Served) ->
 async def test_abort_of_unknown_request_is_not_found(served: Served) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _generation(served).Abort(pb.AbortRequest(request_id="nobody"))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.NOT_FOUND, "request_id: no live request 'nobody'")
 
 
 async def test_duplicate_live_request_id_is_already_exists(served: Served) -> None:
@@ -184,8 +184,20 @@ async def test_prompt_longer_than_max_model_len_is_invalid_argument(served: Serv
     request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[42] * 1100))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _collect(_generation(served), request)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "1100" in info.value.details() and "1024" in info.value.details()
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "sampling.max_tokens: prompt (1100 tokens) + max_tokens (16) = 1116 exceeds max_model_len (1024)",
+    )
+
+
+async def test_max_tokens_past_max_model_len_names_the_protobuf_field(served: Served) -> None:
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[42] * 1000), sampling=pb.SamplingParameters(max_tokens=100))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(_generation(served), request)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "sampling.max_tokens: prompt (1000 tokens) + max_tokens (100) = 1100 exceeds max_model_len (1024)",
+    )
 
 
 async def test_queue_full_is_resource_exhausted(served: Served) -> None:
@@ -394,6 +406,15 @@ async def test_health_cli_exit_codes(served: Served) -> None:
     assert await _cli("health", "--server", server) == (0, "SERVING\n", "")
     code, _, _ = await _cli("health", "--server", "127.0.0.1:1", "--timeout", "1")
     assert code == 2
+
+
+async def test_health_cli_unknown_service_exits_3_naming_the_known_ones(served: Served) -> None:
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    assert await _cli("health", "--server", server, "--service", "bogus") == (
+        3,
+        "",
+        f"{server}: unknown service 'bogus'; known: '', 'nanoserve.v1.Generation', 'nanoserve.v1.Allocation'\n",
+    )
 
 
 async def test_watch_events_catches_up_from_the_log_after_falling_behind(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
