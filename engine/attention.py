@@ -7,11 +7,13 @@ One small interface, ``AttentionBackend``: ``prepare(batch, block_size)`` turns 
 and this module's torch backend otherwise; the torch backend runs on CPU and CUDA
 with ``scaled_dot_product_attention``:
 
-- decodes (query_len 1) are attended all at once: the K/V blocks of every decoding
-  sequence are gathered through the block tables into ``[num_decodes, L, kv_heads, D]``
-  (L = the longest decode context, rounded up to whole blocks) and positions past
-  each sequence's context are masked; the query heads sharing one KV head become
-  ``G`` query rows of that head (grouped-query attention without repeating K/V);
+- decodes (query_len 1) are sorted by context length into at most
+  ``MAX_DECODE_BUCKETS`` buckets, chosen once per step in ``prepare`` to minimise the
+  padded keys read; each bucket is attended at once: its sequences' K/V blocks are
+  gathered through the block tables into ``[bucket_size, L, kv_heads, D]`` (L = the
+  bucket's longest context, rounded up to whole blocks) and positions past each
+  sequence's context are masked; the query heads sharing one KV head become ``G``
+  query rows of that head (grouped-query attention without repeating K/V);
 - prefill chunks are attended one sequence at a time over their varlen slice
   (no padding to the longest prompt), causally, offset by the tokens already cached:
   query ``i`` (position ``start + i``) sees keys ``0 .. start + i``.
@@ -68,13 +70,58 @@ class PrefillSlice:
 
 
 @dataclass
+class DecodeBucket:
+    """Decoding sequences attended together, padded to the longest context among them."""
+
+    token_indices: torch.Tensor  # [bucket_size] int64: their rows in the batch
+    block_ids: torch.Tensor  # [bucket_size * num_blocks_read] int64: block tables, row-major
+    mask: torch.Tensor | None  # [bucket_size, 1, 1, num_blocks_read * block_size] bool; None: no padding
+
+
+@dataclass
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_tokens: int
-    decode_token_indices: torch.Tensor | None  # [num_decodes] int64; None: every token is a decode
-    decode_block_tables: torch.Tensor | None  # [num_decodes, num_blocks_read] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, num_blocks_read * block_size] bool
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSlice] = field(default_factory=list)
+
+
+MAX_DECODE_BUCKETS = 4
+# A bucket costs a fixed amount (an index_select and an SDPA call per layer); counted as
+# this many blocks of padding, so a split must save more than that to be made.
+BUCKET_COST_BLOCKS = 16
+
+
+def bucket_by_num_blocks(num_blocks: list[int], max_buckets: int, bucket_cost: int) -> list[int]:
+    """Split sorted block counts into at most ``max_buckets`` contiguous runs.
+
+    num_blocks: blocks each decode reads, ascending. Minimises
+    ``sum(run_size * run_max) + bucket_cost * num_runs`` (blocks gathered plus the fixed
+    cost of each bucket) by dynamic programming over the distinct block counts.
+    Returns the exclusive end index of each run, ascending; the last is ``len(num_blocks)``.
+    """
+    ends = [i + 1 for i in range(len(num_blocks)) if i + 1 == len(num_blocks) or num_blocks[i + 1] != num_blocks[i]]
+    n = len(ends)
+    inf = float("inf")
+    # best[k][j]: least cost covering the first ends[j - 1] decodes with k runs; j = 0 is empty
+    best = [[inf] * (n + 1) for _ in range(max_buckets + 1)]
+    choice = [[0] * (n + 1) for _ in range(max_buckets + 1)]
+    best[0][0] = 0
+    for k in range(1, max_buckets + 1):
+        for j in range(1, n + 1):
+            run_max = num_blocks[ends[j - 1] - 1]
+            for i in range(j):
+                start = ends[i - 1] if i else 0
+                cost = best[k - 1][i] + (ends[j - 1] - start) * run_max + bucket_cost
+                if cost < best[k][j]:
+                    best[k][j], choice[k][j] = cost, i
+    k = min(range(1, max_buckets + 1), key=lambda k: best[k][n])
+    cuts, j = [], n
+    while j:
+        cuts.append(ends[j - 1])
+        j = choice[k][j]
+        k -= 1
+    return cuts[::-1]
 
 
 class TorchAttentionBackend:
@@ -88,25 +135,31 @@ class TorchAttentionBackend:
         token_starts = [0] * batch.num_seqs
         for i in range(1, batch.num_seqs):
             token_starts[i] = token_starts[i - 1] + batch.query_lens[i - 1]
-        metadata = TorchAttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            num_tokens=batch.num_tokens,
-            decode_token_indices=None,
-            decode_block_tables=None,
-            decode_mask=None,
-        )
+        metadata = TorchAttentionMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
         if decode_seq_ids:
-            context_lens = [batch.context_lens[i] for i in decode_seq_ids]
-            num_blocks_read = -(-max(context_lens) // block_size)
-            seq_index = torch.tensor(decode_seq_ids, dtype=torch.int64, device=device)
-            tables = batch.block_tables.index_select(0, seq_index)[:, :num_blocks_read].long()
-            lens = torch.tensor(context_lens, dtype=torch.int64, device=device)
-            key_positions = torch.arange(num_blocks_read * block_size, device=device)
-            metadata.decode_block_tables = tables
-            metadata.decode_mask = (key_positions[None, :] < lens[:, None])[:, None, None, :]
-            if len(decode_seq_ids) != batch.num_tokens:
-                rows = [token_starts[i] for i in decode_seq_ids]
-                metadata.decode_token_indices = torch.tensor(rows, dtype=torch.int64, device=device)
+            decode_seq_ids.sort(key=lambda i: batch.context_lens[i])
+            num_blocks = [-(-batch.context_lens[i] // block_size) for i in decode_seq_ids]
+            start = 0
+            for end in bucket_by_num_blocks(num_blocks, MAX_DECODE_BUCKETS, BUCKET_COST_BLOCKS):
+                seq_ids = decode_seq_ids[start:end]
+                num_blocks_read = num_blocks[end - 1]
+                context_lens = [batch.context_lens[i] for i in seq_ids]
+                seq_index = torch.tensor(seq_ids, dtype=torch.int64, device=device)
+                tables = batch.block_tables.index_select(0, seq_index)[:, :num_blocks_read].long()
+                mask = None
+                if min(context_lens) != num_blocks_read * block_size:
+                    lens = torch.tensor(context_lens, dtype=torch.int64, device=device)
+                    key_positions = torch.arange(num_blocks_read * block_size, device=device)
+                    mask = (key_positions[None, :] < lens[:, None])[:, None, None, :]
+                rows = [token_starts[i] for i in seq_ids]
+                metadata.decode_buckets.append(
+                    DecodeBucket(
+                        token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+                        block_ids=tables.flatten(),
+                        mask=mask,
+                    )
+                )
+                start = end
         for i, query_len in enumerate(batch.query_lens):
             if query_len == 1:
                 continue
@@ -145,12 +198,10 @@ class TorchAttentionBackend:
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
 
-        if metadata.decode_token_indices is None and not metadata.prefills:
-            return self._decode(q, key_cache, value_cache, metadata, group, scale)
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-        if metadata.decode_block_tables is not None:
-            rows = metadata.decode_token_indices
-            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), key_cache, value_cache, metadata, group, scale))
+        for bucket in metadata.decode_buckets:
+            rows = bucket.token_indices
+            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), key_cache, value_cache, bucket, group, scale))
         for p in metadata.prefills:
             out[p.token_start : p.token_end] = self._prefill(q, k, v, key_cache, value_cache, p, scale)
         return out
@@ -160,20 +211,19 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        metadata: TorchAttentionMetadata,
+        bucket: DecodeBucket,
         group: int,
         scale: float,
     ) -> torch.Tensor:
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[2]
-        tables = metadata.decode_block_tables  # [B, nb]
         # [B * nb, block_size, Hkv, D] -> [B, Hkv, L, D]; index_select copies whole blocks,
         # 5x faster on CPU than advanced indexing with the 2-D table
         shape = (num_decodes, -1, num_kv_heads, head_dim)
-        keys = key_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
-        values = value_cache.index_select(0, tables.flatten()).view(shape).transpose(1, 2)
+        keys = key_cache.index_select(0, bucket.block_ids).view(shape).transpose(1, 2)
+        values = value_cache.index_select(0, bucket.block_ids).view(shape).transpose(1, 2)
         queries = q.view(num_decodes, num_kv_heads, group, head_dim)  # G query rows per KV head
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=metadata.decode_mask, scale=scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.mask, scale=scale)
         return out.reshape(num_decodes, num_heads * head_dim)
 
     @staticmethod

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from nanoserve.engine.attention import TorchAttentionBackend, select_backend
+from nanoserve.engine.attention import TorchAttentionBackend, bucket_by_num_blocks, select_backend
 from nanoserve.engine.flash_attention import FlashAttentionBackend
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
 
@@ -33,9 +33,10 @@ def test_cuda_without_flash_attn_gets_torch_backend():
 
 def test_torch_metadata_splits_decodes_from_prefills():
     metadata = TorchAttentionBackend().prepare(mixed_batch(), block_size=4)
-    assert metadata.decode_token_indices.tolist() == [3]
-    assert metadata.decode_block_tables.tolist() == [[1, 2, 3]]
-    assert metadata.decode_mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
+    [bucket] = metadata.decode_buckets
+    assert bucket.token_indices.tolist() == [3]
+    assert bucket.block_ids.tolist() == [1, 2, 3]
+    assert bucket.mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
     assert [(p.token_start, p.token_end, p.context_len) for p in metadata.prefills] == [(0, 3, 7), (4, 6, 2)]
     assert metadata.prefills[0].block_ids.tolist() == [5, 6]
     # chunk at positions 4..6 sees keys 0..4, 0..5, 0..6
@@ -43,11 +44,35 @@ def test_torch_metadata_splits_decodes_from_prefills():
     assert metadata.prefills[1].mask is None  # starts at 0: plain causal over its own keys
 
 
-def test_torch_metadata_for_all_decodes_needs_no_row_index():
-    batch = ForwardBatch.build([SeqSlice([1], 3, [0]), SeqSlice([2], 5, [1, 2])], block_size=4)
-    metadata = TorchAttentionBackend().prepare(batch, block_size=4)
-    assert metadata.decode_token_indices is None
+def test_torch_metadata_buckets_decodes_by_context_length():
+    # contexts 2, 40, 3, 38 tokens (1, 10, 1, 10 blocks): two buckets, short ones first
+    slices = [SeqSlice([1], 1, [0]), SeqSlice([2], 39, list(range(10, 20))), SeqSlice([3], 2, [1]),
+              SeqSlice([4], 37, list(range(20, 30)))]
+    metadata = TorchAttentionBackend().prepare(ForwardBatch.build(slices, block_size=4), block_size=4)
+    assert [b.token_indices.tolist() for b in metadata.decode_buckets] == [[0, 2], [3, 1]]
+    assert [b.block_ids.tolist() for b in metadata.decode_buckets] == [[0, 1], list(range(20, 30)) + list(range(10, 20))]
+    assert metadata.decode_buckets[0].mask[:, 0, 0].tolist() == [[True] * 2 + [False] * 2, [True] * 3 + [False]]
+    assert metadata.decode_buckets[1].mask[:, 0, 0].sum(dim=1).tolist() == [38, 40]
     assert metadata.prefills == []
+
+
+def test_torch_metadata_omits_mask_when_every_context_fills_its_blocks():
+    batch = ForwardBatch.build([SeqSlice([1], 3, [0]), SeqSlice([2], 3, [1])], block_size=4)
+    [bucket] = TorchAttentionBackend().prepare(batch, block_size=4).decode_buckets
+    assert bucket.mask is None
+
+
+def test_bucketing_splits_at_distinct_block_counts_when_buckets_are_free():
+    assert bucket_by_num_blocks([1, 1, 1, 1, 2, 2, 10, 10, 30], max_buckets=4, bucket_cost=0) == [4, 6, 8, 9]
+
+
+def test_bucketing_keeps_one_bucket_when_a_split_costs_more_than_it_saves():
+    assert bucket_by_num_blocks([1, 1, 1, 1, 2, 2, 10, 10, 30], max_buckets=4, bucket_cost=1000) == [9]
+
+
+def test_bucketing_respects_max_buckets():
+    # best 2-way split of [1, 1, 1, 1, 2, 2, 10, 10, 30]: [1..2] and [10, 10, 30] costs 6*2 + 3*30 = 102
+    assert bucket_by_num_blocks([1, 1, 1, 1, 2, 2, 10, 10, 30], max_buckets=2, bucket_cost=0) == [6, 9]
 
 
 def test_flash_metadata_has_cumulative_lengths():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanoserve.engine.attention import TorchAttentionBackend
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
 
 ATOL = 1e-5  # float32, same kernels; only summation order may differ
@@ -94,3 +95,18 @@ def test_decode_batch_reads_only_each_sequences_own_blocks(runner):
     both = forward(runner, [SeqSlice(p[-1:], 8, tp), SeqSlice(q[-1:], 8, tq)])
     expected = torch.cat([forward(runner, [SeqSlice(p, 0, [96, 97, 98])]), forward(runner, [SeqSlice(q, 0, [99, 101, 102])])])
     torch.testing.assert_close(both, expected, atol=ATOL, rtol=0)
+
+
+def test_decode_batch_of_very_different_contexts_matches_each_alone(runner):
+    # contexts 3 .. 70 tokens (1 .. 18 blocks), unsorted: decodes are split into buckets by length
+    lengths = (40, 3, 70, 9, 21)
+    prompts = [prompt(n, seed=100 + n) for n in lengths]
+    tables, next_block = [], 0
+    for n in lengths:
+        tables.append(list(range(next_block, next_block + -(-(n + 1) // BLOCK_SIZE))))
+        next_block += len(tables[-1])
+    alone = torch.cat([forward(runner, [SeqSlice(p, 0, [b + next_block for b in t])]) for p, t in zip(prompts, tables)])
+    forward(runner, [SeqSlice(p[:-1], 0, t, needs_logits=False) for p, t in zip(prompts, tables)])
+    decodes = ForwardBatch.build([SeqSlice(p[-1:], len(p) - 1, t) for p, t in zip(prompts, tables)], BLOCK_SIZE, runner.device)
+    assert len(TorchAttentionBackend().prepare(decodes, BLOCK_SIZE).decode_buckets) > 1
+    torch.testing.assert_close(runner.forward(decodes), alone, atol=ATOL, rtol=0)
