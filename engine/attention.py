@@ -201,7 +201,8 @@ class TorchAttentionBackend:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         for bucket in metadata.decode_buckets:
             rows = bucket.token_indices
-            out.index_copy_(0, rows, self._decode(q.index_select(0, rows), key_cache, value_cache, bucket, group, scale))
+            attended = self._decode(q.index_select(0, rows), key_cache, value_cache, bucket, group, scale)
+            out.index_copy_(0, rows, attended)
         for p in metadata.prefills:
             out[p.token_start : p.token_end] = self._prefill(q, k, v, key_cache, value_cache, p, scale)
         return out

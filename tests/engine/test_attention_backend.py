@@ -50,7 +50,9 @@ def test_torch_metadata_buckets_decodes_by_context_length():
               SeqSlice([4], 37, list(range(20, 30)))]
     metadata = TorchAttentionBackend().prepare(ForwardBatch.build(slices, block_size=4), block_size=4)
     assert [b.token_indices.tolist() for b in metadata.decode_buckets] == [[0, 2], [3, 1]]
-    assert [b.block_ids.tolist() for b in metadata.decode_buckets] == [[0, 1], list(range(20, 30)) + list(range(10, 20))]
+    short, long = metadata.decode_buckets
+    assert short.block_ids.tolist() == [0, 1]
+    assert long.block_ids.tolist() == list(range(20, 30)) + list(range(10, 20))
     assert metadata.decode_buckets[0].mask[:, 0, 0].tolist() == [[True] * 2 + [False] * 2, [True] * 3 + [False]]
     assert metadata.decode_buckets[1].mask[:, 0, 0].sum(dim=1).tolist() == [38, 40]
     assert metadata.prefills == []

@@ -107,6 +107,7 @@ def test_decode_batch_of_very_different_contexts_matches_each_alone(runner):
         next_block += len(tables[-1])
     alone = torch.cat([forward(runner, [SeqSlice(p, 0, [b + next_block for b in t])]) for p, t in zip(prompts, tables)])
     forward(runner, [SeqSlice(p[:-1], 0, t, needs_logits=False) for p, t in zip(prompts, tables)])
-    decodes = ForwardBatch.build([SeqSlice(p[-1:], len(p) - 1, t) for p, t in zip(prompts, tables)], BLOCK_SIZE, runner.device)
+    slices = [SeqSlice(p[-1:], len(p) - 1, t) for p, t in zip(prompts, tables)]
+    decodes = ForwardBatch.build(slices, BLOCK_SIZE, runner.device)
     assert len(TorchAttentionBackend().prepare(decodes, BLOCK_SIZE).decode_buckets) > 1
     torch.testing.assert_close(runner.forward(decodes), alone, atol=ATOL, rtol=0)
