@@ -102,7 +102,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--single-stream-tokens", type=int, default=128)
     parser.add_argument("--single-stream-repeats", type=int, default=3)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="bytes of KV cache")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16", help="nanoserve's dtype (transformers runs bfloat16)")
@@ -117,6 +118,7 @@ def main() -> None:
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
     )
     workload = build_workload(llm.tokenizer, args.num_requests, seed=args.seed)
     from bench.hf_reference import hf_model_from_runner
@@ -132,7 +134,8 @@ def main() -> None:
     print(
         f"workload: {len(workload)} requests, {prompt_tokens} prompt tokens, "
         f"{sum(r.max_tokens for r in workload)} generated tokens; "
-        f"nanoserve {args.dtype}, transformers bfloat16, torch threads {torch.get_num_threads()}"
+        f"nanoserve {args.dtype} max_num_seqs {args.max_num_seqs} ({llm.engine.num_blocks} KV blocks), "
+        f"transformers bfloat16, torch threads {torch.get_num_threads()}"
     )
     rows = []
     if not args.only_single_stream:
