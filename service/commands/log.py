@@ -2,13 +2,15 @@
 
     nanoserve log audit  [--url URL] [--pool ID] [--epoch N]
     nanoserve log show   [--url URL] [--pool ID] [--epoch N] [--owner O] [--block B] [--kind K] [--from SEQ] [--to SEQ] [--limit N]
-    nanoserve log state  --at SEQ [--url URL] [--pool ID] [--epoch N]
+    nanoserve log state  --at SEQ [--url URL] [--pool ID] [--epoch N] [--full]
     nanoserve log epochs [--url URL] [--pool ID]
 
 The URL defaults to $NANOSERVE_EVENT_LOG_URL, else the server's default log
 file (``sqlite:///nanoserve-log.db`` in the working directory). Exit status:
 0 clean, 1 violations found, 2 unusable input (no log there, unknown pool or
-epoch, unreachable database).
+epoch, unreachable database, a bad flag). A migrated log with no epochs yet is
+not an error: ``epochs`` says "no epochs in the log" and ``audit`` says
+"nothing to audit", both exit 0.
 """
 
 from __future__ import annotations
@@ -19,9 +21,16 @@ import sys
 from datetime import datetime, timezone
 from typing import Any
 
+from nanoserve.allocator.events import EventKind
+
+EVENT_KINDS = tuple(kind.value for kind in EventKind)
+
 EXIT_CLEAN = 0
 EXIT_VIOLATIONS = 1
 EXIT_UNUSABLE = 2
+
+# an epoch without POOL_CLOSE: a reader of the log cannot tell a running server from a crashed one
+OPEN_STATUS = "open (running, or crashed)"
 
 
 def register(subparsers: Any) -> None:
@@ -32,31 +41,53 @@ def register(subparsers: Any) -> None:
     )
     actions = parser.add_subparsers(dest="log_command", metavar="ACTION", required=True)
 
-    audit = actions.add_parser("audit", help="check every rule of the log; report leaks and crashed epochs")
-    _add_source(audit, with_epoch=True)
+    audit = actions.add_parser(
+        "audit",
+        help="check every rule of the log; report leaks and open epochs",
+        description="Replay every epoch (or --epoch N) from its genesis and check every rule of the log: "
+        "exit 0 clean, 1 violations (with the first bad seq), 2 unusable input. "
+        "For an open epoch (running, or crashed) it prints who held which blocks at the last durable event.",
+    )
+    _add_source(audit, epoch_help="epoch number (default: every epoch)")
     audit.set_defaults(func=run_audit)
 
-    show = actions.add_parser("show", help="print events as a table")
-    _add_source(show, with_epoch=True)
+    show = actions.add_parser(
+        "show",
+        help="print events as a table",
+        description="Print the events of one epoch as a table (seq, batch, step, time, kind, blocks, owner, reason), "
+        "filtered by owner, block, kind or seq range.",
+    )
+    _add_source(show, epoch_help="the epoch whose events to print (default: the newest)")
     show.add_argument("--owner", help="only events of this owner (request id)")
     show.add_argument("--block", type=int, metavar="BLOCK_ID", help="only events touching this block")
-    show.add_argument("--kind", help="only events of this kind (allocate, allocate_for, free, free_all, snapshot, ...)")
+    show.add_argument("--kind", choices=EVENT_KINDS, help="only events of this kind")
     show.add_argument("--from", dest="from_seq", type=int, default=1, metavar="SEQ", help="first seq (default 1)")
     show.add_argument("--to", dest="to_seq", type=int, default=None, metavar="SEQ", help="last seq (default: the end)")
     show.add_argument("--limit", type=int, default=None, metavar="N", help="print at most N events")
     show.set_defaults(func=run_show)
 
-    state = actions.add_parser("state", help="replay the pool as of one seq and print who holds which blocks")
-    _add_source(state, with_epoch=True)
-    state.add_argument("--at", dest="at_seq", type=int, required=True, metavar="SEQ", help="the seq to replay up to")
+    state = actions.add_parser(
+        "state",
+        help="replay the pool as of one seq and print who holds which blocks",
+        description="Replay one epoch up to --at SEQ and print the pool then: counts, each owner's blocks, "
+        "the free blocks (as ranges; --full: the free stack in LIFO order) and any rule broken on the way.",
+    )
+    _add_source(state, epoch_help="the epoch to replay (default: the newest)")
+    state.add_argument("--at", dest="at_seq", type=int, required=True, metavar="SEQ", help="the seq to replay up to (past the epoch's end: its last seq, said on stderr)")
+    state.add_argument("--full", action="store_true", help="print the free stack block by block, next out first, instead of sorted ranges")
     state.set_defaults(func=run_state)
 
-    epochs = actions.add_parser("epochs", help="list the epochs of every pool (or one)")
-    _add_source(epochs, with_epoch=False)
+    epochs = actions.add_parser(
+        "epochs",
+        help="list the epochs of every pool (or one)",
+        description=f"List each epoch: pool, epoch, pool size, model, when it opened, durable seq, and its status "
+        f"('closed at seq N', or '{OPEN_STATUS}': no POOL_CLOSE yet).",
+    )
+    _add_source(epochs, epoch_help=None)
     epochs.set_defaults(func=run_epochs)
 
 
-def _add_source(parser: argparse.ArgumentParser, with_epoch: bool) -> None:
+def _add_source(parser: argparse.ArgumentParser, epoch_help: str | None) -> None:
     from_env = os.environ.get("NANOSERVE_EVENT_LOG_URL")
     parser.add_argument(
         "--url",
@@ -64,8 +95,8 @@ def _add_source(parser: argparse.ArgumentParser, with_epoch: bool) -> None:
         help="SQLAlchemy URL of the log [env NANOSERVE_EVENT_LOG_URL; default: sqlite:///nanoserve-log.db]",
     )
     parser.add_argument("--pool", dest="pool_id", default=None, help="pool id (default: the log's only pool)")
-    if with_epoch:
-        parser.add_argument("--epoch", type=int, default=None, help="epoch number (default: all for audit, else the newest)")
+    if epoch_help is not None:
+        parser.add_argument("--epoch", type=int, default=None, help=epoch_help)
 
 
 def _url(args: argparse.Namespace) -> str:
@@ -93,14 +124,20 @@ def _guarded(run: Any) -> Any:
 @_guarded
 def run_audit(args: argparse.Namespace) -> int:
     from nanoserve.allocator import audit, audit_all
+    from nanoserve.allocator.log_reader import connect, list_epochs
 
     url = _url(args)
+    if args.epoch is None and args.pool_id is None:
+        with connect(url) as conn:
+            if not list_epochs(conn, None):
+                print("nothing to audit: the log holds no epochs")
+                return EXIT_CLEAN
     if args.epoch is None:
         reports = audit_all(url, args.pool_id)
     else:
         reports = [audit(url, args.pool_id, args.epoch)]
     for report in reports:
-        print(report.render())
+        print(report.render(open_status=OPEN_STATUS))
     return EXIT_CLEAN if all(report.clean for report in reports) else EXIT_VIOLATIONS
 
 
@@ -147,6 +184,8 @@ def run_state(args: argparse.Namespace) -> int:
     if args.at_seq < 1:
         raise ValueError(f"--at must be >= 1, got {args.at_seq}")
     state = replay(_url(args), args.pool_id, args.epoch, until_seq=args.at_seq)
+    if state.last_seq < args.at_seq:
+        print(f"note: epoch {state.epoch} ends at seq {state.last_seq}; showing the pool there, not at --at {args.at_seq}", file=sys.stderr)
     print(
         f"pool {state.pool_id!r} epoch {state.epoch} at seq {state.last_seq}: "
         f"{state.num_free} free, {state.num_allocated} allocated of {state.num_blocks} blocks of {state.block_size} tokens"
@@ -154,7 +193,10 @@ def run_state(args: argparse.Namespace) -> int:
     held = state.blocks_by_owner()
     if held:
         print(_table(["owner", "num_blocks", "block ids"], [[o, str(len(b)), ",".join(map(str, b))] for o, b in held.items()]))
-    print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
+    if args.full:
+        print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
+    else:
+        print("free blocks: " + (block_ranges(state.free_block_ids) or "none"))
     for violation in state.violations:
         print(f"violation: {violation}")
     return EXIT_CLEAN if not state.violations else EXIT_VIOLATIONS
@@ -166,8 +208,11 @@ def run_epochs(args: argparse.Namespace) -> int:
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)
+    if not epochs and args.pool_id is not None:
+        raise LogNotFoundError(f"the log holds no pool {args.pool_id!r}")
     if not epochs:
-        raise LogNotFoundError("the log holds no pools" if args.pool_id is None else f"the log holds no pool {args.pool_id!r}")
+        print("no epochs in the log")
+        return EXIT_CLEAN
     rows = [
         [
             info.pool_id,
@@ -177,12 +222,23 @@ def run_epochs(args: argparse.Namespace) -> int:
             info.model or "",
             _utc(info.opened_wall_ns),
             str(info.durable_seq),
-            f"closed at seq {info.closed_seq}" if info.closed else "open or crashed",
+            f"closed at seq {info.closed_seq}" if info.closed else OPEN_STATUS,
         ]
         for info in epochs
     ]
     print(_table(["pool", "epoch", "num_blocks", "block_size", "model", "opened (UTC)", "durable_seq", "status"], rows))
     return EXIT_CLEAN
+
+
+def block_ranges(block_ids: list[int]) -> str:
+    """Block ids sorted and compressed into runs: [5, 0, 1, 2, 7] -> "0-2, 5, 7"."""
+    runs: list[list[int]] = []
+    for block_id in sorted(block_ids):
+        if runs and block_id == runs[-1][1] + 1:
+            runs[-1][1] = block_id
+        else:
+            runs.append([block_id, block_id])
+    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
 
 
 def _utc(wall_time_ns: int) -> str:

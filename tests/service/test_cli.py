@@ -56,3 +56,13 @@ def test_health_cli_knows_every_service_the_server_reports() -> None:
     from nanoserve.service.server import ALLOCATION_SERVICE, GENERATION_SERVICE
 
     assert KNOWN_SERVICES == ("", GENERATION_SERVICE, ALLOCATION_SERVICE)
+
+
+@pytest.mark.parametrize("command", ["log", "db"])
+def test_every_sub_action_has_a_description_and_help_on_every_flag(command: str) -> None:
+    parser = build_parser()._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    actions = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name, action_parser in actions.items():
+        assert action_parser.description, f"{command} {name} has no description"
+        for action in action_parser._actions:
+            assert action.help, f"{command} {name} {action.option_strings} has no help"

@@ -88,7 +88,7 @@ def test_state_at_seq_lists_holders(log_url: str, capsys: pytest.CaptureFixture[
     assert main(["log", "state", "--url", log_url, "--at", "3"]) == 0
     out = capsys.readouterr().out
     assert "at seq 3: 1 free, 3 allocated of 4 blocks of 16 tokens" in out
-    assert "free stack (next out first): 3" in out
+    assert "free blocks: 3" in out
     owners = {line.split()[0]: line.split()[2] for line in out.splitlines() if line.startswith(("A ", "B "))}
     assert owners == {"A": "0,1", "B": "2"}
 
@@ -100,10 +100,81 @@ def test_epochs_lists_each_epoch_with_status(log_url: str, capsys: pytest.Captur
     lines = capsys.readouterr().out.splitlines()[2:]
     assert [line.split()[:4] for line in lines] == [["p", "1", "4", "16"], ["p", "2", "4", "16"]]
     assert lines[0].endswith("5            closed at seq 5")
-    assert lines[1].endswith("1            open or crashed")
+    assert lines[1].endswith("1            open (running, or crashed)")
 
 
 def test_url_defaults_to_environment(log_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("NANOSERVE_EVENT_LOG_URL", log_url)
     assert main(["log", "show", "--kind", "allocate"]) == 0
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["3"]
+
+
+def test_audit_of_an_open_epoch_says_running_or_crashed(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    log = EventLog.open(log_url, pool_id="p", num_blocks=4, block_size=16)
+    log._writer.stop()  # never closed
+    assert main(["log", "audit", "--url", log_url, "--epoch", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "pool 'p' epoch 2: 1 events, last seq 1, open (running, or crashed)"
+
+
+def test_state_prints_free_blocks_as_sorted_ranges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'ranges.db'}"
+    with EventLog.open(url, pool_id="p", num_blocks=10, block_size=16) as log:
+        pool = BlockAllocator(10, 16, event_log=log)
+        taken = [pool.allocate(f"r{i}") for i in range(10)]  # seq 2..11
+        for block_id in (5, 0, 9, 1, 2, 7):  # seq 12..17
+            pool.free(taken[block_id])
+        pool.free_all([taken[i] for i in (3, 4, 6, 8)], FreeReason.FINISHED)
+    assert main(["log", "state", "--url", url, "--at", "17"]) == 0
+    assert "free blocks: 0-2, 5, 7, 9" in capsys.readouterr().out.splitlines()
+
+
+def test_state_full_prints_the_free_stack_in_lifo_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'lifo.db'}"
+    with EventLog.open(url, pool_id="p", num_blocks=10, block_size=16) as log:
+        pool = BlockAllocator(10, 16, event_log=log)
+        taken = [pool.allocate(f"r{i}") for i in range(10)]
+        for block_id in (5, 0, 9, 1, 2, 7):
+            pool.free(taken[block_id])
+        pool.free_all([taken[i] for i in (3, 4, 6, 8)], FreeReason.FINISHED)
+    assert main(["log", "state", "--url", url, "--at", "17", "--full"]) == 0
+    assert "free stack (next out first): 7,2,1,9,0,5" in capsys.readouterr().out.splitlines()
+
+
+def test_state_past_the_end_says_where_the_epoch_ends(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "state", "--url", log_url, "--at", "99999"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "note: epoch 1 ends at seq 5; showing the pool there, not at --at 99999\n"
+    assert "epoch 1 at seq 5:" in captured.out
+
+
+def test_show_rejects_an_unknown_kind_naming_the_kinds(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["log", "show", "--url", log_url, "--kind", "bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err and "'allocate_for'" in err and "'pool_close'" in err
+
+
+def _empty_log(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    assert main(["db", "upgrade", url]) == 0
+    return url
+
+
+def test_epochs_of_an_empty_log_says_so_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = _empty_log(tmp_path)
+    capsys.readouterr()
+    assert main(["log", "epochs", "--url", url]) == 0
+    assert capsys.readouterr().out == "no epochs in the log\n"
+
+
+def test_audit_of_an_empty_log_has_nothing_to_audit_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = _empty_log(tmp_path)
+    capsys.readouterr()
+    assert main(["log", "audit", "--url", url]) == 0
+    assert capsys.readouterr().out == "nothing to audit: the log holds no epochs\n"
+
+
+def test_epochs_of_an_unknown_pool_exits_2(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "epochs", "--url", log_url, "--pool", "nope"]) == 2
+    assert "the log holds no pool 'nope'" in capsys.readouterr().err

