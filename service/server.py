@@ -176,10 +176,14 @@ class NanoServer:
             # streams get grace_s to finish; the rest end with finish_reason abort;
             # POOL_CLOSE then ends the WatchEvents streams
             await self.engine.shutdown(grace_s)
-        if stopping is not None:
-            await stopping
+        # the metrics server notices shutdown() only at its next poll (0.5 s): wait for it
+        # while the gRPC server stops, not after
+        waits = [stopping] if stopping is not None else []
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
+            waits.append(asyncio.ensure_future(asyncio.to_thread(self._metrics_http.shutdown)))
+        await asyncio.gather(*waits)
+        if self._metrics_http is not None:
+            self._metrics_http.server_close()
         log.info("shutdown_finished")
 
 

@@ -91,6 +91,9 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_e
     first.channel.close()
     events = [line["event"] for line in first.lines]
     assert events.index("shutdown_started") < events.index("shutdown_finished")
+    finished = {line["request_id"]: line for line in first.lines if line["event"] == "request_finished"}
+    assert (finished["long"]["finish_reason"], finished["long"]["cause"]) == ("abort", "shutdown")
+    assert finished["short"]["finish_reason"] == "length" and "cause" not in finished["short"]
 
     report = audit(log_url, pool_id="default", epoch=epoch)
     assert report.clean and report.closed
