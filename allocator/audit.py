@@ -77,7 +77,9 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
     if closed:
         leaked = dict(sorted(replayer.owners.items()))
         for block_id, owner in leaked.items():
-            replayer.violate(replayer.closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner)
+            replayer.violate(
+                replayer.closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner
+            )
     state = replayer.state()
     return AuditReport(
         pool_id=info.pool_id,
@@ -105,5 +107,7 @@ def audit_all(url: str, pool_id: str | None = None) -> list[AuditReport]:
     with connect(url) as conn:
         epochs = list_epochs(conn, pool_id)
         if not epochs:
-            raise LogNotFoundError("the log holds no pools" if pool_id is None else f"the log holds no pool {pool_id!r}")
+            raise LogNotFoundError(
+                "the log holds no pools" if pool_id is None else f"the log holds no pool {pool_id!r}"
+            )
         return [audit_epoch(conn, info) for info in epochs]

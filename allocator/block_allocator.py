@@ -252,6 +252,4 @@ class BlockAllocator:
     def _bad_free(self, block_id: object) -> ValueError:
         if type(block_id) is int and 0 <= block_id < self._num_blocks:
             return ValueError(f"block {block_id} is already free (double free)")
-        return ValueError(
-            f"block {block_id!r} does not belong to this pool (block ids are 0..{self._num_blocks - 1})"
-        )
+        return ValueError(f"block {block_id!r} does not belong to this pool (block ids are 0..{self._num_blocks - 1})")

@@ -65,7 +65,13 @@ def verify_rows(cursor: sqlite3.Cursor, previous_hash: bytes, from_seq: int) -> 
 
 def start(database: str, sql: str, params: list, previous_hash: bytes, from_seq: int) -> subprocess.Popen:
     """Launch the verifier on an SQLite file; ``sql`` selects (seq, record as BLOB, hash) in seq order."""
-    request = {"database": database, "sql": sql, "params": params, "previous_hash": previous_hash.hex(), "from_seq": from_seq}
+    request = {
+        "database": database,
+        "sql": sql,
+        "params": params,
+        "previous_hash": previous_hash.hex(),
+        "from_seq": from_seq,
+    }
     return subprocess.Popen(
         [sys.executable, "-I", __file__, json.dumps(request)],
         stdin=subprocess.DEVNULL,

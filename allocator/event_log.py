@@ -113,7 +113,9 @@ class EventLog:
         try:
             if epoch is None:
                 epoch = _newest_epoch(engine, pool_id) + 1
-            writer = LogWriter(engine, pool_id, epoch, uuid.uuid4().hex, 0, genesis_hash(pool_id, epoch), max_pending_batches)
+            writer = LogWriter(
+                engine, pool_id, epoch, uuid.uuid4().hex, 0, genesis_hash(pool_id, epoch), max_pending_batches
+            )
             init: Record = (1, EventKind.POOL_INIT.value, (), None, None, None, _time_ns(), _monotonic_ns(), init_data)
             rows, head_hash = writer.seal_first([init])
             _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init[6])
@@ -197,10 +199,24 @@ class EventLog:
             raise EventLogError(f"event log of pool {self.pool_id!r} epoch {self.epoch} is closed")
         batch = self._batch
         self._batch = []
-        if may_snapshot and self._allocator is not None and self._seq - self._snapshot_seq >= self._num_events_per_snapshot:
+        if (
+            may_snapshot
+            and self._allocator is not None
+            and self._seq - self._snapshot_seq >= self._num_events_per_snapshot
+        ):
             self._seq = self._snapshot_seq = self._seq + 1
             batch.append(
-                (self._seq, _SNAPSHOT, (), None, self._step, None, _time_ns(), _monotonic_ns(), self._allocator.snapshot_data())
+                (
+                    self._seq,
+                    _SNAPSHOT,
+                    (),
+                    None,
+                    self._step,
+                    None,
+                    _time_ns(),
+                    _monotonic_ns(),
+                    self._allocator.snapshot_data(),
+                )
             )
         self._writer.submit(batch)
         if self._sync:
@@ -225,13 +241,21 @@ class EventLog:
             if self._batch:
                 self._seal()
             allocator = self._allocator
-            summary = None if allocator is None else {"num_free": allocator.num_free, "num_allocated": allocator.num_allocated}
+            summary = (
+                None
+                if allocator is None
+                else {"num_free": allocator.num_free, "num_allocated": allocator.num_allocated}
+            )
             self._step = None
             self._seq = seq = self._seq + 1
-            self._batch = [(seq, EventKind.POOL_CLOSE.value, (), None, None, None, _time_ns(), _monotonic_ns(), summary)]
+            self._batch = [
+                (seq, EventKind.POOL_CLOSE.value, (), None, None, None, _time_ns(), _monotonic_ns(), summary)
+            ]
             self._seal(may_snapshot=False)
             if not self._writer.wait_durable(seq, timeout_s):
-                raise EventLogError(f"event log did not commit seq {seq} within {timeout_s} s (durable_seq {self.durable_seq})")
+                raise EventLogError(
+                    f"event log did not commit seq {seq} within {timeout_s} s (durable_seq {self.durable_seq})"
+                )
         finally:
             self._closed = True
             self._writer.stop(timeout_s)
@@ -259,7 +283,12 @@ class EventLog:
 
 
 def _check_open_args(
-    pool_id: str, num_blocks: int, block_size: int, num_events_per_snapshot: int, max_pending_batches: int, epoch: int | None
+    pool_id: str,
+    num_blocks: int,
+    block_size: int,
+    num_events_per_snapshot: int,
+    max_pending_batches: int,
+    epoch: int | None,
 ) -> None:
     if type(pool_id) is not str or not 0 < len(pool_id) <= 128:
         raise ValueError(f"pool_id must be a str of 1..128 characters, got {pool_id!r}")
@@ -277,7 +306,9 @@ def _check_open_args(
 
 def _newest_epoch(engine: sa.Engine, pool_id: str) -> int:
     with engine.connect() as conn:
-        newest = conn.execute(sa.select(sa.func.max(pool_epochs.c.epoch)).where(pool_epochs.c.pool_id == pool_id)).scalar()
+        newest = conn.execute(
+            sa.select(sa.func.max(pool_epochs.c.epoch)).where(pool_epochs.c.pool_id == pool_id)
+        ).scalar()
     return newest or 0
 
 

@@ -204,7 +204,9 @@ class LogWriter:
                 assert seq == expected_seq, f"seq {seq} sealed where {expected_seq} was due"
                 expected_seq += 1
                 tail = _encode_data(data) if kind in DATA_KINDS else owner
-                record = encode_record(seq, batch_seq, kind, ",".join(map(str, block_ids)), step, reason, wall_ns, mono_ns, tail)
+                record = encode_record(
+                    seq, batch_seq, kind, ",".join(map(str, block_ids)), step, reason, wall_ns, mono_ns, tail
+                )
                 previous = chain_hash(previous, record)
                 if kind == "pool_close":
                     closed_seq = seq
@@ -226,8 +228,15 @@ class LogWriter:
                 self.healthy = False
                 self.num_retries += 1
                 delay_s = RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)]
-                log.warning("event_log_commit_failed", pool_id=self.pool_id, epoch=self.epoch,
-                            last_seq=last_seq, attempt=attempt + 1, retry_in_s=delay_s, error=str(exc))
+                log.warning(
+                    "event_log_commit_failed",
+                    pool_id=self.pool_id,
+                    epoch=self.epoch,
+                    last_seq=last_seq,
+                    attempt=attempt + 1,
+                    retry_in_s=delay_s,
+                    error=str(exc),
+                )
                 with self._progress:
                     self._progress.notify_all()
                 time.sleep(delay_s)

@@ -65,7 +65,9 @@ def replay(
         return replayer.state()
 
 
-def replay_epoch(conn: sa.Connection, info: EpochInfo, until_seq: int | None, start: Callable[[], Replayer]) -> Replayer:
+def replay_epoch(
+    conn: sa.Connection, info: EpochInfo, until_seq: int | None, start: Callable[[], Replayer]
+) -> Replayer:
     """Apply the epoch's rows up to ``until_seq`` to the replayer ``start()`` makes, checking everything.
 
     Rows are read here in chunks; a chunk whose seqs are in line and whose
@@ -114,7 +116,9 @@ def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replay
     except OSError:
         return False
     in_line = True
-    rows = event_rows(conn, info.pool_id, info.epoch, from_seq, last_seq, columns=_REPLAY_COLUMNS, num_rows_per_chunk=_CHUNK_ROWS)
+    rows = event_rows(
+        conn, info.pool_id, info.epoch, from_seq, last_seq, columns=_REPLAY_COLUMNS, num_rows_per_chunk=_CHUNK_ROWS
+    )
     try:
         for chunk in rows:
             if not replayer.apply_intact_rows(chunk):

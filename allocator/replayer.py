@@ -114,7 +114,12 @@ class Replayer:
                     if batch_end >= expected and seq > batch_end:
                         batch_end = seq - 1  # the gap already reported the torn batch
                 if sha256(previous + record.encode()).digest() != stored:
-                    violate(seq, "hash_mismatch", "stored hash does not match the record and the previous hash", owner=owner_column)
+                    violate(
+                        seq,
+                        "hash_mismatch",
+                        "stored hash does not match the record and the previous hash",
+                        owner=owner_column,
+                    )
             expected = seq + 1
             previous = stored
             try:
@@ -127,13 +132,22 @@ class Replayer:
                 continue
             owner = None if kind in DATA_KINDS else tail
             if kind != kind_column or owner != owner_column:
-                violate(seq, "column_mismatch", f"columns kind={kind_column!r} owner={owner_column!r} differ from the record", owner=owner)
+                violate(
+                    seq,
+                    "column_mismatch",
+                    f"columns kind={kind_column!r} owner={owner_column!r} differ from the record",
+                    owner=owner,
+                )
             if seq > batch_end:
                 batch_end = batch_seq
                 if batch_seq < seq:
                     violate(seq, "torn_batch", f"batch_seq {batch_seq} is before the record's own seq")
             elif batch_seq != batch_end:
-                violate(seq, "torn_batch", f"batch ending at seq {batch_end} is cut short: batch_seq {batch_seq} starts here")
+                violate(
+                    seq,
+                    "torn_batch",
+                    f"batch ending at seq {batch_end} is cut short: batch_seq {batch_seq} starts here",
+                )
                 batch_end = batch_seq
             if closed_seq is not None:
                 violate(seq, "after_close", f"{kind} after POOL_CLOSE at seq {self.closed_seq}", owner=owner)
@@ -196,14 +210,23 @@ class Replayer:
             code = kind_codes.get(kind, _UNKNOWN)
             owner = None if code >= _DATA else tail
             if kind != kind_column or owner != owner_column:
-                violate(seq, "column_mismatch", f"columns kind={kind_column!r} owner={owner_column!r} differ from the record", owner=owner)
+                violate(
+                    seq,
+                    "column_mismatch",
+                    f"columns kind={kind_column!r} owner={owner_column!r} differ from the record",
+                    owner=owner,
+                )
             if seq > batch_end:
                 batch_end = batch_seq
                 batch_end_text = batch_text
                 if batch_seq < seq:
                     violate(seq, "torn_batch", f"batch_seq {batch_seq} is before the record's own seq")
             elif batch_text != batch_end_text and batch_seq != batch_end:
-                violate(seq, "torn_batch", f"batch ending at seq {batch_end} is cut short: batch_seq {batch_seq} starts here")
+                violate(
+                    seq,
+                    "torn_batch",
+                    f"batch ending at seq {batch_end} is cut short: batch_seq {batch_seq} starts here",
+                )
                 batch_end = batch_seq
                 batch_end_text = batch_text
             if closed_seq is not None:
@@ -225,8 +248,8 @@ class Replayer:
                         else:
                             violate(seq, "owner_mismatch", f"block is held by {holder!r}", block_id, owner)
                             push_free(block_id)
-                elif free[-len(block_ids):] == block_ids[::-1]:  # the allocator pops from the top
-                    del free[-len(block_ids):]
+                elif free[-len(block_ids) :] == block_ids[::-1]:  # the allocator pops from the top
+                    del free[-len(block_ids) :]
                     for block_id in block_ids:
                         owners[block_id] = owner
                 else:
@@ -264,12 +287,16 @@ class Replayer:
             )
         elif durable_seq > self.last_seq:
             self.violate(
-                self.last_seq + 1, "missing_events", f"seqs {self.last_seq + 1}..{durable_seq} are missing (durable_seq {durable_seq})"
+                self.last_seq + 1,
+                "missing_events",
+                f"seqs {self.last_seq + 1}..{durable_seq} are missing (durable_seq {durable_seq})",
             )
         elif durable_seq == self.last_seq and self.info.head_hash != self.previous_hash:
             self.violate(self.last_seq, "hash_mismatch", "last record's hash differs from the epoch's head_hash")
         if self.info.closed_seq is not None and self.closed_seq is None:
-            self.violate(self.info.closed_seq, "missing_close", "the epoch was closed but its POOL_CLOSE record is missing")
+            self.violate(
+                self.info.closed_seq, "missing_close", "the epoch was closed but its POOL_CLOSE record is missing"
+            )
 
     def state(self) -> PoolState:
         return PoolState(
@@ -327,9 +354,7 @@ class Replayer:
         if free != self.free or owners != self.owners:
             self.violate(seq, "snapshot_mismatch", "snapshot differs from the replayed state")
 
-    def violate(
-        self, seq: int, rule: str, message: str, block_id: int | None = None, owner: str | None = None
-    ) -> None:
+    def violate(self, seq: int, rule: str, message: str, block_id: int | None = None, owner: str | None = None) -> None:
         self.violations.append(Violation(seq=seq, rule=rule, message=message, block_id=block_id, owner=owner))
 
 

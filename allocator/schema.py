@@ -67,9 +67,7 @@ class AllocatorEvent(Base):
     """
 
     __tablename__ = "allocator_events"
-    __table_args__ = (
-        ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),
-    )
+    __table_args__ = (ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),)
 
     pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     epoch: Mapped[int] = mapped_column(Integer, primary_key=True)

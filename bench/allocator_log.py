@@ -100,7 +100,9 @@ def caller_cost(folder: Path, num_calls: int) -> list[tuple[str, float, float]]:
 
 def writer_rate(url: str, num_calls: int) -> tuple[float, int]:
     """Events per second from the first submit until every event is durable."""
-    log = EventLog.open(url, pool_id=f"bench-{os.getpid()}-{time.time_ns()}", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    log = EventLog.open(
+        url, pool_id=f"bench-{os.getpid()}-{time.time_ns()}", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
+    )
     pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, event_log=log)
     first_seq = log.last_seq
     start = time.perf_counter()
@@ -186,11 +188,15 @@ def main() -> int:
     parser.add_argument("--skip-pg", action="store_true")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each replay/audit operation")
     parser.add_argument("--only-replay", action="store_true", help="skip parts 1 and 2 (caller cost, writer rate)")
-    parser.add_argument("--replay-log", default=None, help="URL of an existing single-pool log for part 3 (default: write one)")
+    parser.add_argument(
+        "--replay-log", default=None, help="URL of an existing single-pool log for part 3 (default: write one)"
+    )
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
     try:
-        print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]}\n")
+        print(
+            f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]}\n"
+        )
 
         if args.only_replay:
             replay_part(folder, args)

@@ -39,7 +39,9 @@ def run_nanoserve(llm: LLM, workload: list[WorkloadRequest]) -> tuple[float, int
 
 
 @torch.inference_mode()
-def run_transformers(model: torch.nn.Module, workload: list[WorkloadRequest], batch_size: int, pad_id: int) -> tuple[float, int]:
+def run_transformers(
+    model: torch.nn.Module, workload: list[WorkloadRequest], batch_size: int, pad_id: int
+) -> tuple[float, int]:
     """Seconds and useful generated tokens, batches of ``batch_size`` in workload order."""
     elapsed = 0.0
     for i in range(0, len(workload), batch_size):

@@ -121,8 +121,21 @@ async def run_grpc(address: str, workload: list[WorkloadRequest], concurrency: i
 
 def start_server(engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "nanoserve.service.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "off",
-         "--log-format", "json", *engine_flags],
+        [
+            sys.executable,
+            "-m",
+            "nanoserve.service.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "off",
+            "--log-format",
+            "json",
+            *engine_flags,
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -147,16 +160,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--requests-per-stream", type=int, default=4, help="workload size = this x concurrency")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per side; the best of each is printed")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds per side; the best of each is printed"
+    )
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
-    engine_args: dict[str, object] = dict(num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, event_log_url=f"sqlite:///{log_dir / 'offline.db'}")
+    engine_args: dict[str, object] = dict(
+        num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, event_log_url=f"sqlite:///{log_dir / 'offline.db'}"
+    )
     server, address = start_server(
-        ["--num-kv-blocks", str(args.num_kv_blocks), "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency)),
-         "--event-log-url", f"sqlite:///{log_dir / 'server.db'}"]
+        [
+            "--num-kv-blocks",
+            str(args.num_kv_blocks),
+            "--dtype",
+            args.dtype,
+            "--max-num-seqs",
+            str(max(args.concurrency)),
+            "--event-log-url",
+            f"sqlite:///{log_dir / 'server.db'}",
+        ]
     )
     try:
         rows = []
@@ -173,7 +198,10 @@ def main() -> None:
             offline = max(offline_runs, key=lambda run: run.tokens_per_s)
             served = max(served_runs, key=lambda run: run.tokens_per_s)
             rows.append((concurrency, len(workload), offline, served))
-            print(f"C={concurrency}: offline {offline.tokens_per_s:.1f} tok/s, gRPC {served.tokens_per_s:.1f} tok/s", file=sys.stderr)
+            print(
+                f"C={concurrency}: offline {offline.tokens_per_s:.1f} tok/s, gRPC {served.tokens_per_s:.1f} tok/s",
+                file=sys.stderr,
+            )
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)

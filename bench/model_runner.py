@@ -133,20 +133,38 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_batch = max(batch_sizes + [args.prefill_batch])
     tokens_per_seq = max(args.context_len + args.steps + 1, args.prefill_len)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; context {args.context_len}, "
-          f"{args.steps} decode steps; prefill {args.prefill_batch} x {args.prefill_len}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; context {args.context_len}, "
+        f"{args.steps} decode steps; prefill {args.prefill_batch} x {args.prefill_len}"
+    )
     print(f"{'dtype':<9} {'phase':<8} {'batch':>5} {'nanoserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6}")
     for dtype_name in args.dtypes.split(","):
         num_blocks = max_batch * (-(-tokens_per_seq // 16))
         runner = ModelRunner(EngineConfig.from_kwargs(model=args.model, dtype=dtype_name, num_kv_blocks=num_blocks))
         model = load_transformers(args.model, runner.dtype)
-        cells = [("decode", b, lambda b=b: ours_decode(runner, b, args.context_len, args.steps),
-                  lambda b=b: hf_decode(model, b, args.context_len, args.steps)) for b in batch_sizes]
-        cells.append(("prefill", args.prefill_batch, lambda: ours_prefill(runner, args.prefill_batch, args.prefill_len),
-                      lambda: hf_prefill(model, args.prefill_batch, args.prefill_len)))
+        cells = [
+            (
+                "decode",
+                b,
+                lambda b=b: ours_decode(runner, b, args.context_len, args.steps),
+                lambda b=b: hf_decode(model, b, args.context_len, args.steps),
+            )
+            for b in batch_sizes
+        ]
+        cells.append(
+            (
+                "prefill",
+                args.prefill_batch,
+                lambda: ours_prefill(runner, args.prefill_batch, args.prefill_len),
+                lambda: hf_prefill(model, args.prefill_batch, args.prefill_len),
+            )
+        )
         for phase, batch, run_ours, run_theirs in cells:
             ours, theirs = run_ours(), run_theirs()
-            print(f"{dtype_name:<9} {phase:<8} {batch:>5} {ours:>16.1f} {theirs:>19.1f} {ours / theirs:>5.2f}x", flush=True)
+            print(
+                f"{dtype_name:<9} {phase:<8} {batch:>5} {ours:>16.1f} {theirs:>19.1f} {ours / theirs:>5.2f}x",
+                flush=True,
+            )
         del runner, model
 
 

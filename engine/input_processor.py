@@ -27,7 +27,9 @@ class InputProcessor:
     is never preempted forever. Every error names the field and both numbers.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int, block_size: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -51,7 +53,9 @@ class InputProcessor:
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         for token_id in params.stop_token_ids:
             if token_id >= self.vocab_size:
-                raise InvalidRequestError("stop_token_ids", f"token id {token_id} is not below vocab_size {self.vocab_size}")
+                raise InvalidRequestError(
+                    "stop_token_ids", f"token id {token_id} is not below vocab_size {self.vocab_size}"
+                )
         return Request(
             request_id,
             prompt_token_ids,

@@ -43,8 +43,7 @@ class KVCacheSpec:
         num_blocks = memory_bytes // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory of {memory_bytes} bytes holds no block; "
-                f"one block needs {self.bytes_per_block} bytes"
+                f"kv_cache_memory of {memory_bytes} bytes holds no block; one block needs {self.bytes_per_block} bytes"
             )
         return num_blocks
 

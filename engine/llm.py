@@ -1,9 +1,9 @@
 """LLM: offline batch generation, the vLLM-style front door.
 
-    from nanoserve.engine import LLM, SamplingParams
-    llm = LLM(max_num_seqs=64)
-    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(outputs[0].text)
+from nanoserve.engine import LLM, SamplingParams
+llm = LLM(max_num_seqs=64)
+outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+print(outputs[0].text)
 """
 
 from __future__ import annotations

@@ -192,7 +192,9 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = now
             end = chunk.start + chunk.num_new_tokens
             slices.append(
-                SeqSlice(request.token_ids[chunk.start : end], chunk.start, request.block_table.block_ids, chunk.needs_logits)
+                SeqSlice(
+                    request.token_ids[chunk.start : end], chunk.start, request.block_table.block_ids, chunk.needs_logits
+                )
             )
             if chunk.needs_logits:
                 sampled.append(request)

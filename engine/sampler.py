@@ -122,7 +122,9 @@ def mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     if not row_index:
         return logits
     logits = logits.clone()
-    logits[torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device)] = float("-inf")
+    logits[torch.tensor(row_index, device=logits.device), torch.tensor(token_index, device=logits.device)] = float(
+        "-inf"
+    )
     return logits
 
 

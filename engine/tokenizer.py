@@ -16,7 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-
 class Tokenizer:
     """A fast tokenizer plus what generation needs from the model's metadata.
 

@@ -161,7 +161,9 @@ def _load_gguf(path: Path) -> Checkpoint:
     rope_freq_factors = None
     for name, tensor in tensors.items():
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-        values = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).reshape(shape)
+        values = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).reshape(
+            shape
+        )
         if name == "rope_freqs.weight":
             rope_freq_factors = values
             continue

@@ -25,7 +25,9 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
         self._engine = engine
         self._max_queued_events = max_queued_events
 
-    async def GetPoolStatus(self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext) -> apb.PoolStatus:
+    async def GetPoolStatus(
+        self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext
+    ) -> apb.PoolStatus:
         status = convert.to_pool_status(self._engine.pool_status())
         event_log = self._engine.engine.event_log
         if event_log is not None:
@@ -35,7 +37,9 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
             status.durable_seq = event_log.durable_seq
         return status
 
-    async def WatchEvents(self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[apb.AllocationEvent]:
+    async def WatchEvents(
+        self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[apb.AllocationEvent]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate.
 
         The live subscription opens *before* the stored events are read, so an

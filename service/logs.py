@@ -42,4 +42,6 @@ def configure_logging(log_format: str = "auto", log_level: str = "info", stream:
         cache_logger_on_first_use=False,
     )
     # libraries that log through the standard library (alembic, grpc) share the stream
-    logging.basicConfig(stream=stream, level=max(level, logging.WARNING), format="%(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        stream=stream, level=max(level, logging.WARNING), format="%(levelname)s %(name)s: %(message)s", force=True
+    )

@@ -45,18 +45,33 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("nanoserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.requests = Counter(
+            "nanoserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
         self.prompt_tokens = Counter("nanoserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("nanoserve_generation_tokens", "Generated tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(
+            "nanoserve_generation_tokens", "Generated tokens of finished requests", registry=r
+        )
         self.preemptions = Counter("nanoserve_preemptions", "Preemptions suffered by finished requests", registry=r)
-        self.ttft = Histogram("nanoserve_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S, registry=r)
-        self.tpot = Histogram("nanoserve_time_per_output_token_seconds", "Mean time per output token after the first", buckets=TPOT_BUCKETS_S, registry=r)
-        self.e2e = Histogram("nanoserve_e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram(
+            "nanoserve_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.tpot = Histogram(
+            "nanoserve_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            buckets=TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "nanoserve_e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS_S, registry=r
+        )
         self.num_running = Gauge("nanoserve_num_requests_running", "Requests running", registry=r)
         self.num_waiting = Gauge("nanoserve_num_requests_waiting", "Requests waiting", registry=r)
         self.kv_blocks_used = Gauge("nanoserve_kv_blocks_used", "KV cache blocks allocated", registry=r)
         self.kv_blocks_free = Gauge("nanoserve_kv_blocks_free", "KV cache blocks free", registry=r)
-        self.event_log_lag = Gauge("nanoserve_event_log_lag_events", "Events assigned but not yet durable (last_seq - durable_seq)", registry=r)
+        self.event_log_lag = Gauge(
+            "nanoserve_event_log_lag_events", "Events assigned but not yet durable (last_seq - durable_seq)", registry=r
+        )
 
     def observe_finished(self, request: FinishedRequest) -> None:
         self.requests.labels(finish_reason=request.finish_reason).inc()
@@ -70,7 +85,15 @@ class ServerMetrics:
         if request.total_s is not None:
             self.e2e.observe(request.total_s)
 
-    def observe_pool(self, num_running: int, num_waiting: int, num_allocated: int, num_free: int, last_seq: int | None, durable_seq: int | None) -> None:
+    def observe_pool(
+        self,
+        num_running: int,
+        num_waiting: int,
+        num_allocated: int,
+        num_free: int,
+        last_seq: int | None,
+        durable_seq: int | None,
+    ) -> None:
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
         self.kv_blocks_used.set(num_allocated)

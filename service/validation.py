@@ -24,7 +24,9 @@ MAX_REQUEST_ID_CHARS = 128
 def validate_generate_request(request: pb.GenerateRequest, vocab_size: int) -> None:
     """Raises InvalidRequestError for the first bad field of ``request``."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}")
+        raise InvalidRequestError(
+            "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}"
+        )
     validate_input(request, vocab_size)
     validate_sampling(request.sampling, vocab_size)
 
@@ -47,7 +49,9 @@ def _check_token_ids(field: str, ids: list[int], vocab_size: int) -> None:
         raise InvalidRequestError(field, "must not be empty")
     for index, token_id in enumerate(ids):
         if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(f"{field}[{index}]", f"token id {token_id} outside the vocabulary [0, {vocab_size})")
+            raise InvalidRequestError(
+                f"{field}[{index}]", f"token id {token_id} outside the vocabulary [0, {vocab_size})"
+            )
 
 
 def _check_chat(chat: pb.ChatMessages) -> None:
@@ -55,7 +59,9 @@ def _check_chat(chat: pb.ChatMessages) -> None:
         raise InvalidRequestError("chat.messages", "must hold at least one message")
     for index, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
-            raise InvalidRequestError(f"chat.messages[{index}].role", f"unknown role {message.role!r}; known roles: {', '.join(CHAT_ROLES)}")
+            raise InvalidRequestError(
+                f"chat.messages[{index}].role", f"unknown role {message.role!r}; known roles: {', '.join(CHAT_ROLES)}"
+            )
 
 
 def validate_sampling(params: pb.SamplingParameters, vocab_size: int) -> None:
@@ -65,7 +71,9 @@ def validate_sampling(params: pb.SamplingParameters, vocab_size: int) -> None:
     if params.min_tokens < 0:
         raise InvalidRequestError("sampling.min_tokens", f"must be >= 0, got {params.min_tokens}")
     if params.HasField("max_tokens") and params.min_tokens > params.max_tokens:
-        raise InvalidRequestError("sampling.min_tokens", f"must be <= max_tokens ({params.max_tokens}), got {params.min_tokens}")
+        raise InvalidRequestError(
+            "sampling.min_tokens", f"must be <= max_tokens ({params.max_tokens}), got {params.min_tokens}"
+        )
     if params.HasField("temperature") and not (params.temperature >= 0 and math.isfinite(params.temperature)):
         raise InvalidRequestError("sampling.temperature", f"must be >= 0 (0 = greedy), got {params.temperature}")
     if params.HasField("top_p") and not 0 < params.top_p <= 1:
@@ -75,7 +83,9 @@ def validate_sampling(params: pb.SamplingParameters, vocab_size: int) -> None:
     if params.HasField("min_p") and not 0 <= params.min_p <= 1:
         raise InvalidRequestError("sampling.min_p", f"must be in [0, 1], got {params.min_p}")
     if params.HasField("repetition_penalty") and not params.repetition_penalty > 0:
-        raise InvalidRequestError("sampling.repetition_penalty", f"must be > 0 (1 = off), got {params.repetition_penalty}")
+        raise InvalidRequestError(
+            "sampling.repetition_penalty", f"must be > 0 (1 = off), got {params.repetition_penalty}"
+        )
     for name in ("presence_penalty", "frequency_penalty"):
         if params.HasField(name) and not -2 <= getattr(params, name) <= 2:
             raise InvalidRequestError(f"sampling.{name}", f"must be in [-2, 2], got {getattr(params, name)}")
@@ -91,9 +101,15 @@ def _check_stop(params: pb.SamplingParameters, vocab_size: int) -> None:
         if not stop:
             raise InvalidRequestError(f"sampling.stop[{index}]", "stop strings must not be empty")
         if len(stop) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequestError(f"sampling.stop[{index}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}")
+            raise InvalidRequestError(
+                f"sampling.stop[{index}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}"
+            )
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}")
+        raise InvalidRequestError(
+            "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}"
+        )
     for index, token_id in enumerate(params.stop_token_ids):
         if not 0 <= token_id < vocab_size:
-            raise InvalidRequestError(f"sampling.stop_token_ids[{index}]", f"token id {token_id} outside the vocabulary [0, {vocab_size})")
+            raise InvalidRequestError(
+                f"sampling.stop_token_ids[{index}]", f"token id {token_id} outside the vocabulary [0, {vocab_size})"
+            )

@@ -76,11 +76,18 @@ class LlamaDecoderLayer:
         """Take this layer's tensors (``tensor(hf_name, expected_shape)``) and fuse them."""
         c, p = config, f"model.layers.{self.layer_id}."
         h, q, kv, i = c.hidden_size, self.q_size, self.kv_size, c.intermediate_size
-        qkv = torch.cat([tensor(f"{p}self_attn.q_proj.weight", (q, h)), tensor(f"{p}self_attn.k_proj.weight", (kv, h)),
-                         tensor(f"{p}self_attn.v_proj.weight", (kv, h))])
+        qkv = torch.cat(
+            [
+                tensor(f"{p}self_attn.q_proj.weight", (q, h)),
+                tensor(f"{p}self_attn.k_proj.weight", (kv, h)),
+                tensor(f"{p}self_attn.v_proj.weight", (kv, h)),
+            ]
+        )
         bias = None
         if c.attention_bias:
-            bias = torch.cat([tensor(f"{p}self_attn.{n}_proj.bias", (size,)) for n, size in (("q", q), ("k", kv), ("v", kv))])
+            bias = torch.cat(
+                [tensor(f"{p}self_attn.{n}_proj.bias", (size,)) for n, size in (("q", q), ("k", kv), ("v", kv))]
+            )
         self.qkv_proj = Linear(qkv, bias)
         self.o_proj = Linear(tensor(f"{p}self_attn.o_proj.weight", (h, q)))
         gate_up = torch.cat([tensor(f"{p}mlp.gate_proj.weight", (i, h)), tensor(f"{p}mlp.up_proj.weight", (i, h))])

@@ -25,23 +25,64 @@ def register(subparsers: Any) -> None:
         description="Send one request to a nanoserve server and print the completion as it streams.",
     )
     parser.add_argument("prompt", help="the prompt text (with --chat: the user message)")
-    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message, rendered with the model's chat template")
-    parser.add_argument("--system", default=None, help="a system message placed before the user message (implies --chat)")
-    parser.add_argument("--server", default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"), help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]")
-    parser.add_argument("--token", default=os.environ.get("NANOSERVE_AUTH_TOKEN"), help="bearer token, when the server requires one [env NANOSERVE_AUTH_TOKEN]")
-    parser.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates unless --ca-cert)")
-    parser.add_argument("--ca-cert", default=None, help="PEM file of the CA that signed the server's certificate (implies --tls)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user chat message, rendered with the model's chat template",
+    )
+    parser.add_argument(
+        "--system", default=None, help="a system message placed before the user message (implies --chat)"
+    )
+    parser.add_argument(
+        "--server",
+        default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
+        help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("NANOSERVE_AUTH_TOKEN"),
+        help="bearer token, when the server requires one [env NANOSERVE_AUTH_TOKEN]",
+    )
+    parser.add_argument(
+        "--tls", action="store_true", help="connect with TLS (system root certificates unless --ca-cert)"
+    )
+    parser.add_argument(
+        "--ca-cert", default=None, help="PEM file of the CA that signed the server's certificate (implies --tls)"
+    )
     parser.add_argument("--request-id", default="", help="request id (default: the server assigns one)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline of the call; when it passes the server aborts the request")
-    parser.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS", help="first wait up to this long for the server's health to be SERVING (for scripts that just started it)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per streamed message instead of the text")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="deadline of the call; when it passes the server aborts the request",
+    )
+    parser.add_argument(
+        "--wait-ready",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="first wait up to this long for the server's health to be SERVING (for scripts that just started it)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per streamed message instead of the text"
+    )
     sampling = parser.add_argument_group("sampling (unset: the engine's defaults)")
-    sampling.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"new tokens at most (>= 1) [default: {DEFAULT_MAX_TOKENS}, the API's default is the engine's]")
-    sampling.add_argument("--min-tokens", type=int, default=0, help="new tokens before EOS or a stop may end the request")
+    sampling.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"new tokens at most (>= 1) [default: {DEFAULT_MAX_TOKENS}, the API's default is the engine's]",
+    )
+    sampling.add_argument(
+        "--min-tokens", type=int, default=0, help="new tokens before EOS or a stop may end the request"
+    )
     sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     sampling.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
     sampling.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0 = off)")
-    sampling.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability, in [0, 1]")
+    sampling.add_argument(
+        "--min-p", type=float, default=None, help="drop tokens below min_p x the top probability, in [0, 1]"
+    )
     sampling.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
     sampling.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
@@ -49,7 +90,9 @@ def register(subparsers: Any) -> None:
     sampling.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 = off")
     sampling.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; 0 = off")
     sampling.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]; 0 = off")
-    sampling.add_argument("--logprobs", type=int, default=None, help="return the chosen token's logprob and the top N (0..20)")
+    sampling.add_argument(
+        "--logprobs", type=int, default=None, help="return the chosen token's logprob and the top N (0..20)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -65,7 +108,18 @@ def build_request(args: argparse.Namespace) -> Any:
     else:
         request.prompt = args.prompt
     sampling = request.sampling
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"):
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+    ):
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)

@@ -23,11 +23,21 @@ def register(subparsers: Any) -> None:
         help="check a server's health (exit 0 SERVING, 1 not serving, 2 unreachable, 3 unknown --service)",
         description="Query grpc.health.v1 on a running server and print the status.",
     )
-    parser.add_argument("--server", default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"), help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]")
-    parser.add_argument("--service", default="", help="service to check: '' (the whole server, default), nanoserve.v1.Generation or nanoserve.v1.Allocation")
+    parser.add_argument(
+        "--server",
+        default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
+        help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
+    )
+    parser.add_argument(
+        "--service",
+        default="",
+        help="service to check: '' (the whole server, default), nanoserve.v1.Generation or nanoserve.v1.Allocation",
+    )
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
     parser.add_argument("--ca-cert", default=None, help="PEM file of the server's CA (implies --tls)")
-    parser.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="poll up to this long for SERVING before answering")
+    parser.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS", help="poll up to this long for SERVING before answering"
+    )
     parser.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline of one check")
     parser.set_defaults(func=run)
 

@@ -73,8 +73,19 @@ def register(subparsers: Any) -> None:
         "the free blocks (as ranges; --full: the free stack in LIFO order) and any rule broken on the way.",
     )
     _add_source(state, epoch_help="the epoch to replay (default: the newest)")
-    state.add_argument("--at", dest="at_seq", type=int, required=True, metavar="SEQ", help="the seq to replay up to (past the epoch's end: its last seq, said on stderr)")
-    state.add_argument("--full", action="store_true", help="print the free stack block by block, next out first, instead of sorted ranges")
+    state.add_argument(
+        "--at",
+        dest="at_seq",
+        type=int,
+        required=True,
+        metavar="SEQ",
+        help="the seq to replay up to (past the epoch's end: its last seq, said on stderr)",
+    )
+    state.add_argument(
+        "--full",
+        action="store_true",
+        help="print the free stack block by block, next out first, instead of sorted ranges",
+    )
     state.set_defaults(func=run_state)
 
     epochs = actions.add_parser(
@@ -185,14 +196,21 @@ def run_state(args: argparse.Namespace) -> int:
         raise ValueError(f"--at must be >= 1, got {args.at_seq}")
     state = replay(_url(args), args.pool_id, args.epoch, until_seq=args.at_seq)
     if state.last_seq < args.at_seq:
-        print(f"note: epoch {state.epoch} ends at seq {state.last_seq}; showing the pool there, not at --at {args.at_seq}", file=sys.stderr)
+        print(
+            f"note: epoch {state.epoch} ends at seq {state.last_seq}; showing the pool there, not at --at {args.at_seq}",
+            file=sys.stderr,
+        )
     print(
         f"pool {state.pool_id!r} epoch {state.epoch} at seq {state.last_seq}: "
         f"{state.num_free} free, {state.num_allocated} allocated of {state.num_blocks} blocks of {state.block_size} tokens"
     )
     held = state.blocks_by_owner()
     if held:
-        print(_table(["owner", "num_blocks", "block ids"], [[o, str(len(b)), ",".join(map(str, b))] for o, b in held.items()]))
+        print(
+            _table(
+                ["owner", "num_blocks", "block ids"], [[o, str(len(b)), ",".join(map(str, b))] for o, b in held.items()]
+            )
+        )
     if args.full:
         print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
     else:

@@ -49,7 +49,9 @@ def edit_record(url: str, pool_id: str, seq: int, old: str, new: str) -> None:
     try:
         with engine.begin() as conn:
             where = "WHERE pool_id = :p AND epoch = 1 AND seq = :s"
-            record = conn.execute(sa.text(f"SELECT record FROM allocator_events {where}"), {"p": pool_id, "s": seq}).scalar_one()
+            record = conn.execute(
+                sa.text(f"SELECT record FROM allocator_events {where}"), {"p": pool_id, "s": seq}
+            ).scalar_one()
             assert old in record
             conn.execute(
                 sa.text(f"UPDATE allocator_events SET record = :r {where}"),
@@ -89,7 +91,9 @@ def test_crashed_epoch_reports_the_pool_at_the_last_durable_event(log_url: str, 
     report = audit(log_url, pool_id)
     assert (report.crashed, report.clean, report.last_seq) == (True, True, 3)
     assert report.state.blocks_by_owner() == {"A": [0, 1], "B": [2]}
-    assert report.render().splitlines()[0] == f"pool {pool_id!r} epoch 1: 3 events, last seq 3, open (running, or crashed)"
+    assert (
+        report.render().splitlines()[0] == f"pool {pool_id!r} epoch 1: 3 events, last seq 3, open (running, or crashed)"
+    )
 
 
 def test_audit_all_covers_every_epoch(log_url: str, pool_id: str) -> None:
@@ -168,10 +172,16 @@ def test_state_violations_carry_block_and_owner(log_url: str, pool_id: str) -> N
     edit_record(log_url, pool_id, 10, "|C", "|Z")
     execute(log_url, "UPDATE allocator_events SET owner = 'Z' WHERE pool_id = :p AND seq = 10", p=pool_id)
     rules = [(v.seq, v.rule, v.block_id, v.owner) for v in audit(log_url, pool_id).violations]
-    assert rules[:3] == [(10, "hash_mismatch", None, "Z"), (10, "owner_mismatch", 4, "Z"), (10, "owner_mismatch", 5, "Z")]
+    assert rules[:3] == [
+        (10, "hash_mismatch", None, "Z"),
+        (10, "owner_mismatch", 4, "Z"),
+        (10, "owner_mismatch", 5, "Z"),
+    ]
 
 
-def test_large_epoch_is_verified_in_a_second_process(log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_epoch_is_verified_in_a_second_process(
+    log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if not log_url.startswith("sqlite"):
         pytest.skip("the second process reads SQLite files only")
     from nanoserve.allocator import chain_verifier
@@ -183,10 +193,16 @@ def test_large_epoch_is_verified_in_a_second_process(log_url: str, pool_id: str,
     monkeypatch.setattr(chain_verifier, "result", lambda proc: verdicts.append(collect(proc)) or verdicts[-1])
     write_log(log_url, pool_id)
     report = audit(log_url, pool_id)
-    assert (report.clean, report.num_events, verdicts) == (True, 12, [chain_verifier.ChainResult(True, 12, report_head(log_url, pool_id))])
+    assert (report.clean, report.num_events, verdicts) == (
+        True,
+        12,
+        [chain_verifier.ChainResult(True, 12, report_head(log_url, pool_id))],
+    )
 
 
-def test_large_epoch_with_a_flipped_byte_is_named_like_a_small_one(log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_epoch_with_a_flipped_byte_is_named_like_a_small_one(
+    log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     write_log(log_url, pool_id)
     edit_record(log_url, pool_id, 7, "|aborted|", "|abortec|")
     small = audit(log_url, pool_id)
@@ -202,16 +218,21 @@ def report_head(url: str, pool_id: str) -> bytes:
     try:
         with engine.connect() as conn:
             where = "WHERE pool_id = :p AND epoch = 1 AND seq = 12"
-            return bytes(conn.execute(sa.text(f"SELECT hash FROM allocator_events {where}"), {"p": pool_id}).scalar_one())
+            return bytes(
+                conn.execute(sa.text(f"SELECT hash FROM allocator_events {where}"), {"p": pool_id}).scalar_one()
+            )
     finally:
         engine.dispose()
 
 
-def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(
+    log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from nanoserve.allocator import chain_verifier
 
     monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
     monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)
+
     def failed(proc: subprocess.Popen) -> None:
         proc.kill()
         proc.communicate()

@@ -39,9 +39,7 @@ while True:
 
 def run_and_kill(url: str, seed: int) -> tuple[int, int]:
     """Start the driver, SIGKILL it at a random moment; returns (epoch, last durable_seq it reported)."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, url, str(seed)], stdout=subprocess.PIPE, text=True
-    )
+    child = subprocess.Popen([sys.executable, "-c", DRIVER, url, str(seed)], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     epoch = int(child.stdout.readline().split()[1])
     durable_seq = 1

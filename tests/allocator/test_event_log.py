@@ -80,7 +80,11 @@ def test_replay_until_seq_gives_the_past_pool(log_url: str, pool_id: str) -> Non
     with open_log(log_url, pool_id) as log:
         run_trace(BlockAllocator(6, 16, event_log=log))
     past = replay(log_url, pool_id, until_seq=4)
-    assert (past.free_block_ids, past.owners, past.last_seq) == ((), {0: "A", 1: "A", 2: "A", 3: "B", 4: "B", 5: "C"}, 4)
+    assert (past.free_block_ids, past.owners, past.last_seq) == (
+        (),
+        {0: "A", 1: "A", 2: "A", 3: "B", 4: "B", 5: "C"},
+        4,
+    )
 
 
 def test_snapshot_replay_equals_full_replay(log_url: str, pool_id: str) -> None:
@@ -259,7 +263,9 @@ def test_unsubscribed_callback_gets_nothing_more(log_url: str, pool_id: str) -> 
 
 def test_attaching_a_pool_of_another_shape_is_refused(log_url: str, pool_id: str) -> None:
     with open_log(log_url, pool_id) as log:
-        with pytest.raises(ValueError, match="allocator has num_blocks=8, block_size=16; the log's POOL_INIT says num_blocks=6"):
+        with pytest.raises(
+            ValueError, match="allocator has num_blocks=8, block_size=16; the log's POOL_INIT says num_blocks=6"
+        ):
             BlockAllocator(8, 16, event_log=log)
 
 

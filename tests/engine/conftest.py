@@ -77,7 +77,9 @@ def make_tiny_model_dir(tmp_path_factory, real_hf_tokenizer) -> Callable[..., Pa
         with torch.no_grad():  # norms start at 1; perturb them so a dropped weight shows
             for name, param in model.named_parameters():
                 if "norm" in name or name.endswith("bias"):
-                    param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param))
+                    param.copy_(
+                        1.0 + 0.2 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param)
+                    )
         folder = tmp_path_factory.mktemp(f"tiny-{model_type}")
         model.save_pretrained(folder)
         real_hf_tokenizer.save_pretrained(folder)

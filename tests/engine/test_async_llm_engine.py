@@ -17,7 +17,9 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 @pytest.fixture
 async def engine(tiny_model_dir: Path) -> AsyncIterator[AsyncLLMEngine]:
-    config = EngineConfig.from_kwargs(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=256, block_size=4)
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=256, block_size=4
+    )
     engine = AsyncLLMEngine(config)
     await engine.start()
     yield engine
@@ -125,7 +127,9 @@ async def test_shutdown_aborts_what_outlives_the_grace_period(engine: AsyncLLMEn
     outputs = []
 
     async def consume() -> None:
-        async for output in engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True), "a"):
+        async for output in engine.generate(
+            PROMPT, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True), "a"
+        ):
             outputs.append(output)
 
     task = asyncio.create_task(consume())

@@ -46,8 +46,12 @@ def test_torch_metadata_splits_decodes_from_prefills():
 
 def test_torch_metadata_buckets_decodes_by_context_length():
     # contexts 2, 40, 3, 38 tokens (1, 10, 1, 10 blocks): two buckets, short ones first
-    slices = [SeqSlice([1], 1, [0]), SeqSlice([2], 39, list(range(10, 20))), SeqSlice([3], 2, [1]),
-              SeqSlice([4], 37, list(range(20, 30)))]
+    slices = [
+        SeqSlice([1], 1, [0]),
+        SeqSlice([2], 39, list(range(10, 20))),
+        SeqSlice([3], 2, [1]),
+        SeqSlice([4], 37, list(range(20, 30))),
+    ]
     metadata = TorchAttentionBackend().prepare(ForwardBatch.build(slices, block_size=4), block_size=4)
     assert [b.token_indices.tolist() for b in metadata.decode_buckets] == [[0, 2], [3, 1]]
     short, long = metadata.decode_buckets

@@ -37,4 +37,3 @@ def test_unknown_dtype_raises():
 def test_cuda_device_without_cuda_raises():
     with pytest.raises(ValueError, match="CUDA is not available"):
         resolve_device("cuda")
-

@@ -26,7 +26,11 @@ def _run(engine: LLMEngine, prompts: list, params: SamplingParams) -> list:
 
 
 def test_greedy_chat_answer_stops_at_eos(engine: LLMEngine) -> None:
-    (out,) = _run(engine, [ChatPrompt([{"role": "user", "content": QUESTIONS[0]}])], SamplingParams(temperature=0.0, max_tokens=12))
+    (out,) = _run(
+        engine,
+        [ChatPrompt([{"role": "user", "content": QUESTIONS[0]}])],
+        SamplingParams(temperature=0.0, max_tokens=12),
+    )
     assert out.text == "The capital of France is Paris."
     assert (out.finish_reason, out.stop_reason, out.token_ids[-1]) == ("stop", 2, 2)
 
@@ -34,6 +38,8 @@ def test_greedy_chat_answer_stops_at_eos(engine: LLMEngine) -> None:
 def test_batched_engine_matches_the_runner_greedy_oracle(engine: LLMEngine, real_runner, greedy) -> None:
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     expected, _ = greedy(real_runner, prompts, 8)
-    outputs = _run(engine, [TokensPrompt(p) for p in prompts], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    outputs = _run(
+        engine, [TokensPrompt(p) for p in prompts], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     assert [o.token_ids for o in outputs] == expected
     assert engine.pool_status().num_free == engine.pool_status().num_blocks

@@ -33,7 +33,11 @@ LAYER_NAMES = {
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def write_gguf(path, hf_config, weights: dict[str, torch.Tensor], quantized: dict[str, object]) -> None:
@@ -47,7 +51,9 @@ def write_gguf(path, hf_config, weights: dict[str, torch.Tensor], quantized: dic
     writer.add_feed_forward_length(hf_config["intermediate_size"])
     writer.add_head_count(hf_config["num_attention_heads"])
     writer.add_head_count_kv(hf_config["num_key_value_heads"])
-    writer.add_rope_freq_base(float(hf_config.get("rope_theta", hf_config.get("rope_parameters", {}).get("rope_theta"))))
+    writer.add_rope_freq_base(
+        float(hf_config.get("rope_theta", hf_config.get("rope_parameters", {}).get("rope_theta")))
+    )
     writer.add_layer_norm_rms_eps(hf_config["rms_norm_eps"])
     writer.add_vocab_size(hf_config["vocab_size"])
     for name, tensor in weights.items():
@@ -60,8 +66,11 @@ def write_gguf(path, hf_config, weights: dict[str, torch.Tensor], quantized: dic
                 array = llama_cpp_permute(array, hf_config["num_key_value_heads"])
             gguf_name = f"blk.{layer}.{LAYER_NAMES[rest]}"
         else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         qtype = quantized.get(name)
         if qtype is None:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))

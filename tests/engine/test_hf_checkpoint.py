@@ -51,8 +51,14 @@ def test_logits_match_transformers(make_tiny_model_dir, tiny_runner_factory, mod
 
 
 def test_llama3_rope_scaling_matches_transformers(make_tiny_model_dir, tiny_runner_factory):
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8, "rope_theta": 10000.0}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 10000.0,
+    }
     folder = make_tiny_model_dir("llama", rope_parameters=rope)
     runner = tiny_runner_factory(model=str(folder))
     assert runner.model.config.rope_scaling["rope_type"] == "llama3"
@@ -64,12 +70,16 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model_dir, tiny_runner_f
     from transformers import AutoModelForCausalLM
 
     sharded = tmp_path / "sharded"
-    AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).save_pretrained(sharded, max_shard_size="1MB")
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).save_pretrained(
+        sharded, max_shard_size="1MB"
+    )
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tiny_model_dir / name, sharded / name)
     assert (sharded / "model.safetensors.index.json").is_file()
     single = our_logits(tiny_runner_factory(), TOKENS, split=len(TOKENS))
-    torch.testing.assert_close(our_logits(tiny_runner_factory(model=str(sharded)), TOKENS, split=len(TOKENS)), single, atol=0, rtol=0)
+    torch.testing.assert_close(
+        our_logits(tiny_runner_factory(model=str(sharded)), TOKENS, split=len(TOKENS)), single, atol=0, rtol=0
+    )
 
 
 def test_missing_tensor_is_named(tiny_model_dir, tiny_runner_factory, tmp_path):

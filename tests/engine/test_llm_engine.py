@@ -50,7 +50,11 @@ def test_generate_returns_outputs_in_prompt_order(llm: LLM) -> None:
     assert [len(o.token_ids) for o in outputs] == [12, 3, 12]
     assert [o.prompt_token_ids for o in outputs] == [p.prompt_token_ids for p in prompts]
     assert all(o.finish_reason == "length" and o.finished for o in outputs)
-    assert outputs[0].outputs[0].text == outputs[0].text == llm.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
+    assert (
+        outputs[0].outputs[0].text
+        == outputs[0].text
+        == llm.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
+    )
 
 
 def test_batch_invariance_alone_vs_batch_of_32(llm: LLM) -> None:
@@ -65,7 +69,9 @@ def test_batch_invariance_alone_vs_batch_of_32(llm: LLM) -> None:
 def test_chunked_prefill_gives_same_tokens(make_llm: Callable[..., LLM], llm: LLM) -> None:
     prompts = _prompts(4, seed=2, low=40, high=60)
     chunked = make_llm(max_num_batched_tokens=16)
-    assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in chunked.generate(prompts, GREEDY)] == [
+        o.token_ids for o in llm.generate(prompts, GREEDY)
+    ]
 
 
 def test_preemption_in_a_small_pool_gives_unpreempted_outputs(make_llm: Callable[..., LLM], llm: LLM) -> None:
@@ -185,7 +191,9 @@ def test_seeded_request_reproducible_across_batch_compositions(llm: LLM) -> None
     others = [SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True) for n in range(5, 12)]
     in_batch = llm.generate(prompts, [seeded, *others])[0].token_ids
     assert alone == in_batch
-    different_seed = llm.generate([prompts[0]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True))
+    different_seed = llm.generate(
+        [prompts[0]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    )
     assert different_seed[0].token_ids != alone
 
 
@@ -194,7 +202,13 @@ def test_stop_string_across_tokens_truncates_text(llm: LLM) -> None:
     free_run = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
     pieces = [llm.tokenizer.decode([t], skip_special_tokens=True) for t in free_run.token_ids]
     # a stop string made of the end of token 5's text and the start of token 6's
-    i = next(i for i in range(4, 18) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2 and free_run.text.count(pieces[i][-2:] + pieces[i + 1][:2]) == 1)
+    i = next(
+        i
+        for i in range(4, 18)
+        if len(pieces[i]) >= 2
+        and len(pieces[i + 1]) >= 2
+        and free_run.text.count(pieces[i][-2:] + pieces[i + 1][:2]) == 1
+    )
     stop = pieces[i][-2:] + pieces[i + 1][:2]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
@@ -216,7 +230,9 @@ def test_stop_token_id_ends_generation_and_is_kept_in_token_ids(llm: LLM) -> Non
     free_run = llm.generate([prompt], GREEDY)[0]
     stop_id = free_run.token_ids[3]
     first = free_run.token_ids.index(stop_id)
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], ignore_eos=True)
+    )[0]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
     assert out.token_ids == free_run.token_ids[: first + 1]
     assert out.text == llm.tokenizer.decode(free_run.token_ids[:first], skip_special_tokens=True)
@@ -225,13 +241,17 @@ def test_stop_token_id_ends_generation_and_is_kept_in_token_ids(llm: LLM) -> Non
 def test_min_tokens_holds_off_a_stop_token(llm: LLM) -> None:
     prompt = _prompts(1, seed=6)[0]
     stop_id = llm.generate([prompt], GREEDY)[0].token_ids[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, stop_token_ids=[stop_id]))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, stop_token_ids=[stop_id])
+    )[0]
     assert stop_id not in out.token_ids[:4]
     assert len(out.token_ids) > 4
 
 
 def test_logprobs_follow_each_generated_token(llm: LLM) -> None:
-    out = llm.generate(_prompts(1, seed=7), SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    out = llm.generate(_prompts(1, seed=7), SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))[
+        0
+    ]
     logprobs = out.outputs[0].logprobs
     assert logprobs is not None and [lp.token_id for lp in logprobs] == out.token_ids
     for lp in logprobs:  # greedy: the chosen token is the most likely one
@@ -256,10 +276,18 @@ def test_string_and_chat_prompts_are_tokenized(llm: LLM) -> None:
 
 
 def test_engine_config_from_flat_names_builds_the_engine(tiny_model_dir: Path) -> None:
-    config = EngineConfig.from_kwargs(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=16, block_size=8)
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=16, block_size=8
+    )
     engine = LLMEngine(config)
     status = engine.pool_status()
-    assert (status.num_blocks, status.block_size, status.num_free, status.epoch, status.last_seq) == (16, 8, 16, None, None)
+    assert (status.num_blocks, status.block_size, status.num_free, status.epoch, status.last_seq) == (
+        16,
+        8,
+        16,
+        None,
+        None,
+    )
 
 
 def test_event_log_of_a_preempting_workload_audits_clean(make_llm: Callable[..., LLM], tmp_path: Path) -> None:

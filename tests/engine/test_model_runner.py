@@ -71,6 +71,10 @@ def test_start_up_log_reports_blocks_tokens_and_bytes(tiny_runner_factory):
     with capture_logs() as logs:
         tiny_runner_factory(num_kv_blocks=10)
     ready = next(entry for entry in logs if entry["event"] == "model_runner.ready")
-    assert (ready["num_kv_blocks"], ready["num_kv_tokens"], ready["kv_cache_bytes"]) == (10, 40, 10 * TINY_BYTES_PER_BLOCK)
+    assert (ready["num_kv_blocks"], ready["num_kv_tokens"], ready["kv_cache_bytes"]) == (
+        10,
+        40,
+        10 * TINY_BYTES_PER_BLOCK,
+    )
     assert ready["attention_backend"] == "torch-sdpa"
     assert ready["attention_backend_reason"] == "device is cpu"

@@ -93,7 +93,9 @@ def test_decode_batch_reads_only_each_sequences_own_blocks(runner):
     tp, tq = [90, 92, 94], [91, 93, 95]
     forward(runner, [SeqSlice(p[:-1], 0, tp), SeqSlice(q[:-1], 0, tq)])
     both = forward(runner, [SeqSlice(p[-1:], 8, tp), SeqSlice(q[-1:], 8, tq)])
-    expected = torch.cat([forward(runner, [SeqSlice(p, 0, [96, 97, 98])]), forward(runner, [SeqSlice(q, 0, [99, 101, 102])])])
+    expected = torch.cat(
+        [forward(runner, [SeqSlice(p, 0, [96, 97, 98])]), forward(runner, [SeqSlice(q, 0, [99, 101, 102])])]
+    )
     torch.testing.assert_close(both, expected, atol=ATOL, rtol=0)
 
 

@@ -23,7 +23,7 @@ LONG_TEXT = (
 
 PLAIN_PROMPTS = [
     "The quick brown fox",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village by the sea,",
     "Le café coûte 3 € à Zürich ; 東京は日本の首都です。Übersetze:",
     "1, 2, 3, 5, 8, 13,",
@@ -66,7 +66,11 @@ def reference(prompts, real_hf_tokenizer) -> tuple[list[list[int]], torch.Tensor
     tokens: list[torch.Tensor] = []
     with torch.inference_mode():  # a plain greedy loop: no logits processors, no stop at EOS
         out = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
         )
         first_logits = out.logits[:, -1].float()
         for _ in range(MAX_NEW_TOKENS):

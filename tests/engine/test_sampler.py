@@ -80,7 +80,10 @@ def test_penalties_apply_per_row() -> None:
 def test_min_tokens_masks_stop_ids_until_reached() -> None:
     logits = torch.zeros(2, 4)
     params = SamplingParams(min_tokens=2)
-    rows = [Row(params, output_token_ids=[1], min_tokens_banned_ids=[3]), Row(params, output_token_ids=[1, 1], min_tokens_banned_ids=[3])]
+    rows = [
+        Row(params, output_token_ids=[1], min_tokens_banned_ids=[3]),
+        Row(params, output_token_ids=[1, 1], min_tokens_banned_ids=[3]),
+    ]
     masked = mask_min_tokens(logits, rows)
     assert masked[0].tolist() == [0.0, 0.0, 0.0, -math.inf]
     assert masked[1].tolist() == [0.0, 0.0, 0.0, 0.0]
@@ -138,6 +141,9 @@ def test_logprobs_give_chosen_and_top_n_of_raw_distribution() -> None:
 
 
 def test_rows_without_logprobs_get_none() -> None:
-    out = Sampler()(_logits(PROBS).repeat(2, 1), [Row(SamplingParams(temperature=0, logprobs=0)), Row(SamplingParams(temperature=0))])
+    out = Sampler()(
+        _logits(PROBS).repeat(2, 1),
+        [Row(SamplingParams(temperature=0, logprobs=0)), Row(SamplingParams(temperature=0))],
+    )
     assert out.logprobs[1] is None
     assert out.logprobs[0] is not None and out.logprobs[0].top_logprobs == {}

@@ -37,7 +37,9 @@ def byte_bpe() -> Tokenizer:
     return tokenizer
 
 
-def _stream(decoder, token_ids: list[int], stop: list[str] | None = None) -> tuple[list[tuple[str, list[int]]], TextStream, str | None]:
+def _stream(
+    decoder, token_ids: list[int], stop: list[str] | None = None
+) -> tuple[list[tuple[str, list[int]]], TextStream, str | None]:
     stream = TextStream(decoder, stop or [], want_logprobs=False)
     deltas = []
     matched = None

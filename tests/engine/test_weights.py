@@ -10,7 +10,11 @@ from nanoserve.engine.weights import _unpermute_qk, default_model_path, resolve_
 
 def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """The permutation llama.cpp's converter applies to Q and K rows (pairs -> halves swapped)."""
-    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

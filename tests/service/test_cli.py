@@ -11,7 +11,23 @@ from nanoserve.v1 import generation_pb2 as pb
 
 def test_generate_chat_flags_build_the_request() -> None:
     args = build_parser().parse_args(
-        ["generate", "--chat", "--system", "Be brief.", "Hi", "--max-tokens", "8", "--temperature", "0", "--stop", "\n", "--stop", "END", "--seed", "7"]
+        [
+            "generate",
+            "--chat",
+            "--system",
+            "Be brief.",
+            "Hi",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--stop",
+            "\n",
+            "--stop",
+            "END",
+            "--seed",
+            "7",
+        ]
     )
     request = build_request(args)
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."), ("user", "Hi")]

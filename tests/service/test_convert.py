@@ -9,16 +9,31 @@ from nanoserve.service import convert
 from nanoserve.v1 import generation_pb2 as pb
 
 
-def _output(finished: bool, finish_reason: str | None = None, stop_reason: str | int | None = None, logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+def _output(
+    finished: bool,
+    finish_reason: str | None = None,
+    stop_reason: str | int | None = None,
+    logprobs: list[TokenLogprob] | None = None,
+) -> RequestOutput:
     return RequestOutput(
         request_id="r1",
         prompt_token_ids=[1, 2, 3],
-        outputs=[CompletionOutput(index=0, text="Hello world", token_ids=[10, 11], finish_reason=finish_reason, stop_reason=stop_reason)],
+        outputs=[
+            CompletionOutput(
+                index=0, text="Hello world", token_ids=[10, 11], finish_reason=finish_reason, stop_reason=stop_reason
+            )
+        ],
         finished=finished,
         delta_text=" world",
         delta_token_ids=[11],
         delta_logprobs=logprobs,
-        metrics=RequestMetrics(arrival_time=100.0, first_scheduled_time=100.25, first_token_time=100.5, finished_time=102.0, num_preemptions=1),
+        metrics=RequestMetrics(
+            arrival_time=100.0,
+            first_scheduled_time=100.25,
+            first_token_time=100.5,
+            finished_time=102.0,
+            num_preemptions=1,
+        ),
     )
 
 
@@ -27,12 +42,20 @@ def test_text_prompt() -> None:
 
 
 def test_token_prompt() -> None:
-    assert convert.to_prompt(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6]))) == TokensPrompt(prompt_token_ids=[5, 6])
+    assert convert.to_prompt(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6]))) == TokensPrompt(
+        prompt_token_ids=[5, 6]
+    )
 
 
 def test_chat_prompt() -> None:
-    request = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="Hi")]))
-    assert convert.to_prompt(request) == ChatPrompt(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    request = pb.GenerateRequest(
+        chat=pb.ChatMessages(
+            messages=[pb.ChatMessage(role="system", content="Be brief."), pb.ChatMessage(role="user", content="Hi")]
+        )
+    )
+    assert convert.to_prompt(request) == ChatPrompt(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
 
 
 def test_unset_sampling_fields_keep_engine_defaults() -> None:
@@ -41,12 +64,36 @@ def test_unset_sampling_fields_keep_engine_defaults() -> None:
 
 def test_every_sampling_field_crosses() -> None:
     params = pb.SamplingParameters(
-        max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.75, top_k=40, min_p=0.125, seed=3, stop=["\n"], stop_token_ids=[9],
-        ignore_eos=True, repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=2,
+        max_tokens=7,
+        min_tokens=2,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        min_p=0.125,
+        seed=3,
+        stop=["\n"],
+        stop_token_ids=[9],
+        ignore_eos=True,
+        repetition_penalty=1.25,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logprobs=2,
     )
     assert convert.to_sampling_params(params) == SamplingParams(
-        max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.75, top_k=40, min_p=0.125, seed=3, stop=["\n"], stop_token_ids=[9],
-        ignore_eos=True, repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=2,
+        max_tokens=7,
+        min_tokens=2,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        min_p=0.125,
+        seed=3,
+        stop=["\n"],
+        stop_token_ids=[9],
+        ignore_eos=True,
+        repetition_penalty=1.25,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logprobs=2,
     )
 
 
@@ -82,7 +129,9 @@ def test_stop_token_id_is_reported() -> None:
 def test_logprobs_with_top_alternatives() -> None:
     logprobs = [TokenLogprob(token_id=11, logprob=-0.25, top_logprobs={11: -0.25, 12: -1.5})]
     response = convert.to_response(_output(finished=False, logprobs=logprobs))
-    assert [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in response.logprobs] == [(11, -0.25, [(11, -0.25), (12, -1.5)])]
+    assert [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in response.logprobs] == [
+        (11, -0.25, [(11, -0.25), (12, -1.5)])
+    ]
 
 
 def test_finished_request_tpot() -> None:

@@ -6,15 +6,27 @@ from nanoserve.service.server import ALLOCATION_SERVICE, GENERATION_SERVICE, NOT
 
 
 def test_all_serving_when_engine_and_log_are_up() -> None:
-    assert health_statuses(engine_ok=True, log_ok=True) == {"": SERVING, GENERATION_SERVICE: SERVING, ALLOCATION_SERVICE: SERVING}
+    assert health_statuses(engine_ok=True, log_ok=True) == {
+        "": SERVING,
+        GENERATION_SERVICE: SERVING,
+        ALLOCATION_SERVICE: SERVING,
+    }
 
 
 def test_dead_engine_loop_stops_every_service() -> None:
-    assert health_statuses(engine_ok=False, log_ok=True) == {"": NOT_SERVING, GENERATION_SERVICE: NOT_SERVING, ALLOCATION_SERVICE: NOT_SERVING}
+    assert health_statuses(engine_ok=False, log_ok=True) == {
+        "": NOT_SERVING,
+        GENERATION_SERVICE: NOT_SERVING,
+        ALLOCATION_SERVICE: NOT_SERVING,
+    }
 
 
 def test_unhealthy_log_writer_stops_allocation_and_the_server() -> None:
-    assert health_statuses(engine_ok=True, log_ok=False) == {"": NOT_SERVING, GENERATION_SERVICE: SERVING, ALLOCATION_SERVICE: NOT_SERVING}
+    assert health_statuses(engine_ok=True, log_ok=False) == {
+        "": NOT_SERVING,
+        GENERATION_SERVICE: SERVING,
+        ALLOCATION_SERVICE: NOT_SERVING,
+    }
 
 
 def test_service_names_are_the_proto_full_names() -> None:

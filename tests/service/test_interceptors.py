@@ -37,7 +37,9 @@ ERRORS = {
 
 
 class RaisingServicer(generation_pb2_grpc.GenerationServicer):
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         yield pb.GenerateResponse(request_id=request.request_id, text="first")
         raise ERRORS[request.request_id]
 
@@ -78,7 +80,9 @@ async def stub() -> AsyncIterator[generation_pb2_grpc.GenerationStub]:
         ("bug", grpc.StatusCode.INTERNAL, "internal error (ZeroDivisionError); see the server log"),
     ],
 )
-async def test_unary_error_maps_to_status(stub: generation_pb2_grpc.GenerationStub, request_id: str, code: grpc.StatusCode, details: str) -> None:
+async def test_unary_error_maps_to_status(
+    stub: generation_pb2_grpc.GenerationStub, request_id: str, code: grpc.StatusCode, details: str
+) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Abort(pb.AbortRequest(request_id=request_id))
     assert (info.value.code(), info.value.details()) == (code, details)
@@ -108,7 +112,10 @@ async def test_token_check() -> None:
                 async for _ in stub.Generate(pb.GenerateRequest(request_id="full", prompt="x")):
                     pass
             assert stream.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert await stub.Abort(pb.AbortRequest(request_id="ok"), metadata=(("authorization", "Bearer s3cret"),)) == pb.AbortResponse()
+            assert (
+                await stub.Abort(pb.AbortRequest(request_id="ok"), metadata=(("authorization", "Bearer s3cret"),))
+                == pb.AbortResponse()
+            )
             health_stub = health_pb2_grpc.HealthStub(channel)
             response = await health_stub.Check(health_pb2.HealthCheckRequest(service=""))
             assert response.status == health_pb2.HealthCheckResponse.SERVING

@@ -28,7 +28,12 @@ def test_json_lines_when_not_a_terminal() -> None:
     configure_logging("auto", "info", stream=stream)
     structlog.get_logger("t").info("request_finished", request_id="r1", ttft_s=0.25)
     line = json.loads(stream.getvalue())
-    assert (line["event"], line["request_id"], line["ttft_s"], line["level"]) == ("request_finished", "r1", 0.25, "info")
+    assert (line["event"], line["request_id"], line["ttft_s"], line["level"]) == (
+        "request_finished",
+        "r1",
+        0.25,
+        "info",
+    )
     assert line["timestamp"].endswith("Z")
 
 

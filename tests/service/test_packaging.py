@@ -30,7 +30,14 @@ def _require_check_jsonschema() -> None:
 def test_compose_file_matches_the_compose_spec_schema() -> None:
     _require_check_jsonschema()
     result = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(ROOT / "docker-compose.yml")],
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.compose-spec",
+            str(ROOT / "docker-compose.yml"),
+        ],
         capture_output=True,
         text=True,
     )

@@ -61,7 +61,9 @@ async def _collect(stub: generation_pb2_grpc.GenerationStub, request: pb.Generat
 
 async def test_chat_request_streams_the_greedy_text(served: Served) -> None:
     request = pb.GenerateRequest(
-        request_id="chat-1", chat=pb.ChatMessages(messages=CHAT), sampling=pb.SamplingParameters(max_tokens=24, temperature=0.0)
+        request_id="chat-1",
+        chat=pb.ChatMessages(messages=CHAT),
+        sampling=pb.SamplingParameters(max_tokens=24, temperature=0.0),
     )
     responses = await _collect(_generation(served), request)
     assert "".join(r.text for r in responses) == EXPECTED_CHAT_TEXT
@@ -149,7 +151,10 @@ async def test_abort_ends_the_stream_with_finish_reason_abort(served: Served) ->
 async def test_abort_of_unknown_request_is_not_found(served: Served) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _generation(served).Abort(pb.AbortRequest(request_id="nobody"))
-    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.NOT_FOUND, "request_id: no live request 'nobody'")
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.NOT_FOUND,
+        "request_id: no live request 'nobody'",
+    )
 
 
 async def test_duplicate_live_request_id_is_already_exists(served: Served) -> None:
@@ -172,14 +177,41 @@ async def test_duplicate_live_request_id_is_already_exists(served: Served) -> No
             pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="hi")])),
             "chat.messages[0].role: unknown role 'robot'; known roles: system, user, assistant",
         ),
-        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(max_tokens=0)), "sampling.max_tokens: must be >= 1, got 0"),
-        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(temperature=-1.0)), "sampling.temperature: must be >= 0 (0 = greedy), got -1.0"),
-        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=0.0)), "sampling.top_p: must be in (0, 1], got 0.0"),
-        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=1.5)), "sampling.top_p: must be in (0, 1], got 1.5"),
-        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=["a"] * 17)), "sampling.stop: at most 16 stop strings, got 17"),
-        (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=[""])), "sampling.stop[0]: stop strings must not be empty"),
+        (
+            pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(max_tokens=0)),
+            "sampling.max_tokens: must be >= 1, got 0",
+        ),
+        (
+            pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(temperature=-1.0)),
+            "sampling.temperature: must be >= 0 (0 = greedy), got -1.0",
+        ),
+        (
+            pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=0.0)),
+            "sampling.top_p: must be in (0, 1], got 0.0",
+        ),
+        (
+            pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=1.5)),
+            "sampling.top_p: must be in (0, 1], got 1.5",
+        ),
+        (
+            pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=["a"] * 17)),
+            "sampling.stop: at most 16 stop strings, got 17",
+        ),
+        (
+            pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=[""])),
+            "sampling.stop[0]: stop strings must not be empty",
+        ),
     ],
-    ids=["empty-input", "unknown-role", "max-tokens", "temperature", "top-p-zero", "top-p-above-one", "too-many-stops", "empty-stop"],
+    ids=[
+        "empty-input",
+        "unknown-role",
+        "max-tokens",
+        "temperature",
+        "top-p-zero",
+        "top-p-above-one",
+        "too-many-stops",
+        "empty-stop",
+    ],
 )
 async def test_bad_request_is_invalid_argument(served: Served, request_: pb.GenerateRequest, details: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -198,7 +230,9 @@ async def test_prompt_longer_than_max_model_len_is_invalid_argument(served: Serv
 
 
 async def test_max_tokens_past_max_model_len_names_the_protobuf_field(served: Served) -> None:
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[42] * 1000), sampling=pb.SamplingParameters(max_tokens=100))
+    request = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[42] * 1000), sampling=pb.SamplingParameters(max_tokens=100)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _collect(_generation(served), request)
     assert (info.value.code(), info.value.details()) == (
@@ -237,9 +271,16 @@ async def test_health_is_serving_overall_and_per_service(served: Served) -> None
 
 async def test_reflection_lists_the_services(served: Served) -> None:
     stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
-    responses = [r async for r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+    responses = [
+        r async for r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    ]
     names = sorted(s.name for s in responses[0].list_services_response.service)
-    assert names == ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "nanoserve.v1.Allocation", "nanoserve.v1.Generation"]
+    assert names == [
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "nanoserve.v1.Allocation",
+        "nanoserve.v1.Generation",
+    ]
 
 
 async def test_model_info_describes_smollm2(served: Served) -> None:
@@ -267,7 +308,10 @@ async def test_watch_events_from_zero_sees_every_event_without_gap(served: Serve
 
     stub = _generation(served)
     requests = [
-        pb.GenerateRequest(prompt=f"Tell me about the number {i}.", sampling=pb.SamplingParameters(max_tokens=40, temperature=0.0, ignore_eos=True))
+        pb.GenerateRequest(
+            prompt=f"Tell me about the number {i}.",
+            sampling=pb.SamplingParameters(max_tokens=40, temperature=0.0, ignore_eos=True),
+        )
         for i in range(6)
     ]
     reader = asyncio.ensure_future(read_until(10**9))
@@ -283,7 +327,9 @@ async def test_watch_events_from_zero_sees_every_event_without_gap(served: Serve
 
 
 async def test_metrics_count_finished_requests(served: Served) -> None:
-    request = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParameters(max_tokens=3, temperature=0.0, ignore_eos=True))
+    request = pb.GenerateRequest(
+        prompt="Hi", sampling=pb.SamplingParameters(max_tokens=3, temperature=0.0, ignore_eos=True)
+    )
     before = _metric(served, 'nanoserve_requests_total{finish_reason="length"}')
     await _collect(_generation(served), request)
     assert _metric(served, 'nanoserve_requests_total{finish_reason="length"}') == before + 1
@@ -302,7 +348,9 @@ async def test_token_check_refuses_calls_without_the_token(served: Served) -> No
     from nanoserve.service.config import ServerConfig
     from nanoserve.service.server import NanoServer
 
-    guarded = NanoServer(served.engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=None, auth_token="s3cret"), owns_engine=False)
+    guarded = NanoServer(
+        served.engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=None, auth_token="s3cret"), owns_engine=False
+    )
     await guarded.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{guarded.port}") as channel:
@@ -334,8 +382,24 @@ async def test_tls_serves_a_client_that_trusts_the_certificate(served: Served, t
         pytest.skip("needs the openssl command to make a certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
         check=True,
         capture_output=True,
     )
@@ -357,7 +421,12 @@ async def test_tls_serves_a_client_that_trusts_the_certificate(served: Served, t
 
 async def _cli(*args: str) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "nanoserve.service.cli", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "nanoserve.service.cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await process.communicate()
     return process.returncode or 0, stdout.decode(), stderr.decode()
@@ -365,7 +434,17 @@ async def _cli(*args: str) -> tuple[int, str, str]:
 
 async def test_generate_cli_streams_the_chat_completion(served: Served) -> None:
     server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
-    code, stdout, stderr = await _cli("generate", "--server", server, "--chat", "What is the capital of France?", "--max-tokens", "24", "--temperature", "0")
+    code, stdout, stderr = await _cli(
+        "generate",
+        "--server",
+        server,
+        "--chat",
+        "What is the capital of France?",
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "0",
+    )
     assert code == 0, stderr
     assert stdout == EXPECTED_CHAT_TEXT + "\n"
     assert stderr.startswith("[stop; ")
@@ -373,7 +452,20 @@ async def test_generate_cli_streams_the_chat_completion(served: Served) -> None:
 
 async def test_generate_cli_json_prints_one_object_per_message(served: Served) -> None:
     server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
-    code, stdout, stderr = await _cli("generate", "--server", server, "--json", "--request-id", "json-1", "Hello", "--max-tokens", "3", "--temperature", "0", "--ignore-eos")
+    code, stdout, stderr = await _cli(
+        "generate",
+        "--server",
+        server,
+        "--json",
+        "--request-id",
+        "json-1",
+        "Hello",
+        "--max-tokens",
+        "3",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+    )
     assert code == 0, stderr
     messages = [json.loads(line) for line in stdout.splitlines()]
     assert {m["request_id"] for m in messages} == {"json-1"}
@@ -392,9 +484,22 @@ async def test_generate_cli_ctrl_c_exits_130_quietly_and_the_server_aborts(serve
     server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
     with structlog.testing.capture_logs() as logs:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "nanoserve.service.cli", "generate", "--server", server, "--request-id", "ctrl-c",
-            "--max-tokens", "400", "--ignore-eos", "--temperature", "0", "Count from one to one thousand: one, two,",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "nanoserve.service.cli",
+            "generate",
+            "--server",
+            server,
+            "--request-id",
+            "ctrl-c",
+            "--max-tokens",
+            "400",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "Count from one to one thousand: one, two,",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         assert process.stdout is not None and process.stderr is not None
         first = await asyncio.wait_for(process.stdout.read(1), timeout=60)
@@ -424,7 +529,9 @@ async def test_health_cli_unknown_service_exits_3_naming_the_known_ones(served: 
     )
 
 
-async def test_watch_events_catches_up_from_the_log_after_falling_behind(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_watch_events_catches_up_from_the_log_after_falling_behind(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from nanoserve.allocator import EventStream
     from nanoserve.service import allocation_servicer
     from nanoserve.service.allocation_servicer import AllocationServicer
@@ -443,7 +550,12 @@ async def test_watch_events_catches_up_from_the_log_after_falling_behind(served:
     events = servicer.WatchEvents(apb.WatchEventsRequest(from_seq=start.last_seq + 1), context=None)
     first = asyncio.ensure_future(events.__anext__())  # subscribes, then waits for the first new event
     await asyncio.sleep(0.2)
-    requests = [pb.GenerateRequest(prompt=f"Say {i}.", sampling=pb.SamplingParameters(max_tokens=20, temperature=0.0, ignore_eos=True)) for i in range(4)]
+    requests = [
+        pb.GenerateRequest(
+            prompt=f"Say {i}.", sampling=pb.SamplingParameters(max_tokens=20, temperature=0.0, ignore_eos=True)
+        )
+        for i in range(4)
+    ]
     await asyncio.gather(*(_collect(_generation(served), r) for r in requests))
     end = await wait_pool_free(served)
     seqs = [(await first).seq]

@@ -34,9 +34,30 @@ class ServeProcess:
     def __init__(self, log_url: str) -> None:
         self.lines: list[dict] = []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nanoserve.service.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "off",
-             "--event-log-url", log_url, "--num-kv-blocks", "64", "--dtype", "float32", "--max-model-len", "1024",
-             "--grace-s", "2", "--log-format", "json"],
+            [
+                sys.executable,
+                "-m",
+                "nanoserve.service.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--metrics-port",
+                "off",
+                "--event-log-url",
+                log_url,
+                "--num-kv-blocks",
+                "64",
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "1024",
+                "--grace-s",
+                "2",
+                "--log-format",
+                "json",
+            ],
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
@@ -75,11 +96,19 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_e
     generation = generation_pb2_grpc.GenerationStub(first.channel)
     epoch = allocation_pb2_grpc.AllocationStub(first.channel).GetPoolStatus(apb.GetPoolStatusRequest()).epoch
     long_call = generation.Generate(
-        pb.GenerateRequest(request_id="long", prompt="Count: one, two,", sampling=pb.SamplingParameters(max_tokens=900, temperature=0.0, ignore_eos=True))
+        pb.GenerateRequest(
+            request_id="long",
+            prompt="Count: one, two,",
+            sampling=pb.SamplingParameters(max_tokens=900, temperature=0.0, ignore_eos=True),
+        )
     )
     next(long_call)
     short_call = generation.Generate(
-        pb.GenerateRequest(request_id="short", prompt="Hi", sampling=pb.SamplingParameters(max_tokens=4, temperature=0.0, ignore_eos=True))
+        pb.GenerateRequest(
+            request_id="short",
+            prompt="Hi",
+            sampling=pb.SamplingParameters(max_tokens=4, temperature=0.0, ignore_eos=True),
+        )
     )
     short_first = next(short_call)
     assert first.terminate() == 0

@@ -55,7 +55,11 @@ def test_empty_chat() -> None:
 
 
 def test_unknown_chat_role() -> None:
-    request = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role="wizard", content="x")]))
+    request = pb.GenerateRequest(
+        chat=pb.ChatMessages(
+            messages=[pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role="wizard", content="x")]
+        )
+    )
     assert _error(request) == "chat.messages[1].role: unknown role 'wizard'; known roles: system, user, assistant"
 
 
@@ -104,7 +108,10 @@ def test_empty_stop_string() -> None:
 
 
 def test_stop_token_id_outside_vocabulary() -> None:
-    assert _error(_request(stop_token_ids=[-3])) == "sampling.stop_token_ids[0]: token id -3 outside the vocabulary [0, 100)"
+    assert (
+        _error(_request(stop_token_ids=[-3]))
+        == "sampling.stop_token_ids[0]: token id -3 outside the vocabulary [0, 100)"
+    )
 
 
 def test_request_id_too_long() -> None:
