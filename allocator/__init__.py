@@ -6,17 +6,17 @@ change is an event in an append-only, hash-chained log that ``replay`` and
 ``audit`` rebuild and check. Pure bookkeeping: no torch, nothing from the engine.
 """
 
-from nanoserve.allocator.audit import AuditReport, audit, audit_all
 from nanoserve.allocator.block_allocator import BlockAllocator, FreeReason, KVCacheExhausted
 from nanoserve.allocator.block_table import BlockTable
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL
-from nanoserve.allocator.event_log import EventLog
-from nanoserve.allocator.event_stream import EventStream, EventStreamLagged
 from nanoserve.allocator.events import Event, EventKind
-from nanoserve.allocator.log_reader import EpochInfo, LogNotFoundError, read_events
-from nanoserve.allocator.log_writer import EventLogError, SecondWriterError
+from nanoserve.allocator.log.audit import AuditReport, audit, audit_all
+from nanoserve.allocator.log.database import DEFAULT_EVENT_LOG_URL
+from nanoserve.allocator.log.event_log import EventLog
+from nanoserve.allocator.log.event_stream import EventStream, EventStreamLagged
+from nanoserve.allocator.log.log_reader import EpochInfo, LogNotFoundError, read_events
+from nanoserve.allocator.log.log_writer import EventLogError, SecondWriterError
+from nanoserve.allocator.log.replay import replay
 from nanoserve.allocator.pool_state import PoolState, Violation
-from nanoserve.allocator.replay import replay
 
 __all__ = [
     "DEFAULT_EVENT_LOG_URL",

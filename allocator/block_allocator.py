@@ -7,7 +7,7 @@ It is pure integer bookkeeping: block ids in, block ids out.
 
 When an ``EventLog`` is attached, every state change (allocate, allocate_for,
 free, free_all) is recorded as one event, so the pool can be rebuilt and audited
-from the log (see ``nanoserve.allocator.replay``).
+from the log (see ``nanoserve.allocator.log.replay``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from nanoserve.allocator.events import EventKind
 from nanoserve.allocator.pool_state import PoolState
 
 if TYPE_CHECKING:
-    from nanoserve.allocator.event_log import EventLog
+    from nanoserve.allocator.log.event_log import EventLog
 
 _ALLOCATE = EventKind.ALLOCATE.value
 _ALLOCATE_FOR = EventKind.ALLOCATE_FOR.value

@@ -1,7 +1,7 @@
 """``PoolState``: the block pool as it stood at one sequence number.
 
 Built by ``BlockAllocator.state()`` from the live pool and by
-``nanoserve.allocator.replay`` from the log, so the two can be compared with
+``nanoserve.allocator.log.replay`` from the log, so the two can be compared with
 ``==``.
 """
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, audit, replay
 
-replay_module = importlib.import_module("nanoserve.allocator.replay")  # the module, not the function
+replay_module = importlib.import_module("nanoserve.allocator.log.replay")  # the module, not the function
 
 NUM_BLOCKS = 1024
 BLOCK_SIZE = 16

@@ -41,7 +41,7 @@ from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
 _log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
-    from nanoserve.allocator.event_log import EventLog
+    from nanoserve.allocator.log.event_log import EventLog
     from nanoserve.engine.tokenizer import Tokenizer
 
 
@@ -99,7 +99,7 @@ class LLMEngine:
         log_config = self.config.event_log
         if log_config.event_log_url is None:
             return None
-        from nanoserve.allocator.event_log import EventLog
+        from nanoserve.allocator.log.event_log import EventLog
 
         return EventLog.open(
             log_config.event_log_url,

@@ -7,8 +7,8 @@ import os
 
 from alembic import context
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL, create_log_engine
-from nanoserve.allocator.schema import Base
+from nanoserve.allocator.log.database import DEFAULT_EVENT_LOG_URL, create_log_engine
+from nanoserve.allocator.log.schema import Base
 
 config = context.config
 # Only the Alembic CLI configures logging; programmatic upgrades leave the app's alone.

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL
+from nanoserve.allocator.log.database import DEFAULT_EVENT_LOG_URL
 
 if TYPE_CHECKING:  # the engine package imports torch; `nanoserve --help` should not
     from nanoserve.engine.config import EngineConfig

@@ -137,7 +137,7 @@ def _guarded(run: Any) -> Any:
 @_guarded
 def run_audit(args: argparse.Namespace) -> int:
     from nanoserve.allocator import audit, audit_all
-    from nanoserve.allocator.log_reader import connect, list_epochs
+    from nanoserve.allocator.log.log_reader import connect, list_epochs
 
     url = _url(args)
     if args.epoch is None and args.pool_id is None:
@@ -223,7 +223,7 @@ def run_state(args: argparse.Namespace) -> int:
 
 @_guarded
 def run_epochs(args: argparse.Namespace) -> int:
-    from nanoserve.allocator.log_reader import LogNotFoundError, connect, list_epochs
+    from nanoserve.allocator.log.log_reader import LogNotFoundError, connect, list_epochs
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # the module, not the function that nanoserve.allocator exports under the same name
-replay_module = importlib.import_module("nanoserve.allocator.replay")
+replay_module = importlib.import_module("nanoserve.allocator.log.replay")
 
 
 @pytest.fixture(params=["sqlite", "sqlite-verifier", pytest.param("postgresql", marks=pytest.mark.postgres)])

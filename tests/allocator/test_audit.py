@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, LogNotFoundError, audit, audit_all, replay
 
-replay_module = importlib.import_module("nanoserve.allocator.replay")  # the module, not the function
+replay_module = importlib.import_module("nanoserve.allocator.log.replay")  # the module, not the function
 
 
 def write_log(url: str, pool_id: str, close: bool = True) -> EventLog:
@@ -184,7 +184,7 @@ def test_large_epoch_is_verified_in_a_second_process(
 ) -> None:
     if not log_url.startswith("sqlite"):
         pytest.skip("the second process reads SQLite files only")
-    from nanoserve.allocator import chain_verifier
+    from nanoserve.allocator.log import chain_verifier
 
     verdicts = []
     collect = chain_verifier.result
@@ -228,7 +228,7 @@ def report_head(url: str, pool_id: str) -> bytes:
 def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(
     log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nanoserve.allocator import chain_verifier
+    from nanoserve.allocator.log import chain_verifier
 
     monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
     monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)

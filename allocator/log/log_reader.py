@@ -17,9 +17,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.database import create_log_engine
 from nanoserve.allocator.events import Event, parse_event
-from nanoserve.allocator.schema import allocator_events, pool_epochs
+from nanoserve.allocator.log.database import create_log_engine
+from nanoserve.allocator.log.schema import allocator_events, pool_epochs
 
 # columns replay reads, in this order
 EVENT_COLUMNS = (

@@ -15,9 +15,9 @@ import json
 import operator
 from collections.abc import Iterable, Sequence
 
-from nanoserve.allocator.event_chain import DATA_KINDS, genesis_hash
 from nanoserve.allocator.events import EventKind
-from nanoserve.allocator.log_reader import EpochInfo
+from nanoserve.allocator.log.event_chain import DATA_KINDS, genesis_hash
+from nanoserve.allocator.log.log_reader import EpochInfo
 from nanoserve.allocator.pool_state import PoolState, Violation
 
 _ALLOCATE_KINDS = frozenset((EventKind.ALLOCATE.value, EventKind.ALLOCATE_FOR.value))

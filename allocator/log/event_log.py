@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL, Row, create_log_engine, insert_rows
-from nanoserve.allocator.event_chain import genesis_hash
 from nanoserve.allocator.events import Event, EventKind
-from nanoserve.allocator.log_writer import Batch, EventLogError, LogWriter, Record, SecondWriterError
-from nanoserve.allocator.schema import pool_epochs
+from nanoserve.allocator.log.database import DEFAULT_EVENT_LOG_URL, Row, create_log_engine, insert_rows
+from nanoserve.allocator.log.event_chain import genesis_hash
+from nanoserve.allocator.log.log_writer import Batch, EventLogError, LogWriter, Record, SecondWriterError
+from nanoserve.allocator.log.schema import pool_epochs
 
 if TYPE_CHECKING:
     from nanoserve.allocator.block_allocator import BlockAllocator

@@ -13,8 +13,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from nanoserve.allocator import chain_verifier
-from nanoserve.allocator.log_reader import (
+from nanoserve.allocator.log import chain_verifier
+from nanoserve.allocator.log.log_reader import (
     EVENT_COLUMNS,
     EpochInfo,
     compile_for_driver,
@@ -26,9 +26,9 @@ from nanoserve.allocator.log_reader import (
     rows_query,
     stored_hash,
 )
+from nanoserve.allocator.log.replayer import Replayer
+from nanoserve.allocator.log.schema import allocator_events
 from nanoserve.allocator.pool_state import PoolState
-from nanoserve.allocator.replayer import Replayer
-from nanoserve.allocator.schema import allocator_events
 
 __all__ = ["replay", "replay_epoch"]
 

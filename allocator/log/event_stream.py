@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from nanoserve.allocator.events import Event, EventKind
 
 if TYPE_CHECKING:
-    from nanoserve.allocator.event_log import EventLog
+    from nanoserve.allocator.log.event_log import EventLog
 
 _CLOSE = EventKind.POOL_CLOSE.value
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.log_reader import EpochInfo, LogNotFoundError, connect, list_epochs, resolve_epoch
+from nanoserve.allocator.log.log_reader import EpochInfo, LogNotFoundError, connect, list_epochs, resolve_epoch
+from nanoserve.allocator.log.replay import replay_epoch
+from nanoserve.allocator.log.replayer import Replayer
 from nanoserve.allocator.pool_state import PoolState, Violation
-from nanoserve.allocator.replay import replay_epoch
-from nanoserve.allocator.replayer import Replayer
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The allocator's event log: append-only, hash-chained, replayed and audited."""
