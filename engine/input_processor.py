@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from nanoserve.allocator import cdiv
 from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.prompts import ChatPrompt, Prompt, TokensPrompt
 from nanoserve.engine.request import Request
@@ -120,7 +121,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
-                f"needs {-(-total // self.block_size)} KV blocks; the whole pool holds {self.num_blocks} "
+                f"needs {cdiv(total, self.block_size)} KV blocks; the whole pool holds {self.num_blocks} "
                 f"blocks ({pool_tokens} tokens)",
             )
         return max_tokens

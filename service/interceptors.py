@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import structlog
 
-from nanoserve.allocator.log.log_reader import LogNotFoundError
+from nanoserve.allocator.log import LogNotFoundError
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     EngineDeadError,

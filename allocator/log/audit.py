@@ -75,7 +75,7 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
     closed = replayer.closed_seq is not None
     leaked: dict[int, str] = {}
     if closed:
-        leaked = dict(sorted(replayer.owners.items()))
+        leaked = dict(sorted(replayer.pool.owners.items()))
         for block_id, owner in leaked.items():
             replayer.violate(
                 replayer.closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner

@@ -19,7 +19,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from nanoserve.allocator.events import Event, EventKind
+from nanoserve.allocator.events import EventKind
+from nanoserve.allocator.log.event import Event
 
 if TYPE_CHECKING:
     from nanoserve.allocator.log.event_log import EventLog

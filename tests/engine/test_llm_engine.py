@@ -292,7 +292,7 @@ def test_engine_config_from_flat_names_builds_the_engine(tiny_model_dir: Path) -
 
 
 def test_event_log_of_a_preempting_workload_audits_clean(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
-    from nanoserve.allocator import audit, read_events
+    from nanoserve.allocator.log import audit, read_events
 
     url = f"sqlite:///{tmp_path / 'log.db'}"
     llm = make_llm(num_kv_blocks=24, event_log_url=url)
@@ -318,7 +318,7 @@ def test_event_log_of_a_preempting_workload_audits_clean(make_llm: Callable[...,
 
 
 def test_abort_is_logged_with_reason_aborted(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
-    from nanoserve.allocator import audit, read_events
+    from nanoserve.allocator.log import audit, read_events
 
     url = f"sqlite:///{tmp_path / 'log.db'}"
     llm = make_llm(num_kv_blocks=16, event_log_url=url)
