@@ -10,7 +10,7 @@ caching's shared blocks, for example) without touching the existing rows.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class EventKind(str, enum.Enum):
@@ -37,9 +37,8 @@ class FreeReason(str, enum.Enum):
     PREEMPTED = "preempted"
 
 
-@dataclass(frozen=True, slots=True)
-class BlockEvent:
-    """One change to the pool, as the allocator made it.
+class BlockEvent(NamedTuple):
+    """One change to the pool, as the allocator made it. Immutable.
 
     kind: a block kind (ALLOCATE, ALLOCATE_FOR, FREE, FREE_ALL).
     block_ids: the blocks touched, in the allocator's order: the order they
@@ -49,6 +48,8 @@ class BlockEvent:
 
     An event carries no sequence number, step or time: the event log stamps
     those when the engine hands it a step's events (``EventLog.append_batch``).
+    A NamedTuple rather than a frozen dataclass: the allocator makes one per
+    call, and it is built in half the time.
     """
 
     kind: EventKind

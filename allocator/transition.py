@@ -12,9 +12,12 @@ passed to ``report(rule, message, block_id, owner)``, and the event applies as
 far as the rules allow: the allocator's ``report`` raises, since it checked
 first and a break is a bug; replay's collects ``Violation``s and goes on.
 
-To add an event kind: write its transition ``(state, event, report) -> None``
-and enter it in ``TRANSITIONS``; new fields of ``PoolState`` are written only
-by transitions.
+To add an event kind: add it to ``EventKind``, write its transition
+``(state, event, report) -> None`` and enter it in ``TRANSITIONS``; replay
+applies it from then on (the fast replay loop hands kinds it does not inline
+to the checked path). New fields of ``PoolState`` are written only by
+transitions, and a SNAPSHOT record stores them through
+``record_codec.snapshot_data`` / ``decode_snapshot``.
 """
 
 from __future__ import annotations
@@ -84,13 +87,14 @@ def release(state: PoolState, event: BlockEvent, report: Report) -> None:
     free, owners, owner, num_blocks = state.free_block_ids, state.owners, event.owner, state.num_blocks
     for block_id in event.block_ids:
         holder = owners.pop(block_id, None)
-        if holder is None:
+        if holder == owner:
+            free.append(block_id)
+        elif holder is None:
             rule = "free_of_free_block" if 0 <= block_id < num_blocks else "foreign_block"
             report(rule, "block is not allocated", block_id, owner)
-            continue
-        if holder != owner:
+        else:
             report("owner_mismatch", f"block is held by {holder!r}", block_id, owner)
-        free.append(block_id)
+            free.append(block_id)
 
 
 # event kind -> its transition; the kinds not here (POOL_INIT, SNAPSHOT, POOL_CLOSE) belong to the log

@@ -173,7 +173,7 @@ class EventLog:
         Blocks while ``max_pending_batches`` wait for the writer. Raises
         EventLogError (SecondWriterError) once the writer failed for good or
         after ``close``; ValueError on a bad step or a snapshot of another
-        pool's shape.
+        pool's shape. A call that raises appends nothing (``last_seq`` stays).
         """
         if not events:
             return
