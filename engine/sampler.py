@@ -25,9 +25,9 @@ Numerics: whatever the parameters that ``SamplingParams`` accepts, no NaN or
 inf reaches the draw. NaN logits become -inf and +inf logits the largest
 float32; a repetition penalty's quotient is clamped to the finite range; each
 row is shifted so that its largest logit is 0 before the temperature divides
-it, so tiny temperatures give -inf (probability 0), never +inf. A row whose
-every logit is -inf is drawn uniformly (greedy: token 0). Tokens with
-probability 0 are never drawn.
+it, so tiny temperatures give -inf (probability 0), never +inf. A row without
+a finite logit is drawn uniformly (greedy: token 0). Tokens with probability 0
+are never drawn.
 """
 
 from __future__ import annotations
@@ -97,13 +97,14 @@ class Sampler:
         raw_logits = logits
         logits = apply_penalties(logits, rows)
         logits = mask_min_tokens(logits, rows)
-        token_ids = torch.argmax(logits, dim=-1)  # [num_seqs]; greedy rows keep it
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if len(drawn) == len(rows):
-            token_ids = draw(logits, rows)
-        elif drawn:
-            index = torch.tensor(drawn, device=logits.device)
-            token_ids[index] = draw(logits.index_select(0, index), [rows[i] for i in drawn])
+            token_ids = draw(logits, rows)  # [num_seqs]
+        else:
+            token_ids = torch.argmax(logits, dim=-1)  # [num_seqs]; greedy rows keep it
+            if drawn:
+                index = torch.tensor(drawn, device=logits.device)
+                token_ids[index] = draw(logits.index_select(0, index), [rows[i] for i in drawn])
         return SamplerOutput(token_ids.tolist(), gather_logprobs(raw_logits, token_ids, params))
 
 
@@ -132,13 +133,18 @@ def generated_token_ids(row: SamplingRow) -> list[int]:
 
 
 def finite_logits(logits: torch.Tensor) -> torch.Tensor:
-    """NaN -> -inf and +inf -> the largest finite value; ``logits`` itself when it has neither.
+    """NaN -> -inf and +inf -> the largest finite value; a row with no finite logit left -> all 0.
 
-    One reduction tells: a row's max is NaN or +inf exactly when the row holds one.
+    logits: [num_seqs, vocab_size]. Returns ``logits`` itself when every row's
+    max is finite: one reduction tells, as a max is NaN or +inf exactly when
+    its row holds one, and -inf only when the whole row is -inf. A row of
+    zeros is uniform: drawn uniformly, token 0 for greedy, logprobs -log(vocab_size).
     """
     if bool(torch.isfinite(logits.amax(dim=-1)).all()):
         return logits
-    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+    no_mass = logits.amax(dim=-1, keepdim=True) == float("-inf")  # [num_seqs, 1]
+    return logits.masked_fill(no_mass, 0.0)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -202,7 +208,7 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     vocab_size = logits.shape[1]
     temperature = _column([1.0 if p.greedy else p.temperature for p in params], logits)
     row_max = logits.amax(dim=-1, keepdim=True)  # [num_seqs, 1]
-    no_mass = row_max == float("-inf")  # every token banned: drawn uniformly
+    no_mass = row_max == float("-inf")  # min_tokens banned every token left: drawn uniformly
     if bool(no_mass.any()):
         logits = logits.masked_fill(no_mass, 0.0)
         row_max = row_max.masked_fill(no_mass, 0.0)

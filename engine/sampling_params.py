@@ -15,8 +15,9 @@ from nanoserve.engine.counter_rng import MAX_SEED, MIN_SEED
 from nanoserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most top alternatives returned per generated token
-# Below this temperature a request is greedy: dividing logits by a smaller one says "argmax" anyway,
-# and would overflow float32 without the sampler's shift (vLLM's threshold, _SAMPLING_EPS, is the same).
+# Below this temperature a request is greedy, exactly: a logit gap of 1e-3 is already a factor of e**100
+# between two tokens, so nothing is lost, and no division by a near-zero temperature is left to overflow
+# (vLLM treats temperature < 1e-5 as greedy too).
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 

@@ -169,6 +169,7 @@ def test_row_without_any_finite_logit_draws_uniformly_and_greedy_takes_token_0()
     logits[:32] = float("nan")
     sampled = Sampler()(logits, [Row(SamplingParams(logprobs=0), seed=s) for s in range(64)])
     assert len(set(sampled.token_ids)) == 8
+    assert [lp.logprob for lp in sampled.logprobs if lp is not None] == pytest.approx([-math.log(8)] * 64)
     assert Sampler()(logits[:2], [Row(SamplingParams(temperature=0.0))] * 2).token_ids == [0, 0]
 
 
