@@ -1,4 +1,4 @@
-"""``nanoserve.v1.Generation``: thin methods over ``AsyncLLMEngine``.
+"""``nanoserve.v1.GenerationService``: thin methods over ``AsyncLLMEngine``.
 
 Each method validates and converts the request (``validation``, ``convert``),
 makes one engine call, and converts back. Errors are raised as domain errors;
@@ -28,7 +28,7 @@ from nanoserve.v1 import generation_pb2_grpc
 log = structlog.get_logger("nanoserve.service")
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Streams completions. A stream that ends early for any reason (client
     cancel, disconnect, deadline, server shutdown) aborts its request in the
     engine, which frees its KV blocks at once."""
@@ -147,7 +147,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             token_ids = tokenizer.apply_chat_template(convert.to_messages(request.chat))
         return pb.TokenizeResponse(token_ids=token_ids)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
         return convert.to_model_info(self._engine)
 
 
