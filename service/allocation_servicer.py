@@ -26,7 +26,9 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         self._max_queued_events = max_queued_events
 
     async def GetPoolStatus(
-        self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext
+        self,
+        request: apb.GetPoolStatusRequest,
+        context: grpc.aio.ServicerContext[apb.GetPoolStatusRequest, apb.GetPoolStatusResponse],
     ) -> apb.GetPoolStatusResponse:
         status = convert.to_pool_status(self._engine.pool_status())
         event_log = self._engine.engine.event_log
@@ -38,7 +40,9 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         return status
 
     async def WatchEvents(
-        self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: apb.WatchEventsRequest,
+        context: grpc.aio.ServicerContext[apb.WatchEventsRequest, apb.WatchEventsResponse],
     ) -> AsyncIterator[apb.WatchEventsResponse]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate.
 
@@ -72,10 +76,14 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
 
     async def _stored_events(self, event_log: EventLog, from_seq: int) -> AsyncIterator[Event]:
         """Committed events of the current epoch from ``from_seq``, a page per query."""
-        url = self._engine.config.event_log.event_log_url
         while True:
             page = await asyncio.to_thread(
-                read_events, url, event_log.pool_id, event_log.epoch, from_seq, from_seq + NUM_EVENTS_PER_PAGE - 1
+                read_events,
+                event_log.url,
+                event_log.pool_id,
+                event_log.epoch,
+                from_seq,
+                from_seq + NUM_EVENTS_PER_PAGE - 1,
             )
             for event in page:
                 yield event
@@ -83,11 +91,12 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
                 return
             from_seq = page[-1].seq + 1
 
-    async def Audit(self, request: apb.AuditRequest, context: grpc.aio.ServicerContext) -> apb.AuditResponse:
+    async def Audit(
+        self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditResponse]
+    ) -> apb.AuditResponse:
         event_log = self._event_log()
-        url = self._engine.config.event_log.event_log_url
         epoch = request.epoch if request.HasField("epoch") else event_log.epoch
-        report = await asyncio.to_thread(audit, url, pool_id=event_log.pool_id, epoch=epoch)
+        report = await asyncio.to_thread(audit, event_log.url, pool_id=event_log.pool_id, epoch=epoch)
         # the server knows its own epoch is open because it is running, not crashed
         return convert.to_audit_response(report, live=report.epoch == event_log.epoch)
 

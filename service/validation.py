@@ -40,6 +40,7 @@ def validate_input(request: pb.GenerateRequest | pb.TokenizeRequest, vocab_size:
     if kind in ("prompt", "text") and not getattr(request, kind):
         raise InvalidRequestError(kind, "must not be empty")
     if kind == "prompt_token_ids":
+        assert isinstance(request, pb.GenerateRequest), "only GenerateRequest has prompt_token_ids"
         _check_token_ids("prompt_token_ids", list(request.prompt_token_ids.ids), vocab_size)
     if kind == "chat":
         _check_chat(request.chat)
