@@ -41,8 +41,10 @@ def refuse(rule: str, message: str, block_id: int | None, owner: str | None) -> 
 def apply(state: PoolState, event: BlockEvent, report: Report = refuse) -> None:
     """Change ``state`` as ``event`` says, reporting each rule it breaks.
 
-    An event of a kind without a transition changes nothing and is reported
-    as ``unknown_kind``.
+    ``state`` must keep the ``PoolState`` invariant (free stack and owner map
+    partition the pool; replay loads no snapshot that breaks it). An event of
+    a kind without a transition changes nothing and is reported as
+    ``unknown_kind``.
     """
     transition = TRANSITIONS.get(event.kind)
     if transition is None:
@@ -64,18 +66,15 @@ def take(state: PoolState, event: BlockEvent, report: Report) -> None:
         holder = owners.get(block_id)
         if holder is not None:
             report("allocate_of_allocated", f"block is held by {holder!r}", block_id, owner)
-            continue
-        if not 0 <= block_id < num_blocks:
+        elif not 0 <= block_id < num_blocks:
             report("foreign_block", f"block is not in the pool of {num_blocks}", block_id, owner)
-            continue
-        if free and free[-1] == block_id:
-            free.pop()
-        elif block_id in free:
-            free.remove(block_id)
-        else:  # only a state loaded from a damaged snapshot loses blocks
-            report("lost_block", "block is neither free nor allocated", block_id, owner)
-            continue
-        owners[block_id] = owner
+        else:
+            if free and free[-1] == block_id:
+                free.pop()
+            else:
+                assert block_id in free, f"block {block_id} is neither free nor allocated: {state} broke its invariant"
+                free.remove(block_id)
+            owners[block_id] = owner
 
 
 def release(state: PoolState, event: BlockEvent, report: Report) -> None:

@@ -18,7 +18,7 @@ import contextlib
 import enum
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -144,7 +144,7 @@ class AsyncLLMEngine:
         prompt: Prompt,
         sampling_params: SamplingParams | None,
         request_id: str,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields this request's outputs as they are produced; the last one is finished.
 
         Validation errors (InvalidRequestError, DuplicateRequestError,

@@ -52,6 +52,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
         prompt_text, prompt_token_ids = self.tokenize(prompt)
+        num_prior_output_tokens = self.prior_output_tokens(prompt, len(prompt_token_ids))
         for token_id in params.stop_token_ids:
             if token_id >= self.vocab_size:
                 raise InvalidRequestError(
@@ -66,7 +67,21 @@ class InputProcessor:
             decoder=self.tokenizer,
             prompt=prompt_text,
             arrival_time=arrival_time,
+            num_prior_output_tokens=num_prior_output_tokens,
         )
+
+    def prior_output_tokens(self, prompt: Prompt, num_prompt_tokens: int) -> int:
+        """A resumed TokensPrompt's count of already generated tokens (0 otherwise), checked."""
+        if not isinstance(prompt, TokensPrompt):
+            return 0
+        num_prior = prompt.num_prior_output_tokens
+        ok = isinstance(num_prior, int) and not isinstance(num_prior, bool) and 0 <= num_prior < num_prompt_tokens
+        if not ok:
+            raise InvalidRequestError(
+                "num_prior_output_tokens",
+                f"must be an integer in [0, {num_prompt_tokens}) (fewer than the prompt's tokens), got {num_prior!r}",
+            )
+        return num_prior
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids); raises InvalidRequestError."""

@@ -1,4 +1,4 @@
-"""``nanoserve.v1.Generation``: thin methods over ``AsyncLLMEngine``.
+"""``nanoserve.v1.GenerationService``: thin methods over ``AsyncLLMEngine``.
 
 Each method validates and converts the request (``validation``, ``convert``),
 makes one engine call, and converts back. Errors are raised as domain errors;
@@ -20,15 +20,17 @@ import structlog
 from nanoserve.engine import AsyncLLMEngine, RequestOutput
 from nanoserve.engine.errors import RequestNotFoundError
 from nanoserve.service import convert
-from nanoserve.service.metrics import ServerMetrics
+from nanoserve.service.metrics import FinishedRequest, ServerMetrics
 from nanoserve.service.validation import validate_generate_request, validate_input
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc
 
 log = structlog.get_logger("nanoserve.service")
 
+GenerateContext = grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse]
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Streams completions. A stream that ends early for any reason (client
     cancel, disconnect, deadline, server shutdown) aborts its request in the
     engine, which frees its KV blocks at once."""
@@ -39,7 +41,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._rpc_aborts: set[str] = set()  # request ids aborted by the Abort RPC, until their stream ends
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: GenerateContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         validate_generate_request(request, self._engine.tokenizer.vocab_size)
         request_id = request.request_id or uuid.uuid4().hex
@@ -49,7 +51,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stream = _Stream(request_id, time.monotonic())
         # grpc may leave this generator suspended when the call is cancelled;
         # the callback aborts the request at once instead of at garbage collection
-        context.add_done_callback(lambda _: self._end_early(stream, request, context))
+        # types-grpcio declares the callback as a class (_DoneCallback), not a Protocol: no function matches it
+        context.add_done_callback(lambda _: self._end_early(stream, request, context))  # type: ignore[arg-type]
         try:
             async for output in outputs:
                 stream.last_output = output
@@ -69,7 +72,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._rpc_aborts.discard(request_id)
             await outputs.aclose()
 
-    def _end_early(self, stream: _Stream, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    def _end_early(self, stream: _Stream, request: pb.GenerateRequest, context: GenerateContext) -> None:
         """Records a stream the client ended (cancel, disconnect, deadline) and
         aborts its request if the engine still runs it. Runs at most once per
         stream, from the done callback or from the generator, whichever is first."""
@@ -80,12 +83,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._record(stream, self._abandoned(stream, request), cause)
         asyncio.get_running_loop().create_task(self._abort_quietly(stream.request_id))
 
-    def _abandoned(self, stream: _Stream, request: pb.GenerateRequest) -> convert.FinishedRequest:
+    def _abandoned(self, stream: _Stream, request: pb.GenerateRequest) -> FinishedRequest:
         """The counts and timings of a request whose stream ended before its finished output."""
         now_s = time.monotonic()
         output = stream.last_output
         if output is None:  # cancelled before its first token
-            return convert.FinishedRequest(
+            return FinishedRequest(
                 request_id=stream.request_id,
                 finish_reason="abort",
                 num_prompt_tokens=self._num_prompt_tokens(request),
@@ -102,7 +105,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _num_prompt_tokens(self, request: pb.GenerateRequest) -> int:
         kind = request.WhichOneof("input")
         if kind == "prompt_token_ids":
-            return len(request.prompt_token_ids)
+            return len(request.prompt_token_ids.ids)
         if kind == "prompt":
             return len(self._engine.tokenizer.encode(request.prompt))
         return len(self._engine.tokenizer.apply_chat_template(convert.to_messages(request.chat)))
@@ -113,7 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         with contextlib.suppress(RequestNotFoundError):
             await self._engine.abort(request_id)
 
-    def _record(self, stream: _Stream, request: convert.FinishedRequest, cause: str | None) -> None:
+    def _record(self, stream: _Stream, request: FinishedRequest, cause: str | None) -> None:
         """Counts and logs one finished request; every stream is recorded exactly once."""
         assert not stream.recorded, f"request {request.request_id!r} recorded twice"
         stream.recorded = True
@@ -130,7 +133,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             **({"cause": cause} if cause is not None else {}),
         )
 
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse]
+    ) -> pb.AbortResponse:
         try:
             await self._engine.abort(request.request_id)
         except RequestNotFoundError:
@@ -138,7 +143,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._rpc_aborts.add(request.request_id)
         return pb.AbortResponse()
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[pb.TokenizeRequest, pb.TokenizeResponse]
+    ) -> pb.TokenizeResponse:
         tokenizer = self._engine.tokenizer
         validate_input(request, tokenizer.vocab_size)
         if request.WhichOneof("input") == "text":
@@ -147,7 +154,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             token_ids = tokenizer.apply_chat_template(convert.to_messages(request.chat))
         return pb.TokenizeResponse(token_ids=token_ids)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self,
+        request: pb.GetModelInfoRequest,
+        context: grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.GetModelInfoResponse],
+    ) -> pb.GetModelInfoResponse:
         return convert.to_model_info(self._engine)
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 
 from nanoserve.engine.errors import InvalidRequestError
+from nanoserve.service.convert import CHAT_ROLES
 from nanoserve.v1 import generation_pb2 as pb
 
-CHAT_ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -35,10 +35,12 @@ def validate_input(request: pb.GenerateRequest | pb.TokenizeRequest, vocab_size:
     """Exactly one non-empty input; chat roles known; token ids inside the vocabulary."""
     kind = request.WhichOneof("input")
     if kind is None:
-        raise InvalidRequestError("input", "give exactly one of prompt, prompt_token_ids or chat; none was set")
+        names = [field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields]
+        raise InvalidRequestError("input", f"give exactly one of {', '.join(names[:-1])} or {names[-1]}; none was set")
     if kind in ("prompt", "text") and not getattr(request, kind):
         raise InvalidRequestError(kind, "must not be empty")
     if kind == "prompt_token_ids":
+        assert isinstance(request, pb.GenerateRequest), "only GenerateRequest has prompt_token_ids"
         _check_token_ids("prompt_token_ids", list(request.prompt_token_ids.ids), vocab_size)
     if kind == "chat":
         _check_chat(request.chat)
@@ -59,9 +61,12 @@ def _check_chat(chat: pb.ChatMessages) -> None:
         raise InvalidRequestError("chat.messages", "must hold at least one message")
     for index, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
-            raise InvalidRequestError(
-                f"chat.messages[{index}].role", f"unknown role {message.role!r}; known roles: {', '.join(CHAT_ROLES)}"
-            )
+            known = ", ".join(pb.ChatRole.Name(role) for role in CHAT_ROLES)
+            if message.role == pb.CHAT_ROLE_UNSPECIFIED:
+                given = "CHAT_ROLE_UNSPECIFIED (unset)"
+            else:  # a value from a newer contract, or a number sent as is
+                given = f"{message.role} (not a role this server knows)"
+            raise InvalidRequestError(f"chat.messages[{index}].role", f"must be one of {known}, got {given}")
 
 
 def validate_sampling(params: pb.SamplingParameters, vocab_size: int) -> None:

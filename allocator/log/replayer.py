@@ -329,8 +329,18 @@ class Replayer:
         return state
 
     def load_snapshot(self, tail: str) -> None:
-        """Take the state stored in a SNAPSHOT record's tail as the current one. ValueError when unreadable."""
-        self.pool = decode_snapshot(tail, self.pool.num_blocks, self.pool.block_size)
+        """Take the state stored in a SNAPSHOT record's tail as the current one.
+
+        ValueError when it is unreadable or breaks the ``PoolState`` invariant
+        (every block of the pool free or owned by a named owner, exactly once):
+        replay then starts at genesis instead, and reaching the snapshot reports it.
+        """
+        pool = decode_snapshot(tail, self.pool.num_blocks, self.pool.block_size)
+        if sorted([*pool.free_block_ids, *pool.owners]) != list(range(pool.num_blocks)) or not all(
+            type(owner) is str and owner for owner in pool.owners.values()
+        ):
+            raise ValueError("the snapshot does not hold every block of the pool exactly once")
+        self.pool = pool
 
     def _snapshot(self, seq: int, tail: str) -> None:
         if seq == self._start_snapshot_seq:

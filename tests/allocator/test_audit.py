@@ -254,3 +254,19 @@ def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(
     write_log(log_url, pool_id)
     report = audit(log_url, pool_id)
     assert (report.clean, report.num_events, report.state.free_block_ids) == (True, 12, [0, 1, 2, 3, 4, 5, 6, 7])
+
+
+def test_a_snapshot_that_loses_a_block_is_not_replayed_from(log_url: str, pool_id: str) -> None:
+    with EventLog.open(log_url, pool_id=pool_id, num_blocks=4, block_size=4, num_events_per_snapshot=2) as log:
+        pool = BlockAllocator(4, 4)
+        for step, owner in enumerate("AB"):
+            pool.allocate(owner)  # seq 2, 3; SNAPSHOT seq 4
+            log.append_batch(step, pool.take_events(), pool.snapshot)
+        pool.free(1)  # seq 5
+        log.append_batch(2, pool.take_events(), pool.snapshot)
+    edit_record(log_url, pool_id, 4, '"free_block_ids":[3,2]', '"free_block_ids":[3]')
+    from_snapshot = replay(log_url, pool_id, until_seq=5)
+    from_genesis = replay(log_url, pool_id, until_seq=5, from_snapshot=False)
+    assert from_snapshot == from_genesis
+    assert (from_snapshot.free_block_ids, from_snapshot.owners) == ([3, 2, 1], {0: "A"})
+    assert [(v.seq, v.rule) for v in from_snapshot.violations] == [(4, "hash_mismatch"), (4, "snapshot_mismatch")]

@@ -56,12 +56,10 @@ def test_taking_a_block_outside_the_pool_is_reported_and_skipped() -> None:
     assert state == PoolState.fresh(6, 16)
 
 
-def test_taking_a_block_a_damaged_state_lost_is_reported() -> None:
+def test_a_state_that_lost_a_block_is_a_bug_not_a_violation() -> None:
     state = pool_with([5, 4], {0: "A"})  # blocks 1, 2, 3 are nowhere
-    assert apply_reporting(state, BlockEvent(EventKind.ALLOCATE, (2,), "B")) == [
-        ("lost_block", "block is neither free nor allocated", 2, "B")
-    ]
-    assert state.owners == {0: "A"}
+    with pytest.raises(AssertionError, match="block 2 is neither free nor allocated"):
+        apply_reporting(state, BlockEvent(EventKind.ALLOCATE, (2,), "B"))
 
 
 def test_freeing_a_free_block_is_reported_and_skipped() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve.engine.errors import InvalidRequestError
-from nanoserve.service.validation import validate_generate_request
+from nanoserve.service.validation import validate_generate_request, validate_input
 from nanoserve.v1 import generation_pb2 as pb
 
 VOCAB_SIZE = 100
@@ -54,13 +54,30 @@ def test_empty_chat() -> None:
     assert _error(request) == "chat.messages: must hold at least one message"
 
 
-def test_unknown_chat_role() -> None:
+def test_unset_chat_role() -> None:
     request = pb.GenerateRequest(
         chat=pb.ChatMessages(
-            messages=[pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role="wizard", content="x")]
+            messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content="hi"), pb.ChatMessage(content="x")]
         )
     )
-    assert _error(request) == "chat.messages[1].role: unknown role 'wizard'; known roles: system, user, assistant"
+    assert _error(request) == (
+        "chat.messages[1].role: must be one of CHAT_ROLE_SYSTEM, CHAT_ROLE_USER, CHAT_ROLE_ASSISTANT, "
+        "got CHAT_ROLE_UNSPECIFIED (unset)"
+    )
+
+
+def test_chat_role_number_unknown_to_this_server() -> None:
+    request = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role=7, content="x")]))  # type: ignore[arg-type]
+    assert _error(request) == (
+        "chat.messages[0].role: must be one of CHAT_ROLE_SYSTEM, CHAT_ROLE_USER, CHAT_ROLE_ASSISTANT, "
+        "got 7 (not a role this server knows)"
+    )
+
+
+def test_tokenize_without_input_names_the_tokenize_fields() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validate_input(pb.TokenizeRequest(), VOCAB_SIZE)
+    assert str(info.value) == "input: give exactly one of text or chat; none was set"
 
 
 def test_max_tokens_below_one() -> None:
