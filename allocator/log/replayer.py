@@ -224,6 +224,7 @@ class Replayer:
         num_blocks = self.pool.num_blocks
         kind_codes = _KIND_CODES
         reasons = REASONS
+        closed_seq = self.closed_seq
         for seq, kind_column, owner_column, record, _ in rows:
             if seq != expected:
                 return False
@@ -257,10 +258,11 @@ class Replayer:
                 )
                 batch_end = batch_seq
                 batch_end_text = batch_text
-            if self.closed_seq is not None:
-                violate(seq, "after_close", f"{kind} after POOL_CLOSE at seq {self.closed_seq}", owner=owner)
+            if closed_seq is not None:
+                violate(seq, "after_close", f"{kind} after POOL_CLOSE at seq {closed_seq}", owner=owner)
             if code > _FREE_CODE or reason_text not in reasons:
                 apply_record(seq, kind, block_text, reason_text, tail)
+                closed_seq = self.closed_seq  # POOL_CLOSE sets it; only a data record can
                 continue
             try:
                 block_ids = list(map(int, block_text.split(",")))
