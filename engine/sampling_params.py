@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from nanoserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most top alternatives returned per generated token
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass
@@ -101,13 +104,28 @@ class SamplingParams:
         )
 
     def _check_stops(self) -> None:
-        for text in self.stop:
-            _require("stop", isinstance(text, str) and text != "", f"stop strings must be non-empty, got {text!r}")
-        for token_id in self.stop_token_ids:
+        _require(
+            "stop", len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+        )
+        for index, text in enumerate(self.stop):
             _require(
-                "stop_token_ids",
-                isinstance(token_id, int) and token_id >= 0,
-                f"token ids must be ints >= 0, got {token_id!r}",
+                f"stop[{index}]", isinstance(text, str) and text != "", f"must be a non-empty string, got {text!r}"
+            )
+            _require(
+                f"stop[{index}]",
+                len(text) <= MAX_STOP_STRING_CHARS,
+                f"at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}",
+            )
+        _require(
+            "stop_token_ids",
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+        )
+        for index, token_id in enumerate(self.stop_token_ids):
+            _require(
+                f"stop_token_ids[{index}]",
+                type(token_id) is int and token_id >= 0,
+                f"token id {token_id!r} outside the vocabulary (ids are >= 0)",
             )
 
 

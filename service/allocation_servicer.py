@@ -28,14 +28,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
     async def GetPoolStatus(
         self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext
     ) -> apb.PoolStatus:
-        status = convert.to_pool_status(self._engine.pool_status())
-        event_log = self._engine.engine.event_log
-        if event_log is not None:
-            # the engine publishes its status after a step; the writer commits later,
-            # so an idle engine's snapshot would show a stale durable_seq forever
-            status.last_seq = max(status.last_seq, event_log.last_seq)
-            status.durable_seq = event_log.durable_seq
-        return status
+        return convert.to_pool_status(self._engine.pool_status())
 
     async def WatchEvents(
         self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext
@@ -72,7 +65,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
 
     async def _stored_events(self, event_log: EventLog, from_seq: int) -> AsyncIterator[Event]:
         """Committed events of the current epoch from ``from_seq``, a page per query."""
-        url = self._engine.config.event_log.event_log_url
+        url = event_log.url
         while True:
             page = await asyncio.to_thread(
                 read_events, url, event_log.pool_id, event_log.epoch, from_seq, from_seq + NUM_EVENTS_PER_PAGE - 1
@@ -85,14 +78,14 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
 
     async def Audit(self, request: apb.AuditRequest, context: grpc.aio.ServicerContext) -> apb.AuditReport:
         event_log = self._event_log()
-        url = self._engine.config.event_log.event_log_url
+        url = event_log.url
         epoch = request.epoch if request.HasField("epoch") else event_log.epoch
         report = await asyncio.to_thread(audit, url, pool_id=event_log.pool_id, epoch=epoch)
         # the server knows its own epoch is open because it is running, not crashed
         return convert.to_audit_report(report, live=report.epoch == event_log.epoch)
 
     def _event_log(self) -> EventLog:
-        event_log = self._engine.engine.event_log
+        event_log = self._engine.event_log
         if event_log is None:
             raise EventLogDisabledError("the server keeps no event log (--event-log-url none)")
         return event_log

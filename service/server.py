@@ -31,7 +31,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nanoserve.engine import AsyncLLMEngine, EngineConfig
-from nanoserve.service import convert
 from nanoserve.service.allocation_servicer import AllocationServicer
 from nanoserve.service.config import ServerConfig
 from nanoserve.service.generation_servicer import GenerationServicer
@@ -128,10 +127,8 @@ class NanoServer:
         return port
 
     async def _update_health(self) -> None:
-        event_log = self.engine.engine.event_log
         statuses = health_statuses(
-            engine_ok=self.engine.is_running and not self.engine.errored,
-            log_ok=event_log is None or bool(event_log.healthy),
+            engine_ok=self.engine.is_running and not self.engine.errored, log_ok=self.engine.event_log_healthy
         )
         for service, status in statuses.items():
             await self.health.set(service, status)
@@ -199,7 +196,7 @@ async def start_engine(engine_config: EngineConfig) -> AsyncLLMEngine:
             log.info("model_loading", elapsed_s=round(time.monotonic() - started_s, 1))
     loading.result()
     status = engine.pool_status()
-    info = convert.to_model_info(engine)
+    info = engine.model_info
     log.info(
         "engine_started",
         model=info.model_name,

@@ -23,8 +23,8 @@ from nanoserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
         ({"min_tokens": -1}, "min_tokens", ">= 0"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "<= max_tokens (4)"),
         ({"logprobs": MAX_LOGPROBS + 1}, "logprobs", f"[0, {MAX_LOGPROBS}]"),
-        ({"stop": ["ok", ""]}, "stop", "non-empty"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+        ({"stop": ["ok", ""]}, "stop[1]", "non-empty"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids[0]", ">= 0"),
     ],
 )
 def test_bad_value_names_field_and_limit(kwargs: dict, field: str, limit: str) -> None:

@@ -370,7 +370,7 @@ async def test_token_check_refuses_calls_without_the_token(served: Served) -> No
 async def _stored_events(served: Served) -> list:
     from nanoserve.allocator.log_reader import read_events
 
-    event_log = served.engine.engine.event_log
+    event_log = served.engine.event_log
     return await asyncio.to_thread(read_events, served.log_url, event_log.pool_id, event_log.epoch)
 
 
