@@ -74,6 +74,8 @@ class LLMEngine:
             vocab_size=self.vocab_size,
             has_chat_template=self.tokenizer.has_chat_template,
             eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)),
+            max_prompt_bytes=(min(self.max_model_len, self.num_blocks * self.block_size) - 1)
+            * self.tokenizer.max_token_bytes,
         )
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.event_log: EventLog | None = self._open_event_log()

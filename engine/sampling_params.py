@@ -73,8 +73,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def _check_ranges(self) -> None:
-        _require("temperature", self.temperature >= 0.0, f"must be >= 0, got {self.temperature}")
-        _require("top_k", self.top_k is None or self.top_k >= 1, f"must be >= 1 or None, got {self.top_k}")
+        _require("temperature", self.temperature >= 0.0, f"must be >= 0 (0 = greedy), got {self.temperature}")
+        _require("top_k", self.top_k is None or self.top_k >= 1, f"must be >= 1 (unset: no top-k), got {self.top_k}")
         _require("top_p", 0.0 < self.top_p <= 1.0, f"must be in (0, 1], got {self.top_p}")
         _require("min_p", 0.0 <= self.min_p <= 1.0, f"must be in [0, 1], got {self.min_p}")
         _require(
@@ -88,7 +88,7 @@ class SamplingParams:
         _require(
             "max_tokens",
             self.max_tokens is None or self.max_tokens >= 1,
-            f"must be >= 1 or None, got {self.max_tokens}",
+            f"must be >= 1, got {self.max_tokens}",
         )
         _require("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None:
@@ -100,7 +100,7 @@ class SamplingParams:
         _require(
             "logprobs",
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            f"must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}",
+            f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
         )
 
     def _check_stops(self) -> None:

@@ -14,6 +14,10 @@ class ModelInfo:
     max_model_len: longest sequence (prompt + generated tokens), tokens.
     eos_token_ids: the ids that end generation with finish_reason "stop" and no
         stop_reason (unless ``ignore_eos``).
+    max_prompt_bytes: the longest prompt text, in UTF-8 bytes, that could still
+        fit in ``max_model_len``: longer texts are refused from their length
+        alone, before tokenization (a server derives its message size limit
+        from it).
     """
 
     model_name: str
@@ -25,6 +29,7 @@ class ModelInfo:
     vocab_size: int
     has_chat_template: bool
     eos_token_ids: tuple[int, ...]
+    max_prompt_bytes: int
 
 
 @dataclass(frozen=True)

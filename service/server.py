@@ -47,6 +47,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MONITOR_INTERVAL_S = 0.5
 # after the engine has ended every stream, seconds the last messages get to reach clients
 SHUTDOWN_MARGIN_S = 5.0
+# a request message beyond its prompt: sampling parameters, stop strings, chat framing, request id
+REQUEST_OVERHEAD_BYTES = 64 * 1024
 LOADING_PROGRESS_INTERVAL_S = 2.0
 
 
@@ -91,7 +93,9 @@ class NanoServer:
         if self.config.auth_token:
             interceptors.append(AuthInterceptor(self.config.auth_token))
         interceptors.append(ErrorInterceptor())
-        server = grpc.aio.server(interceptors=interceptors)
+        server = grpc.aio.server(
+            interceptors=interceptors, options=[("grpc.max_receive_message_length", self.max_request_bytes)]
+        )
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, self.metrics), server)
         allocation_pb2_grpc.add_AllocationServicer_to_server(AllocationServicer(self.engine), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -111,7 +115,15 @@ class NanoServer:
             tls=self.config.tls_cert is not None,
             auth=self.config.auth_token is not None,
             metrics_port=self.metrics_port,
+            max_request_bytes=self.max_request_bytes,
         )
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The configured limit, or the longest prompt the model accepts plus the message overhead."""
+        if self.config.max_request_bytes is not None:
+            return self.config.max_request_bytes
+        return self.engine.model_info.max_prompt_bytes + REQUEST_OVERHEAD_BYTES
 
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self.config.host}:{self.config.port}"

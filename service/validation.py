@@ -18,6 +18,7 @@ def input_kind(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
     """The member of the ``input`` oneof that is set; InvalidRequestError("input") when none is."""
     kind = request.WhichOneof("input")
     if kind is None:
-        names = ", ".join(field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        *others, last = (field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        names = f"{', '.join(others)} or {last}"
         raise InvalidRequestError("input", f"give exactly one of {names}; none was set")
     return kind

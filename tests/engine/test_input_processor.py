@@ -35,6 +35,7 @@ def _processor(tokenizer: Tokenizer, max_model_len: int = MAX_MODEL_LEN, num_blo
         vocab_size=49152,
         has_chat_template=True,
         eos_token_ids=(2,),
+        max_prompt_bytes=1023 * tokenizer.max_token_bytes,
     )
     return InputProcessor(tokenizer, info)
 

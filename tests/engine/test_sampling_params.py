@@ -12,7 +12,7 @@ from nanoserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
     ("kwargs", "field", "limit"),
     [
         ({"temperature": -0.1}, "temperature", ">= 0"),
-        ({"top_k": 0}, "top_k", ">= 1 or None"),
+        ({"top_k": 0}, "top_k", ">= 1 (unset: no top-k)"),
         ({"top_p": 0.0}, "top_p", "(0, 1]"),
         ({"top_p": 1.5}, "top_p", "(0, 1]"),
         ({"min_p": -0.1}, "min_p", "[0, 1]"),

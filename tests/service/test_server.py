@@ -200,7 +200,7 @@ async def test_duplicate_live_request_id_is_already_exists(served: Served) -> No
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=[""])),
-            "sampling.stop[0]: stop strings must not be empty",
+            "sampling.stop[0]: must be a non-empty string, got ''",
         ),
     ],
     ids=[
@@ -220,13 +220,17 @@ async def test_bad_request_is_invalid_argument(served: Served, request_: pb.Gene
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
-async def test_prompt_longer_than_max_model_len_is_invalid_argument(served: Served) -> None:
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[42] * 1100))
+async def test_prompt_longer_than_max_model_len_is_invalid_argument_naming_the_prompt(served: Served) -> None:
+    """Issue 8, fault 4: the prompt alone is over the limit, so the message names the prompt."""
+    request = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[42] * 1100), sampling=pb.SamplingParameters(max_tokens=1)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _collect(_generation(served), request)
     assert (info.value.code(), info.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT,
-        "sampling.max_tokens: prompt (1100 tokens) + max_tokens (16) = 1116 exceeds max_model_len (1024)",
+        "prompt_token_ids.ids: prompt has 1100 tokens; at most 1023 leave room for one generated token "
+        "(max_model_len 1024, KV pool 4096 tokens)",
     )
 
 
@@ -261,6 +265,37 @@ async def test_queue_full_is_resource_exhausted(served: Served) -> None:
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"max_num_waiting {MAX_NUM_WAITING}" in info.value.details()
     await wait_pool_free(served)
+
+
+async def test_a_message_over_the_size_limit_is_refused_by_grpc_and_the_limit_follows_max_model_len(
+    served: Served,
+) -> None:
+    """Issue 8, fault 5: the limit is derived from max_model_len; over it, gRPC's own RESOURCE_EXHAUSTED."""
+    server = served.server
+    info = served.engine.model_info
+    assert server.max_request_bytes == info.max_prompt_bytes + 64 * 1024  # type: ignore[attr-defined]
+    assert info.max_prompt_bytes == 1023 * served.engine.tokenizer.max_token_bytes
+    big = pb.GenerateRequest(prompt="x" * (server.max_request_bytes + 1))  # type: ignore[attr-defined]
+    async with grpc.aio.insecure_channel(
+        f"127.0.0.1:{server.port}",
+        options=[("grpc.max_send_message_length", 16 << 20)],  # type: ignore[attr-defined]
+    ) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info_:
+            await _collect(generation_pb2_grpc.GenerationStub(channel), big)
+    assert info_.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_num_waiting" not in (info_.value.details() or "")
+
+
+async def test_a_prompt_too_long_by_its_length_alone_is_invalid_argument_not_tokenized(served: Served) -> None:
+    text = "x" * 100_000  # under the message limit, over what 1023 tokens can hold
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(_generation(served), pb.GenerateRequest(prompt=text))
+    bound = -(-len(text) // served.engine.tokenizer.max_token_bytes)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"prompt: 100000 bytes of text are at least {bound} tokens; a prompt may have at most 1023 tokens "
+        "(max_model_len 1024, KV pool 4096 tokens, one token left to generate)",
+    )
 
 
 async def test_health_is_serving_overall_and_per_service(served: Served) -> None:
@@ -325,6 +360,16 @@ async def test_watch_events_from_zero_sees_every_event_without_gap(served: Serve
     watch.cancel()
     assert [e.seq for e in seen][: status.last_seq] == list(range(1, status.last_seq + 1))
     assert seen[0].kind == "pool_init"
+
+
+async def test_event_log_lag_gauge_falls_to_zero_once_the_log_is_durable(served: Served) -> None:
+    """Issue 8, fault 6: the gauge reads the log's progress from the log, not from a copy taken after a step."""
+    from nanoserve.service.server import MONITOR_INTERVAL_S
+
+    await _collect(_generation(served), pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParameters(max_tokens=3)))
+    await wait_pool_free(served)  # idle, and every event durable
+    await asyncio.sleep(3 * MONITOR_INTERVAL_S)
+    assert _metric(served, "nanoserve_event_log_lag_events") == 0.0
 
 
 async def test_metrics_count_finished_requests(served: Served) -> None:

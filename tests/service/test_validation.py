@@ -24,7 +24,7 @@ VOCAB_SIZE = 49152
 @pytest.fixture(scope="module")
 def processor() -> InputProcessor:
     tokenizer = Tokenizer.from_path(resolve_model_path(None))
-    info = ModelInfo("m", "float32", "cpu", 1024, 16, 256, VOCAB_SIZE, True, (2,))
+    info = ModelInfo("m", "float32", "cpu", 1024, 16, 256, VOCAB_SIZE, True, (2,), 1023 * tokenizer.max_token_bytes)
     return InputProcessor(tokenizer, info)
 
 
@@ -54,7 +54,7 @@ def test_valid_request_passes(processor: InputProcessor) -> None:
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
-        (pb.GenerateRequest(), "input: give exactly one of prompt, prompt_token_ids, chat; none was set"),
+        (pb.GenerateRequest(), "input: give exactly one of prompt, prompt_token_ids or chat; none was set"),
         (pb.GenerateRequest(prompt=""), "prompt: is empty (0 tokens)"),
         (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[])), "prompt_token_ids.ids: is empty (0 tokens)"),
         (
@@ -70,13 +70,13 @@ def test_valid_request_passes(processor: InputProcessor) -> None:
             ),
             "chat.messages[1].role: unknown role 'wizard'; known roles: system, user, assistant",
         ),
-        (_request(max_tokens=0), "sampling.max_tokens: must be >= 1 or None, got 0"),
+        (_request(max_tokens=0), "sampling.max_tokens: must be >= 1, got 0"),
         (_request(max_tokens=4, min_tokens=5), "sampling.min_tokens: must be <= max_tokens (4), got 5"),
         (_request(top_p=0.0), "sampling.top_p: must be in (0, 1], got 0.0"),
         (_request(top_p=1.5), "sampling.top_p: must be in (0, 1], got 1.5"),
         (_request(min_p=2.0), "sampling.min_p: must be in [0, 1], got 2.0"),
         (_request(presence_penalty=3.0), "sampling.presence_penalty: must be in [-2, 2], got 3.0"),
-        (_request(logprobs=21), "sampling.logprobs: must be in [0, 20] or None, got 21"),
+        (_request(logprobs=21), "sampling.logprobs: must be in [0, 20], got 21"),
         (
             _request(stop_token_ids=[5, VOCAB_SIZE + 1]),
             f"sampling.stop_token_ids[1]: token id {VOCAB_SIZE + 1} outside the vocabulary [0, {VOCAB_SIZE})",
