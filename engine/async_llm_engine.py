@@ -35,7 +35,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -300,7 +300,7 @@ class AsyncLLMEngine:
         prompt: Prompt,
         sampling_params: SamplingParams | None,
         request_id: str,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields this request's outputs as they are produced; the last one is finished.
 
         Errors are raised before the first item. If the caller stops iterating

@@ -17,6 +17,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import AbortCause, RequestOutput
 from nanoserve.engine.prompts import ChatPrompt, Prompt, TokensPrompt
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.tokenizer import Tokenizer
 
 
 class LLM:
@@ -33,7 +34,7 @@ class LLM:
         self._counter = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(

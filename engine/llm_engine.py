@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -207,6 +207,7 @@ class LLMEngine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.append_token(token_id, logprob)
+            output: RequestOutput | None
             if request.finish_reason is not None:
                 output = self._finish(request, FreeReason.FINISHED, now)
             else:
@@ -276,7 +277,8 @@ class LLMEngine:
             self.event_log.close()
 
 
-def _jsonable(value: object) -> object:
+def _jsonable(value: Any) -> Any:
+    """``value`` with torch dtypes as their names and tuples as lists: a JSON value."""
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -28,9 +28,11 @@ class SamplingRow(Protocol):
 
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
     generator: torch.Generator | None  # None: draw from the sampler's generator
     min_tokens_banned_ids: list[int]  # EOS / stop token ids blocked while min_tokens is not reached
+
+    @property
+    def output_token_ids(self) -> list[int]: ...  # read-only: Request derives it from its token ids
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,16 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
         self._max_queued_events = max_queued_events
 
     async def GetPoolStatus(
-        self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext
+        self,
+        request: apb.GetPoolStatusRequest,
+        context: grpc.aio.ServicerContext[apb.GetPoolStatusRequest, apb.PoolStatus],
     ) -> apb.PoolStatus:
         return convert.to_pool_status(self._engine.pool_status())
 
     async def WatchEvents(
-        self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: apb.WatchEventsRequest,
+        context: grpc.aio.ServicerContext[apb.WatchEventsRequest, apb.AllocationEvent],
     ) -> AsyncIterator[apb.AllocationEvent]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate.
 
@@ -65,10 +69,14 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
 
     async def _stored_events(self, event_log: EventLog, from_seq: int) -> AsyncIterator[Event]:
         """Committed events of the current epoch from ``from_seq``, a page per query."""
-        url = event_log.url
         while True:
             page = await asyncio.to_thread(
-                read_events, url, event_log.pool_id, event_log.epoch, from_seq, from_seq + NUM_EVENTS_PER_PAGE - 1
+                read_events,
+                event_log.url,
+                event_log.pool_id,
+                event_log.epoch,
+                from_seq,
+                from_seq + NUM_EVENTS_PER_PAGE - 1,
             )
             for event in page:
                 yield event
@@ -76,11 +84,12 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
                 return
             from_seq = page[-1].seq + 1
 
-    async def Audit(self, request: apb.AuditRequest, context: grpc.aio.ServicerContext) -> apb.AuditReport:
+    async def Audit(
+        self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditReport]
+    ) -> apb.AuditReport:
         event_log = self._event_log()
-        url = event_log.url
         epoch = request.epoch if request.HasField("epoch") else event_log.epoch
-        report = await asyncio.to_thread(audit, url, pool_id=event_log.pool_id, epoch=epoch)
+        report = await asyncio.to_thread(audit, event_log.url, pool_id=event_log.pool_id, epoch=epoch)
         # the server knows its own epoch is open because it is running, not crashed
         return convert.to_audit_report(report, live=report.epoch == event_log.epoch)
 

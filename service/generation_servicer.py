@@ -24,6 +24,8 @@ from nanoserve.v1 import generation_pb2_grpc
 
 log = structlog.get_logger("nanoserve.service")
 
+GenerateContext = grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateResponse]
+
 # A client's deadline fires on the client's clock: its cancellation reaches the server a moment
 # before the server's own copy of the deadline runs out. A cancellation this close to the deadline
 # is the deadline.
@@ -42,7 +44,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._metrics = metrics
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: GenerateContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         prompt = convert.to_prompt(request)
         params = convert.to_sampling_params(request.sampling)
@@ -51,7 +53,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stream.finished.add_done_callback(self._record)
         # grpc may leave this generator suspended when the call is cancelled;
         # the callback aborts the request at once instead of at garbage collection
-        context.add_done_callback(lambda _: stream.abort(_client_cause(deadline_s)))
+        # types-grpcio declares the callback as a class (_DoneCallback), not a Protocol: no function matches it
+        context.add_done_callback(lambda _: stream.abort(_client_cause(deadline_s)))  # type: ignore[arg-type]
         try:
             async for output in stream:
                 yield convert.to_response(output)
@@ -80,19 +83,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             **({"cause": request.abort_cause} if request.abort_cause is not None else {}),
         )
 
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse]
+    ) -> pb.AbortResponse:
         await self._engine.abort(request.request_id)
         return pb.AbortResponse()
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext[pb.TokenizeRequest, pb.TokenizeResponse]
+    ) -> pb.TokenizeResponse:
         token_ids = await self._engine.tokenize(convert.to_tokenize_input(request))
         return pb.TokenizeResponse(token_ids=token_ids)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo]
+    ) -> pb.ModelInfo:
         return convert.to_model_info(self._engine.model_info)
 
 
-def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+def _deadline(context: GenerateContext) -> float | None:
     """The call's deadline on this process's monotonic clock; None without one."""
     remaining_s = context.time_remaining()
     return None if remaining_s is None else time.monotonic() + remaining_s

@@ -62,7 +62,7 @@ def message_for(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception, method: str) -> None:
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("rpc_failed", method=method, exc_info=exc)
@@ -71,7 +71,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             return await behavior(request, context)
         except grpc.aio.AbortError:
@@ -87,7 +87,7 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
         # a coroutine that writes with context.write (grpc_health's Watch)
         return _wrap_unary(behavior, method)
 
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
             async for response in behavior(request, context):
                 yield response
@@ -99,7 +99,11 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
     return wrapper
 
 
-def _replace_behavior(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callable) -> grpc.RpcMethodHandler:
+def _replace_behavior(
+    handler: grpc.RpcMethodHandler[Any, Any],
+    unary: Callable[[Callable[..., Any]], Callable[..., Any]],
+    stream: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler like ``handler`` whose unary_unary / unary_stream behavior is wrapped."""
     kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
@@ -108,6 +112,7 @@ def _replace_behavior(handler: grpc.RpcMethodHandler, unary: Callable, stream: C
         return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kwargs)
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kwargs)
+    assert handler.stream_stream is not None, f"method handler {handler!r} has no behavior"
     return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kwargs)
 
 
@@ -116,9 +121,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         if handler is None:
             return handler
@@ -146,14 +151,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         if handler is None or self.allows(details):
             return handler
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>' metadata"
             )

@@ -663,12 +663,12 @@ async def test_abort_rpc_stream_is_counted_and_logged_once_as_abort(served: Serv
     assert (line["finish_reason"], line["cause"]) == ("abort", "abort_rpc")
 
 
-async def test_stream_cancelled_while_waiting_is_logged_with_its_prompt_tokens(served: Served) -> None:
+async def _cancel_while_waiting(served: Served, waiting_request: pb.GenerateRequest) -> dict:
+    """The request_finished line of ``waiting_request``, cancelled while every running slot is busy."""
     stub = _generation(served)
     running = [stub.Generate(_long_request(f"busy-{i}")) for i in range(MAX_NUM_SEQS)]
     for call in running:
         await call.read()
-    waiting_request = _long_request("cancel-waiting")
     with structlog.testing.capture_logs() as logs:
         waiting = stub.Generate(waiting_request)
         while (await _allocation(served).GetPoolStatus(apb.GetPoolStatusRequest())).num_waiting == 0:
@@ -677,6 +677,29 @@ async def test_stream_cancelled_while_waiting_is_logged_with_its_prompt_tokens(s
         for call in running:
             call.cancel()
         await _settle(served)
-    [line] = _finished_lines(logs, "cancel-waiting")
+    [line] = _finished_lines(logs, waiting_request.request_id)
+    return line
+
+
+async def test_stream_cancelled_while_waiting_is_logged_with_its_prompt_tokens(served: Served) -> None:
+    waiting_request = _long_request("cancel-waiting")
+    line = await _cancel_while_waiting(served, waiting_request)
     assert line["prompt_tokens"] == len(served.engine.tokenizer.encode(waiting_request.prompt))
+    assert (line["completion_tokens"], line["ttft_s"], line["cause"]) == (0, None, "cancelled")
+
+
+async def test_token_ids_stream_cancelled_while_waiting_is_counted_and_logged_with_its_prompt_tokens(
+    served: Served,
+) -> None:
+    # found by mypy: the prompt token count of an abandoned stream took len() of the TokenIds message
+    waiting_request = pb.GenerateRequest(
+        request_id="cancel-waiting-ids",
+        prompt_token_ids=pb.TokenIds(ids=[504, 3458, 2030, 1029, 282, 1029, 13, 1029, 28, 827, 28]),
+        sampling=pb.SamplingParameters(max_tokens=400, temperature=0.0, ignore_eos=True),
+    )
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="abort"}')
+    line = await _cancel_while_waiting(served, waiting_request)
+    # the waiting stream and the MAX_NUM_SEQS busy ones, each counted once
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="abort"}') == before + 1 + MAX_NUM_SEQS
+    assert line["prompt_tokens"] == 11
     assert (line["completion_tokens"], line["ttft_s"], line["cause"]) == (0, None, "cancelled")
