@@ -16,7 +16,7 @@ from nanoserve.v1 import generation_pb2 as pb
 
 def input_kind(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
     """The member of the ``input`` oneof that is set; InvalidRequestError("input") when none is."""
-    kind = request.WhichOneof("input")
+    kind: str | None = request.WhichOneof("input")
     if kind is None:
         *others, last = (field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
         names = f"{', '.join(others)} or {last}"
