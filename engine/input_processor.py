@@ -78,6 +78,7 @@ class InputProcessor:
                     f"stop_token_ids[{index}]", f"token id {token_id} outside the vocabulary [0, {self.vocab_size})"
                 )
         prompt_text, prompt_token_ids = self.tokenize(prompt)
+        num_prior_output_tokens = self.prior_output_tokens(prompt, len(prompt_token_ids))
         return Request(
             request_id,
             prompt_token_ids,
@@ -88,7 +89,21 @@ class InputProcessor:
             prompt=prompt_text,
             arrival_time=arrival_time,
             serial=serial,
+            num_prior_output_tokens=num_prior_output_tokens,
         )
+
+    def prior_output_tokens(self, prompt: Prompt, num_prompt_tokens: int) -> int:
+        """A resumed TokensPrompt's count of already generated tokens (0 otherwise), checked."""
+        if not isinstance(prompt, TokensPrompt):
+            return 0
+        num_prior = prompt.num_prior_output_tokens
+        ok = isinstance(num_prior, int) and not isinstance(num_prior, bool) and 0 <= num_prior < num_prompt_tokens
+        if not ok:
+            raise InvalidRequestError(
+                "num_prior_output_tokens",
+                f"must be an integer in [0, {num_prompt_tokens}) (fewer than the prompt's tokens), got {num_prior!r}",
+            )
+        return num_prior
 
     def tokenize(
         self, prompt: Prompt, *, text_field: str = "prompt", as_prompt: bool = True

@@ -5,9 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from nanoserve.allocator import BlockTable
+from nanoserve.engine.counter_rng import random_seed
 from nanoserve.engine.detokenizer import Decoder
 from nanoserve.engine.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from nanoserve.engine.sampling_params import SamplingParams
@@ -42,6 +41,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         serial: int = 0,
+        num_prior_output_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.serial = serial  # unique over the engine's life; request_id alone may be reused
@@ -55,9 +55,11 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.status = RequestStatus.WAITING
         self.block_table: BlockTable | None = None
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        # Sampling: the effective seed (the client's, or 64 random bits) and how many of the prompt's
+        # last tokens an earlier admission generated; with them the sampler continues a resumed request
+        # exactly (output position = num_prior_output_tokens + num_output_tokens).
+        self.seed: int = sampling_params.seed if sampling_params.seed is not None else random_seed()
+        self.num_prior_output_tokens = num_prior_output_tokens
         self.stream = TextStream(decoder, sampling_params.stop, sampling_params.logprobs is not None)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

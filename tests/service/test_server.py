@@ -184,7 +184,7 @@ async def test_duplicate_live_request_id_is_already_exists(served: Served) -> No
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(temperature=-1.0)),
-            "sampling.temperature: must be >= 0 (0 = greedy), got -1.0",
+            "sampling.temperature: must be finite and >= 0 (0, or below 1e-05: greedy), got -1.0",
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=0.0)),
