@@ -63,7 +63,7 @@ class Phase:
         )
 
 
-async def _stream(stub: generation_pb2_grpc.GenerationStub, phases: list[Phase], current: list[Phase]) -> None:
+async def _stream(stub: generation_pb2_grpc.GenerationServiceStub, phases: list[Phase], current: list[Phase]) -> None:
     request = pb.GenerateRequest(
         prompt="Count from one to one thousand: one, two,",
         sampling=pb.SamplingParameters(max_tokens=100_000, temperature=0.0, ignore_eos=True),
@@ -90,7 +90,7 @@ async def _health(channel: grpc.aio.Channel, current: list[Phase], interval_s: f
 
 
 async def _sender(channel: grpc.aio.Channel, text: str, current: list[Phase], stop: asyncio.Event) -> None:
-    stub = generation_pb2_grpc.GenerationStub(channel)
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
     turn = 0
     while not stop.is_set():
         try:
@@ -113,11 +113,13 @@ async def _run(address: str, args: argparse.Namespace, max_token_bytes: int) -> 
         grpc.aio.insecure_channel(address, options=options) as stream_channel,
         grpc.aio.insecure_channel(address, options=options) as load_channel,
     ):
-        info = await generation_pb2_grpc.GenerationStub(stream_channel).GetModelInfo(pb.GetModelInfoRequest())
+        info = await generation_pb2_grpc.GenerationServiceStub(stream_channel).GetModelInfo(pb.GetModelInfoRequest())
         # the longest text the length bound lets through: plain words, so it tokenizes in full
         max_prompt_bytes = (min(info.max_model_len, info.num_blocks * info.block_size) - 1) * max_token_bytes
         limit_text = ("lorem ipsum dolor sit amet " * (max_prompt_bytes // 27 + 1))[:max_prompt_bytes]
-        stream = asyncio.create_task(_stream(generation_pb2_grpc.GenerationStub(stream_channel), phases, current))
+        stream = asyncio.create_task(
+            _stream(generation_pb2_grpc.GenerationServiceStub(stream_channel), phases, current)
+        )
         stop_health = asyncio.Event()
         health = asyncio.create_task(_health(stream_channel, current, args.health_interval_s, stop_health))
         await asyncio.sleep(args.phase_s)

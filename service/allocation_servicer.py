@@ -1,4 +1,4 @@
-"""``nanoserve.v1.Allocation``: the KV pool's status, its live event stream, its audit."""
+"""``nanoserve.v1.AllocationService``: the KV pool's status, its live event stream, its audit."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from nanoserve.v1 import allocation_pb2_grpc
 NUM_EVENTS_PER_PAGE = 1000  # stored events read per query while catching up
 
 
-class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
+class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
     """max_queued_events: live events one WatchEvents stream may buffer before the log
     cuts it off (it then catches up from the store)."""
 
@@ -28,15 +28,15 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
     async def GetPoolStatus(
         self,
         request: apb.GetPoolStatusRequest,
-        context: grpc.aio.ServicerContext[apb.GetPoolStatusRequest, apb.PoolStatus],
-    ) -> apb.PoolStatus:
+        context: grpc.aio.ServicerContext[apb.GetPoolStatusRequest, apb.GetPoolStatusResponse],
+    ) -> apb.GetPoolStatusResponse:
         return convert.to_pool_status(self._engine.pool_status())
 
     async def WatchEvents(
         self,
         request: apb.WatchEventsRequest,
-        context: grpc.aio.ServicerContext[apb.WatchEventsRequest, apb.AllocationEvent],
-    ) -> AsyncIterator[apb.AllocationEvent]:
+        context: grpc.aio.ServicerContext[apb.WatchEventsRequest, apb.WatchEventsResponse],
+    ) -> AsyncIterator[apb.WatchEventsResponse]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate.
 
         The live subscription opens *before* the stored events are read, so an
@@ -51,7 +51,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
             live = EventStream(event_log, max_queued_events=self._max_queued_events)
             try:
                 async for event in self._stored_events(event_log, next_seq):
-                    yield convert.to_event(event)
+                    yield apb.WatchEventsResponse(event=convert.to_event(event))
                     next_seq = event.seq + 1
                     if event.kind == EventKind.POOL_CLOSE.value:
                         return
@@ -59,7 +59,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
                     if event.seq < next_seq:
                         continue
                     assert event.seq == next_seq, f"live events jumped from {next_seq} to {event.seq}"
-                    yield convert.to_event(event)
+                    yield apb.WatchEventsResponse(event=convert.to_event(event))
                     next_seq = event.seq + 1
                 return  # POOL_CLOSE ended the live stream
             except EventStreamLagged:
@@ -85,13 +85,13 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
             from_seq = page[-1].seq + 1
 
     async def Audit(
-        self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditReport]
-    ) -> apb.AuditReport:
+        self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditResponse]
+    ) -> apb.AuditResponse:
         event_log = self._event_log()
         epoch = request.epoch if request.HasField("epoch") else event_log.epoch
         report = await asyncio.to_thread(audit, event_log.url, pool_id=event_log.pool_id, epoch=epoch)
         # the server knows its own epoch is open because it is running, not crashed
-        return convert.to_audit_report(report, live=report.epoch == event_log.epoch)
+        return convert.to_audit_response(report, live=report.epoch == event_log.epoch)
 
     def _event_log(self) -> EventLog:
         event_log = self._engine.event_log

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from nanoserve.allocator import EventKind, FreeReason
+from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.outputs import RequestMetrics
 from nanoserve.engine.prompts import ChatPrompt, TokensPrompt
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.service.metrics import FinishedRequest
-from nanoserve.service.validation import input_kind
 from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import generation_pb2 as pb
 
@@ -23,10 +27,53 @@ if TYPE_CHECKING:  # the engine proper imports torch; these are only types here
     from nanoserve.engine import ModelInfo, PoolStatus, RequestOutput
     from nanoserve.engine.outputs import TokenLogprob
 
-FINISH_REASONS = {
+# One table per enum of the contract: the engine's and the allocator's names <-> proto values. An
+# UNSPECIFIED (0) value is never in a table: on the way out it stands for a name this table lacks.
+FINISH_REASONS: dict[str, pb.FinishReason] = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+}
+# proto role -> the engine's chat template role
+CHAT_ROLES: dict[pb.ChatRole, str] = {
+    pb.CHAT_ROLE_SYSTEM: "system",
+    pb.CHAT_ROLE_USER: "user",
+    pb.CHAT_ROLE_ASSISTANT: "assistant",
+}
+EVENT_KINDS: dict[str, apb.EventKind] = {
+    EventKind.POOL_INIT.value: apb.EVENT_KIND_POOL_INIT,
+    EventKind.ALLOCATE.value: apb.EVENT_KIND_ALLOCATE,
+    EventKind.ALLOCATE_FOR.value: apb.EVENT_KIND_ALLOCATE_FOR,
+    EventKind.FREE.value: apb.EVENT_KIND_FREE,
+    EventKind.FREE_ALL.value: apb.EVENT_KIND_FREE_ALL,
+    EventKind.SNAPSHOT.value: apb.EVENT_KIND_SNAPSHOT,
+    EventKind.POOL_CLOSE.value: apb.EVENT_KIND_POOL_CLOSE,
+}
+FREE_REASONS: dict[str, apb.FreeReason] = {
+    FreeReason.FINISHED.value: apb.FREE_REASON_FINISHED,
+    FreeReason.ABORTED.value: apb.FREE_REASON_ABORTED,
+    FreeReason.PREEMPTED.value: apb.FREE_REASON_PREEMPTED,
+}
+# the rules the allocator's replay and audit check (``Violation.rule``)
+AUDIT_RULES: dict[str, apb.AuditRule] = {
+    "missing_events": apb.AUDIT_RULE_MISSING_EVENTS,
+    "out_of_order": apb.AUDIT_RULE_OUT_OF_ORDER,
+    "hash_mismatch": apb.AUDIT_RULE_HASH_MISMATCH,
+    "seq_mismatch": apb.AUDIT_RULE_SEQ_MISMATCH,
+    "bad_record": apb.AUDIT_RULE_BAD_RECORD,
+    "column_mismatch": apb.AUDIT_RULE_COLUMN_MISMATCH,
+    "torn_batch": apb.AUDIT_RULE_TORN_BATCH,
+    "after_close": apb.AUDIT_RULE_AFTER_CLOSE,
+    "misplaced_init": apb.AUDIT_RULE_MISPLACED_INIT,
+    "unknown_kind": apb.AUDIT_RULE_UNKNOWN_KIND,
+    "allocate_of_allocated": apb.AUDIT_RULE_ALLOCATE_OF_ALLOCATED,
+    "foreign_block": apb.AUDIT_RULE_FOREIGN_BLOCK,
+    "free_of_free_block": apb.AUDIT_RULE_FREE_OF_FREE_BLOCK,
+    "owner_mismatch": apb.AUDIT_RULE_OWNER_MISMATCH,
+    "bad_snapshot": apb.AUDIT_RULE_BAD_SNAPSHOT,
+    "snapshot_mismatch": apb.AUDIT_RULE_SNAPSHOT_MISMATCH,
+    "missing_close": apb.AUDIT_RULE_MISSING_CLOSE,
+    "leaked_block": apb.AUDIT_RULE_LEAKED_BLOCK,
 }
 
 # SamplingParameters fields with presence (optional): unset leaves the engine's default
@@ -63,8 +110,51 @@ def proto_field(engine_field: str) -> str:
     return engine_field
 
 
+def input_kind(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
+    """The member of the ``input`` oneof that is set; InvalidRequestError("input") when none is.
+
+    With ``to_messages``' role check, the one check the service makes itself:
+    the shape of the message. Everything about its content is the engine's.
+    """
+    kind: str | None = request.WhichOneof("input")
+    if kind is None:
+        *others, last = (field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        raise InvalidRequestError("input", f"give exactly one of {', '.join(others)} or {last}; none was set")
+    return kind
+
+
 def to_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    """The engine's chat messages; InvalidRequestError naming the message whose role is UNSPECIFIED or a
+    value this server does not know (the engine checks the rest: at least one message, the lengths)."""
+    return [{"role": _chat_role(index, m.role), "content": m.content} for index, m in enumerate(chat.messages)]
+
+
+def _chat_role(index: int, role: pb.ChatRole) -> str:
+    name = CHAT_ROLES.get(role)
+    if name is not None:
+        return name
+    known = ", ".join(pb.ChatRole.Name(known_role) for known_role in CHAT_ROLES)
+    if role == pb.CHAT_ROLE_UNSPECIFIED:
+        given = "CHAT_ROLE_UNSPECIFIED (unset)"
+    else:  # a value from a newer contract, or a number sent as is
+        given = f"{role} (not a role this server knows)"
+    raise InvalidRequestError(f"chat.messages[{index}].role", f"must be one of {known}, got {given}")
+
+
+def to_duration(seconds: float) -> Duration:
+    """A ``google.protobuf.Duration`` of ``seconds``, to the nearest nanosecond."""
+    duration = Duration()
+    duration.FromNanoseconds(round(seconds * 1e9))
+    return duration
+
+
+def to_timings(request: FinishedRequest) -> pb.Timings:
+    """The request's durations; one it never reached (None) stays unset."""
+    timings = pb.Timings()
+    for field, seconds in (("queue_time", request.queue_s), ("ttft", request.ttft_s), ("total_time", request.total_s)):
+        if seconds is not None:
+            getattr(timings, field).CopyFrom(to_duration(seconds))
+    return timings
 
 
 def to_prompt(request: pb.GenerateRequest) -> str | TokensPrompt | ChatPrompt:
@@ -134,9 +224,7 @@ def to_finish(output: RequestOutput) -> pb.Finish:
     finish = pb.Finish(
         reason=FINISH_REASONS[summary.finish_reason],
         usage=pb.Usage(prompt_tokens=summary.num_prompt_tokens, completion_tokens=summary.num_completion_tokens),
-        timings=pb.Timings(
-            queue_s=summary.queue_s or 0.0, ttft_s=summary.ttft_s or 0.0, total_s=summary.total_s or 0.0
-        ),
+        timings=to_timings(summary),
         num_preemptions=summary.num_preemptions,
     )
     if isinstance(completion.stop_reason, str):
@@ -158,8 +246,8 @@ def to_response(output: RequestOutput) -> pb.GenerateResponse:
     return response
 
 
-def to_model_info(info: ModelInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(
+def to_model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
+    return pb.GetModelInfoResponse(
         model_name=info.model_name,
         dtype=info.dtype,
         device=info.device,
@@ -168,11 +256,12 @@ def to_model_info(info: ModelInfo) -> pb.ModelInfo:
         num_blocks=info.num_blocks,
         vocab_size=info.vocab_size,
         has_chat_template=info.has_chat_template,
+        eos_token_ids=info.eos_token_ids,
     )
 
 
-def to_pool_status(status: PoolStatus) -> apb.PoolStatus:
-    return apb.PoolStatus(
+def to_pool_status(status: PoolStatus) -> apb.GetPoolStatusResponse:
+    return apb.GetPoolStatusResponse(
         pool_id=status.pool_id,
         epoch=status.epoch or 0,
         num_blocks=status.num_blocks,
@@ -187,16 +276,21 @@ def to_pool_status(status: PoolStatus) -> apb.PoolStatus:
 
 
 def to_event(event: Event) -> apb.AllocationEvent:
+    """A stored event; a kind or free reason the tables lack (a newer log) is UNSPECIFIED."""
+    wall_time = Timestamp()
+    wall_time.FromNanoseconds(event.wall_time_ns)
+    monotonic_time = Duration()
+    monotonic_time.FromNanoseconds(event.monotonic_ns)
     message = apb.AllocationEvent(
         seq=event.seq,
         pool_id=event.pool_id,
         epoch=event.epoch,
-        kind=event.kind,
+        kind=EVENT_KINDS.get(event.kind, apb.EVENT_KIND_UNSPECIFIED),
         block_ids=event.block_ids,
         owner=event.owner or "",
-        reason=event.reason or "",
-        wall_time_s=event.wall_time_ns / 1e9,
-        mono_time_s=event.monotonic_ns / 1e9,
+        free_reason=FREE_REASONS.get(event.reason or "", apb.FREE_REASON_UNSPECIFIED),
+        wall_time=wall_time,
+        monotonic_time=monotonic_time,
         hash=event.hash.hex(),
     )
     if event.step is not None:
@@ -204,10 +298,11 @@ def to_event(event: Event) -> apb.AllocationEvent:
     return message
 
 
-def to_audit_report(report: AuditReport, live: bool = False) -> apb.AuditReport:
-    """``live``: the epoch is the serving process's own, so open means running."""
+def to_audit_response(report: AuditReport, live: bool = False) -> apb.AuditResponse:
+    """``live``: the epoch is the serving process's own, so open means running. A rule
+    ``AUDIT_RULES`` lacks is UNSPECIFIED, its name leading the violation's message."""
     open_status = "open (live: this server's epoch)" if live else "open (running, or crashed)"
-    message = apb.AuditReport(
+    message = apb.AuditResponse(
         pool_id=report.pool_id,
         epoch=report.epoch,
         clean=report.clean,
@@ -217,8 +312,12 @@ def to_audit_report(report: AuditReport, live: bool = False) -> apb.AuditReport:
         summary=report.render(open_status=open_status),
     )
     for violation in report.violations:
+        rule = AUDIT_RULES.get(violation.rule, apb.AUDIT_RULE_UNSPECIFIED)
         entry = apb.Violation(
-            seq=violation.seq, rule=violation.rule, owner=violation.owner or "", message=violation.message
+            seq=violation.seq,
+            rule=rule,
+            owner=violation.owner or "",
+            message=violation.message if rule else f"{violation.rule}: {violation.message}",
         )
         if violation.block_id is not None:
             entry.block_id = violation.block_id

@@ -1,4 +1,4 @@
-"""``nanoserve.v1.Generation``: thin methods over ``AsyncLLMEngine``.
+"""``nanoserve.v1.GenerationService``: thin methods over ``AsyncLLMEngine``.
 
 Each method converts the request (``convert``), makes one engine call, and
 converts back. Errors are raised as domain errors; ``interceptors.ErrorInterceptor``
@@ -32,7 +32,7 @@ GenerateContext = grpc.aio.ServicerContext[pb.GenerateRequest, pb.GenerateRespon
 DEADLINE_SLACK_S = 0.25
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Streams completions. A stream that ends early for any reason (client
     cancel, disconnect, deadline) aborts its request in the engine, which frees
     its KV blocks at once; every request the engine accepted is recorded once
@@ -96,8 +96,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return pb.TokenizeResponse(token_ids=token_ids)
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo]
-    ) -> pb.ModelInfo:
+        self,
+        request: pb.GetModelInfoRequest,
+        context: grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.GetModelInfoResponse],
+    ) -> pb.GetModelInfoResponse:
         return convert.to_model_info(self._engine.model_info)
 
 

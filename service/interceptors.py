@@ -3,7 +3,10 @@
 ``ErrorInterceptor`` wraps every unary and server-streaming method: a domain
 error raised by a servicer (or by the engine it called) ends the call with the
 status below and the error's message, which names the field and the limit.
-Anything else is a bug: it is logged with its traceback and the client gets
+A full waiting queue (RESOURCE_EXHAUSTED) also carries a ``google.rpc.RetryInfo``
+detail in the ``grpc-status-details-bin`` trailer: that is what tells a client
+it may retry, unlike gRPC's own RESOURCE_EXHAUSTED for an over-size message,
+which has no detail. Anything else is a bug: it is logged with its traceback and the client gets
 INTERNAL. ``AuthInterceptor`` checks ``authorization: Bearer <token>`` on every
 method except the health service, which load balancers probe without a token.
 """
@@ -17,6 +20,9 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from nanoserve.allocator.log_reader import LogNotFoundError
 from nanoserve.engine.errors import (
@@ -43,6 +49,10 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LogNotFoundError, grpc.StatusCode.NOT_FOUND),  # Audit of an epoch the log does not hold
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
 )
+# The retry delay a full waiting queue advises (google.rpc.RetryInfo). A request leaves the
+# queue when a running one finishes, a matter of the seconds one completion takes; the server
+# cannot predict it, so this is a hint to start from and back off from on repeats.
+QUEUE_FULL_RETRY_DELAY_S = 1.0
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -62,11 +72,23 @@ def message_for(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def retry_status(code: grpc.StatusCode, message: str, retry_delay_s: float) -> grpc.Status:
+    """A status whose ``grpc-status-details-bin`` trailer holds a ``google.rpc.Status``
+    with one ``google.rpc.RetryInfo(retry_delay)`` detail (google/rpc/error_details.proto)."""
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(round(retry_delay_s * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+
+
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception, method: str) -> None:
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("rpc_failed", method=method, exc_info=exc)
         await context.abort(code, f"internal error ({type(exc).__name__}); see the server log")
+    if isinstance(exc, QueueFullError):
+        await context.abort_with_status(retry_status(code, message_for(exc), QUEUE_FULL_RETRY_DELAY_S))
     await context.abort(code, message_for(exc))
 
 

@@ -40,8 +40,8 @@ from nanoserve.v1 import allocation_pb2, allocation_pb2_grpc, generation_pb2, ge
 
 log = structlog.get_logger("nanoserve.service")
 
-GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-ALLOCATION_SERVICE = allocation_pb2.DESCRIPTOR.services_by_name["Allocation"].full_name
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+ALLOCATION_SERVICE = allocation_pb2.DESCRIPTOR.services_by_name["AllocationService"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MONITOR_INTERVAL_S = 0.5
@@ -55,9 +55,9 @@ LOADING_PROGRESS_INTERVAL_S = 2.0
 def health_statuses(engine_ok: bool, log_ok: bool) -> dict[str, int]:
     """Health status by service name ('' = the whole server).
 
-    Generation needs the engine loop; while the log writer retries, the engine
-    keeps generating (its queue gives backpressure only when full). Allocation
-    (events, audit) and the server as a whole need both.
+    GenerationService needs the engine loop; while the log writer retries, the
+    engine keeps generating (its queue gives backpressure only when full).
+    AllocationService (events, audit) and the server as a whole need both.
     """
     return {
         "": SERVING if engine_ok and log_ok else NOT_SERVING,
@@ -96,8 +96,10 @@ class NanoServer:
         server = grpc.aio.server(
             interceptors=interceptors, options=[("grpc.max_receive_message_length", self.max_request_bytes)]
         )
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, self.metrics), server)
-        allocation_pb2_grpc.add_AllocationServicer_to_server(AllocationServicer(self.engine), server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.engine, self.metrics), server
+        )
+        allocation_pb2_grpc.add_AllocationServiceServicer_to_server(AllocationServicer(self.engine), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, ALLOCATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server

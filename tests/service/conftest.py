@@ -69,7 +69,7 @@ async def wait_pool_free(served: Served, timeout_s: float = 10.0) -> object:
     from nanoserve.v1 import allocation_pb2 as apb
     from nanoserve.v1 import allocation_pb2_grpc
 
-    stub = allocation_pb2_grpc.AllocationStub(served.channel)
+    stub = allocation_pb2_grpc.AllocationServiceStub(served.channel)
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         status = await stub.GetPoolStatus(apb.GetPoolStatusRequest())

@@ -38,7 +38,7 @@ def _request(request_id: str, max_tokens: int, prompt: str = "Once upon a time")
     )
 
 
-async def _end_first_call(stub: generation_pb2_grpc.GenerationStub, request_id: str, mode: str) -> None:
+async def _end_first_call(stub: generation_pb2_grpc.GenerationServiceStub, request_id: str, mode: str) -> None:
     """Starts a long request and ends it the way ``mode`` says, checking what its client sees."""
     if mode == "deadline":
         call = stub.Generate(_request(request_id, 400), timeout=0.05)
@@ -61,7 +61,7 @@ async def _end_first_call(stub: generation_pb2_grpc.GenerationStub, request_id: 
 
 
 async def _collect(
-    stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateRequest
+    stub: generation_pb2_grpc.GenerationServiceStub, request: pb.GenerateRequest
 ) -> tuple[list[pb.GenerateResponse], grpc.StatusCode | None]:
     """The call's messages, and its status code when it failed."""
     responses: list[pb.GenerateResponse] = []
@@ -73,7 +73,7 @@ async def _collect(
     return responses, None
 
 
-async def _worker(stub: generation_pb2_grpc.GenerationStub, worker: int, rounds: int, seen: dict) -> None:
+async def _worker(stub: generation_pb2_grpc.GenerationServiceStub, worker: int, rounds: int, seen: dict) -> None:
     rng = random.Random(worker)
     for round_ in range(rounds):
         request_id = f"w{worker}-r{round_}"
@@ -92,7 +92,7 @@ async def _worker(stub: generation_pb2_grpc.GenerationStub, worker: int, rounds:
         seen[request_id] = (mode, "served")
 
 
-async def _background(stub: generation_pb2_grpc.GenerationStub, index: int, stop: asyncio.Event) -> int:
+async def _background(stub: generation_pb2_grpc.GenerationServiceStub, index: int, stop: asyncio.Event) -> int:
     served = 0
     while not stop.is_set():
         responses = [r async for r in stub.Generate(_request(f"bg{index}-{served}", 40, "The weather today"))]
@@ -102,7 +102,7 @@ async def _background(stub: generation_pb2_grpc.GenerationStub, index: int, stop
 
 
 async def test_reused_ids_after_cancel_deadline_and_abort_each_get_their_own_stream(tiny_served: Served) -> None:
-    stub = generation_pb2_grpc.GenerationStub(tiny_served.channel)
+    stub = generation_pb2_grpc.GenerationServiceStub(tiny_served.channel)
     seen: dict[str, tuple[str, str]] = {}
     stop = asyncio.Event()
     with structlog.testing.capture_logs() as logs:
@@ -127,5 +127,5 @@ async def test_reused_ids_after_cancel_deadline_and_abort_each_get_their_own_str
             expected = sorted([*expected, ("length", None)])
         assert causes == expected, f"{request_id} ({mode}, {outcome}): {causes}"
     assert sum(len(v) for k, v in lines.items() if k.startswith("bg")) == num_background
-    report = await allocation_pb2_grpc.AllocationStub(tiny_served.channel).Audit(apb.AuditRequest())
+    report = await allocation_pb2_grpc.AllocationServiceStub(tiny_served.channel).Audit(apb.AuditRequest())
     assert report.clean, report.summary

@@ -1,8 +1,9 @@
 """Each bad GenerateRequest field gets a message starting with its protobuf path and naming the limit.
 
 The checks are the engine's (``SamplingParams``, ``InputProcessor``); the service
-only checks the oneof and turns engine field names into protobuf paths. This
-runs the same path as the server: convert, process, ``message_for``.
+only checks the message's shape (the oneof, the ChatRole enum) and turns engine
+field names into protobuf paths. This runs the same path as the server:
+convert, process, ``message_for``.
 """
 
 from __future__ import annotations
@@ -65,11 +66,22 @@ def test_valid_request_passes(processor: InputProcessor) -> None:
         (
             pb.GenerateRequest(
                 chat=pb.ChatMessages(
-                    messages=[pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role="wizard", content="x")]
+                    messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content="hi"), pb.ChatMessage(content="x")]
                 )
             ),
-            "chat.messages[1].role: unknown role 'wizard'; known roles: system, user, assistant",
+            "chat.messages[1].role: must be one of CHAT_ROLE_SYSTEM, CHAT_ROLE_USER, CHAT_ROLE_ASSISTANT, "
+            "got CHAT_ROLE_UNSPECIFIED (unset)",
         ),
+        (
+            pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role=7, content="x")])),  # type: ignore[arg-type]
+            "chat.messages[0].role: must be one of CHAT_ROLE_SYSTEM, CHAT_ROLE_USER, CHAT_ROLE_ASSISTANT, "
+            "got 7 (not a role this server knows)",
+        ),
+        (
+            _request(temperature=-0.5),
+            "sampling.temperature: must be finite and >= 0 (0, or below 1e-05: greedy), got -0.5",
+        ),
+        (_request(top_k=-1), "sampling.top_k: must be an integer >= 1 (unset: no top-k), got -1"),
         (_request(max_tokens=0), "sampling.max_tokens: must be >= 1, got 0"),
         (_request(max_tokens=4, min_tokens=5), "sampling.min_tokens: must be <= max_tokens (4), got 5"),
         (_request(top_p=0.0), "sampling.top_p: must be in (0, 1], got 0.0"),
@@ -96,3 +108,9 @@ def test_bad_field_message_starts_with_its_protobuf_path(
     processor: InputProcessor, request_: pb.GenerateRequest, message: str
 ) -> None:
     assert _client_message(processor, request_) == message
+
+
+def test_tokenize_without_input_names_the_tokenize_fields() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        convert.to_tokenize_input(pb.TokenizeRequest())
+    assert str(info.value) == "input: give exactly one of text or chat; none was set"
