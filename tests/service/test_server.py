@@ -75,6 +75,7 @@ async def test_chat_request_streams_the_greedy_text(served: Served) -> None:
     assert [r.HasField("finish") for r in responses] == [False] * (len(responses) - 1) + [True]
     finish = responses[-1].finish
     assert finish.reason == pb.FINISH_REASON_STOP
+    assert not finish.HasField("stop_reason")  # EOS: neither a stop string nor a stop token id
     num_tokens = sum(len(r.token_ids) for r in responses)
     assert finish.usage.completion_tokens == num_tokens
     timings = finish.timings
