@@ -15,6 +15,9 @@ from nanoserve.engine.counter_rng import MAX_SEED, MIN_SEED
 from nanoserve.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # most top alternatives returned per generated token
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 # Below this temperature a request is greedy, exactly: a logit gap of 1e-3 is already a factor of e**100
 # between two tokens, so nothing is lost, and no division by a near-zero temperature is left to overflow
 # (vLLM treats temperature < 1e-5 as greedy too).
@@ -99,7 +102,7 @@ class SamplingParams:
         _require(
             "top_k",
             self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1),
-            f"must be an integer >= 1 or None, got {self.top_k!r}",
+            f"must be an integer >= 1 (unset: no top-k), got {self.top_k!r}",
         )
         _require_number("top_p", self.top_p, lambda p: 0.0 < p <= 1.0, "in (0, 1]")
         _require_number("min_p", self.min_p, lambda p: 0.0 <= p <= 1.0, "in [0, 1]")
@@ -119,7 +122,7 @@ class SamplingParams:
         _require(
             "max_tokens",
             self.max_tokens is None or self.max_tokens >= 1,
-            f"must be >= 1 or None, got {self.max_tokens}",
+            f"must be >= 1, got {self.max_tokens}",
         )
         _require("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None:
@@ -131,17 +134,32 @@ class SamplingParams:
         _require(
             "logprobs",
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            f"must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}",
+            f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
         )
 
     def _check_stops(self) -> None:
-        for text in self.stop:
-            _require("stop", isinstance(text, str) and text != "", f"stop strings must be non-empty, got {text!r}")
-        for token_id in self.stop_token_ids:
+        _require(
+            "stop", len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+        )
+        for index, text in enumerate(self.stop):
             _require(
-                "stop_token_ids",
-                isinstance(token_id, int) and token_id >= 0,
-                f"token ids must be ints >= 0, got {token_id!r}",
+                f"stop[{index}]", isinstance(text, str) and text != "", f"must be a non-empty string, got {text!r}"
+            )
+            _require(
+                f"stop[{index}]",
+                len(text) <= MAX_STOP_STRING_CHARS,
+                f"at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}",
+            )
+        _require(
+            "stop_token_ids",
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+        )
+        for index, token_id in enumerate(self.stop_token_ids):
+            _require(
+                f"stop_token_ids[{index}]",
+                type(token_id) is int and token_id >= 0,
+                f"token id {token_id!r} outside the vocabulary (ids are >= 0)",
             )
 
 

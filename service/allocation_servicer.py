@@ -31,14 +31,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         request: apb.GetPoolStatusRequest,
         context: grpc.aio.ServicerContext[apb.GetPoolStatusRequest, apb.GetPoolStatusResponse],
     ) -> apb.GetPoolStatusResponse:
-        status = convert.to_pool_status(self._engine.pool_status())
-        event_log = self._engine.engine.event_log
-        if event_log is not None:
-            # the engine publishes its status after a step; the writer commits later,
-            # so an idle engine's snapshot would show a stale durable_seq forever
-            status.last_seq = max(status.last_seq, event_log.last_seq)
-            status.durable_seq = event_log.durable_seq
-        return status
+        return convert.to_pool_status(self._engine.pool_status())
 
     async def WatchEvents(
         self,
@@ -102,7 +95,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         return convert.to_audit_response(report, live=report.epoch == event_log.epoch)
 
     def _event_log(self) -> EventLog:
-        event_log = self._engine.engine.event_log
+        event_log = self._engine.event_log
         if event_log is None:
             raise EventLogDisabledError("the server keeps no event log (--event-log-url none)")
         return event_log

@@ -13,6 +13,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from nanoserve.allocator import EventKind, FreeReason
+from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.outputs import RequestMetrics
 from nanoserve.engine.prompts import ChatPrompt, TokensPrompt
 from nanoserve.engine.sampling_params import SamplingParams
@@ -22,7 +23,7 @@ from nanoserve.v1 import generation_pb2 as pb
 
 if TYPE_CHECKING:  # the engine proper imports torch; these are only types here
     from nanoserve.allocator.log import AuditReport, Event
-    from nanoserve.engine import AsyncLLMEngine, PoolStatus, RequestOutput
+    from nanoserve.engine import ModelInfo, PoolStatus, RequestOutput
     from nanoserve.engine.outputs import TokenLogprob
 
 # One table per enum of the contract: the engine's and the allocator's names <-> proto values. An
@@ -89,20 +90,54 @@ OPTIONAL_SAMPLING_FIELDS = (
 )
 
 
+# engine input names -> their protobuf paths in GenerateRequest / TokenizeRequest
+_INPUT_PATHS = {"messages": "chat.messages", "prompt_token_ids": "prompt_token_ids.ids"}
+
+
 def proto_field(engine_field: str) -> str:
-    """The GenerateRequest field path of a field the engine names in an
-    ``InvalidRequestError`` (``max_tokens`` -> ``sampling.max_tokens``);
-    paths the service already gave, and unknown names, are returned as they are."""
-    if engine_field in pb.SamplingParameters.DESCRIPTOR.fields_by_name:
-        return f"sampling.{engine_field}"
-    if engine_field == "messages":
-        return "chat.messages"
+    """The request's protobuf field path of a field the engine names in an
+    ``InvalidRequestError``: ``max_tokens`` -> ``sampling.max_tokens``,
+    ``stop[1]`` -> ``sampling.stop[1]``, ``messages[0].role`` ->
+    ``chat.messages[0].role``, ``prompt_token_ids[3]`` -> ``prompt_token_ids.ids[3]``;
+    other names (``prompt``, ``request_id``, ``input``) are already paths."""
+    name, bracket, rest = engine_field.partition("[")
+    tail = bracket + rest
+    if name in pb.SamplingParameters.DESCRIPTOR.fields_by_name:
+        return f"sampling.{name}{tail}"
+    if name in _INPUT_PATHS:
+        return _INPUT_PATHS[name] + tail
     return engine_field
 
 
+def input_kind(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
+    """The member of the ``input`` oneof that is set; InvalidRequestError("input") when none is.
+
+    With ``to_messages``' role check, the one check the service makes itself:
+    the shape of the message. Everything about its content is the engine's.
+    """
+    kind: str | None = request.WhichOneof("input")
+    if kind is None:
+        *others, last = (field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        raise InvalidRequestError("input", f"give exactly one of {', '.join(others)} or {last}; none was set")
+    return kind
+
+
 def to_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
-    """The engine's chat messages of validated ones (every role in ``CHAT_ROLES``)."""
-    return [{"role": CHAT_ROLES[m.role], "content": m.content} for m in chat.messages]
+    """The engine's chat messages; InvalidRequestError naming the message whose role is UNSPECIFIED or a
+    value this server does not know (the engine checks the rest: at least one message, the lengths)."""
+    return [{"role": _chat_role(index, m.role), "content": m.content} for index, m in enumerate(chat.messages)]
+
+
+def _chat_role(index: int, role: pb.ChatRole) -> str:
+    name = CHAT_ROLES.get(role)
+    if name is not None:
+        return name
+    known = ", ".join(pb.ChatRole.Name(known_role) for known_role in CHAT_ROLES)
+    if role == pb.CHAT_ROLE_UNSPECIFIED:
+        given = "CHAT_ROLE_UNSPECIFIED (unset)"
+    else:  # a value from a newer contract, or a number sent as is
+        given = f"{role} (not a role this server knows)"
+    raise InvalidRequestError(f"chat.messages[{index}].role", f"must be one of {known}, got {given}")
 
 
 def to_duration(seconds: float) -> Duration:
@@ -122,13 +157,20 @@ def to_timings(request: FinishedRequest) -> pb.Timings:
 
 
 def to_prompt(request: pb.GenerateRequest) -> str | TokensPrompt | ChatPrompt:
-    """The engine prompt of a validated request (exactly one input set)."""
-    kind = request.WhichOneof("input")
+    """The engine prompt of a request; InvalidRequestError("input") when no input is set."""
+    kind = input_kind(request)
     if kind == "prompt":
         return request.prompt
     if kind == "prompt_token_ids":
         return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids.ids))
-    assert kind == "chat", f"validate_input lets only known inputs through, got {kind!r}"
+    assert kind == "chat", f"unknown input {kind!r}"
+    return ChatPrompt(messages=to_messages(request.chat))
+
+
+def to_tokenize_input(request: pb.TokenizeRequest) -> str | ChatPrompt:
+    """What a TokenizeRequest asks to tokenize; InvalidRequestError("input") when nothing is set."""
+    if input_kind(request) == "text":
+        return request.text
     return ChatPrompt(messages=to_messages(request.chat))
 
 
@@ -155,12 +197,13 @@ def to_token_logprob(logprob: TokenLogprob) -> pb.TokenLogprob:
 
 
 def finished_request(output: RequestOutput) -> FinishedRequest:
-    """Counts and timings (seconds) of a finished request, for the metrics and the log."""
+    """Counts, timings (seconds) and abort cause of a request's final output, for the metrics and the log."""
     completion = output.outputs[0]
     m = output.metrics or RequestMetrics(arrival_time=0.0)
     return FinishedRequest(
         request_id=output.request_id,
         finish_reason=completion.finish_reason or "abort",
+        abort_cause=output.abort_cause.value if output.abort_cause is not None else None,
         num_prompt_tokens=len(output.prompt_token_ids),
         num_completion_tokens=len(completion.token_ids),
         queue_s=_elapsed(m.arrival_time, m.first_scheduled_time),
@@ -202,18 +245,17 @@ def to_response(output: RequestOutput) -> pb.GenerateResponse:
     return response
 
 
-def to_model_info(engine: AsyncLLMEngine) -> pb.GetModelInfoResponse:
-    core = engine.engine
+def to_model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
     return pb.GetModelInfoResponse(
-        model_name=core.model_name,
-        dtype=str(core.runner.dtype).removeprefix("torch."),
-        device=str(core.runner.device),
-        max_model_len=core.max_model_len,
-        block_size=core.block_size,
-        num_blocks=core.num_blocks,
-        vocab_size=core.vocab_size,
-        has_chat_template=core.tokenizer.has_chat_template,
-        eos_token_ids=sorted(core.tokenizer.eos_token_ids),
+        model_name=info.model_name,
+        dtype=info.dtype,
+        device=info.device,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        vocab_size=info.vocab_size,
+        has_chat_template=info.has_chat_template,
+        eos_token_ids=info.eos_token_ids,
     )
 
 

@@ -16,7 +16,7 @@ NAN, INF = float("nan"), float("inf")
         ({"temperature": -0.1}, "temperature", ">= 0"),
         ({"temperature": NAN}, "temperature", "finite and >= 0"),
         ({"temperature": INF}, "temperature", "finite and >= 0"),
-        ({"top_k": 0}, "top_k", ">= 1 or None"),
+        ({"top_k": 0}, "top_k", ">= 1 (unset: no top-k)"),
         ({"top_k": 2.5}, "top_k", "integer >= 1"),
         ({"top_p": NAN}, "top_p", "(0, 1]"),
         ({"top_p": 0.0}, "top_p", "(0, 1]"),
@@ -37,8 +37,8 @@ NAN, INF = float("nan"), float("inf")
         ({"min_tokens": -1}, "min_tokens", ">= 0"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "<= max_tokens (4)"),
         ({"logprobs": MAX_LOGPROBS + 1}, "logprobs", f"[0, {MAX_LOGPROBS}]"),
-        ({"stop": ["ok", ""]}, "stop", "non-empty"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+        ({"stop": ["ok", ""]}, "stop[1]", "non-empty"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids[0]", ">= 0"),
     ],
 )
 def test_bad_value_names_field_and_limit(kwargs: dict, field: str, limit: str) -> None:

@@ -75,6 +75,7 @@ async def test_chat_request_streams_the_greedy_text(served: Served) -> None:
     assert [r.HasField("finish") for r in responses] == [False] * (len(responses) - 1) + [True]
     finish = responses[-1].finish
     assert finish.reason == pb.FINISH_REASON_STOP
+    assert not finish.HasField("stop_reason")  # EOS: neither a stop string nor a stop token id
     num_tokens = sum(len(r.token_ids) for r in responses)
     assert finish.usage.completion_tokens == num_tokens
     timings = finish.timings
@@ -195,7 +196,7 @@ async def test_duplicate_live_request_id_is_already_exists(served: Served) -> No
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(temperature=-1.0)),
-            "sampling.temperature: must be >= 0 (0 = greedy), got -1.0",
+            "sampling.temperature: must be finite and >= 0 (0, or below 1e-05: greedy), got -1.0",
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=0.0)),
@@ -211,7 +212,7 @@ async def test_duplicate_live_request_id_is_already_exists(served: Served) -> No
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=[""])),
-            "sampling.stop[0]: stop strings must not be empty",
+            "sampling.stop[0]: must be a non-empty string, got ''",
         ),
     ],
     ids=[
@@ -231,13 +232,17 @@ async def test_bad_request_is_invalid_argument(served: Served, request_: pb.Gene
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
-async def test_prompt_longer_than_max_model_len_is_invalid_argument(served: Served) -> None:
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[42] * 1100))
+async def test_prompt_longer_than_max_model_len_is_invalid_argument_naming_the_prompt(served: Served) -> None:
+    """Issue 8, fault 4: the prompt alone is over the limit, so the message names the prompt."""
+    request = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[42] * 1100), sampling=pb.SamplingParameters(max_tokens=1)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _collect(_generation(served), request)
     assert (info.value.code(), info.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT,
-        "sampling.max_tokens: prompt (1100 tokens) + max_tokens (16) = 1116 exceeds max_model_len (1024)",
+        "prompt_token_ids.ids: prompt has 1100 tokens; at most 1023 leave room for one generated token "
+        "(max_model_len 1024, KV pool 4096 tokens)",
     )
 
 
@@ -277,6 +282,37 @@ async def test_queue_full_is_resource_exhausted(served: Served) -> None:
     assert [detail.Unpack(retry) for detail in status.details] == [True]
     assert retry.retry_delay == Duration(seconds=1)
     await wait_pool_free(served)
+
+
+async def test_a_message_over_the_size_limit_is_refused_by_grpc_and_the_limit_follows_max_model_len(
+    served: Served,
+) -> None:
+    """Issue 8, fault 5: the limit is derived from max_model_len; over it, gRPC's own RESOURCE_EXHAUSTED."""
+    server = served.server
+    info = served.engine.model_info
+    assert server.max_request_bytes == info.max_prompt_bytes + 64 * 1024  # type: ignore[attr-defined]
+    assert info.max_prompt_bytes == 1023 * served.engine.tokenizer.max_token_bytes
+    big = pb.GenerateRequest(prompt="x" * (server.max_request_bytes + 1))  # type: ignore[attr-defined]
+    async with grpc.aio.insecure_channel(
+        f"127.0.0.1:{server.port}",
+        options=[("grpc.max_send_message_length", 16 << 20)],  # type: ignore[attr-defined]
+    ) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info_:
+            await _collect(generation_pb2_grpc.GenerationServiceStub(channel), big)
+    assert info_.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_num_waiting" not in (info_.value.details() or "")
+
+
+async def test_a_prompt_too_long_by_its_length_alone_is_invalid_argument_not_tokenized(served: Served) -> None:
+    text = "x" * 100_000  # under the message limit, over what 1023 tokens can hold
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(_generation(served), pb.GenerateRequest(prompt=text))
+    bound = -(-len(text) // served.engine.tokenizer.max_token_bytes)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"prompt: 100000 bytes of text are at least {bound} tokens; a prompt may have at most 1023 tokens "
+        "(max_model_len 1024, KV pool 4096 tokens, one token left to generate)",
+    )
 
 
 async def test_health_is_serving_overall_and_per_service(served: Served) -> None:
@@ -356,6 +392,16 @@ async def test_watch_events_from_zero_sees_every_event_without_gap(served: Serve
     assert apb.FREE_REASON_FINISHED in {e.free_reason for e in seen if e.kind == apb.EVENT_KIND_FREE_ALL}
 
 
+async def test_event_log_lag_gauge_falls_to_zero_once_the_log_is_durable(served: Served) -> None:
+    """Issue 8, fault 6: the gauge reads the log's progress from the log, not from a copy taken after a step."""
+    from nanoserve.service.server import MONITOR_INTERVAL_S
+
+    await _collect(_generation(served), pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParameters(max_tokens=3)))
+    await wait_pool_free(served)  # idle, and every event durable
+    await asyncio.sleep(3 * MONITOR_INTERVAL_S)
+    assert _metric(served, "nanoserve_event_log_lag_events") == 0.0
+
+
 async def test_metrics_count_finished_requests(served: Served) -> None:
     request = pb.GenerateRequest(
         prompt="Hi", sampling=pb.SamplingParameters(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -399,7 +445,7 @@ async def test_token_check_refuses_calls_without_the_token(served: Served) -> No
 async def _stored_events(served: Served) -> list:
     from nanoserve.allocator.log import read_events
 
-    event_log = served.engine.engine.event_log
+    event_log = served.engine.event_log
     return await asyncio.to_thread(read_events, served.log_url, event_log.pool_id, event_log.epoch)
 
 
