@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from nanoserve.allocator import cdiv
 from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.prompts import ChatPrompt, Prompt, TokensPrompt
 from nanoserve.engine.request import Request
@@ -32,11 +33,6 @@ MAX_REQUEST_ID_CHARS = 128
 PREFIX_CHARS_PER_TOKEN = 8
 # tokens a prefix may differ by from the same words in the whole text (the cut, merges across it)
 PREFIX_MARGIN_TOKENS = 16
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for non-negative ints: the blocks ``a`` tokens need at ``b`` tokens per block."""
-    return -(-a // b)
 
 
 class InputProcessor:

@@ -22,8 +22,7 @@ from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import generation_pb2 as pb
 
 if TYPE_CHECKING:  # the engine proper imports torch; these are only types here
-    from nanoserve.allocator.audit import AuditReport
-    from nanoserve.allocator.events import Event
+    from nanoserve.allocator.log import AuditReport, Event
     from nanoserve.engine import ModelInfo, PoolStatus, RequestOutput
     from nanoserve.engine.outputs import TokenLogprob
 
