@@ -1,0 +1,390 @@
+"""The picture of an epoch: a block map over time above the pool's occupancy (``nanoserve log plot``).
+
+::
+
+    block id ▲  ▇▇▇▇▇ r0 ▇▇▇▇▇▇|        ▇▇▇▇ r3 ▇▇▇▇▇▇▇▇▇▇▇▇▇  ┆   one bar per held interval,
+             │  ▇▇ r1 ▇▇▇▇▇▇▇▇X   ▇▇▇▇▇ r1 ▇▇▇▇▇▇▇▇▇▇▇▇▇▇▇▇▇▇  ┆   coloured by owner; X preempted,
+             │        ▇▇▇▇ r2 ▇▇▇▇▇▇▇▇▇▇▇▇▇|                     ┆   ◆ aborted, ┆ POOL_CLOSE or crash
+             └──────────────────────────────────────────────────────▶ seq | step | time
+    blocks   ▲  ░░░░░░░░░░░ free ░░░░░░░░░░░░░░░░░░░░░░░░░░░░░░░░      allocated and free blocks,
+             │  ████████ allocated ███████████████████████████████      running requests (right axis)
+             └──────────────────────────────────────────────────────▶
+
+Drawn from a ``PoolTimeline``. Up to ``MAX_BARS`` intervals in view each is
+one bar (in an SVG, an element with id ``interval-J`` and a tooltip naming
+owner, block, seqs, steps and how it ended). Past that the block map is an
+image of ``NUM_CELLS`` time cells per block, each cell the holder of the block
+at the cell's middle, and past ``MAX_OCCUPANCY_POINTS`` events the occupancy
+is drawn per cell as its lowest..highest value: a million events draw in the
+time of a thousand-cell image, and the figure says what it aggregated.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from matplotlib.colors import ListedColormap, to_rgb
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
+
+from nanoserve.allocator import Violation
+from nanoserve.allocator.pool_timeline import PoolTimeline
+from nanoserve.service.owner_colours import FREE_COLOUR, OTHER_COLOUR, PALETTE, OwnerColours
+
+AXES = ("seq", "step", "time")
+MAX_BARS = 10_000  # held intervals in view drawn one bar each; more: an image of cells
+MAX_OCCUPANCY_POINTS = 20_000  # events in view drawn one by one; more: min..max per cell
+NUM_CELLS = 1_200  # time cells of the image and of the binned occupancy (about one per pixel)
+
+ALLOCATED_COLOUR = "#3b6ea5"
+FREE_FILL_COLOUR = "#e4e4e4"
+RUNNING_COLOUR = "#d95f02"
+PREEMPTED_COLOUR = "#d62728"
+ABORTED_COLOUR = "#000000"
+LEAK_COLOUR = "#e7298a"
+VIOLATION_COLOUR = "#ff7f00"
+CRASH_COLOUR = "#d62728"
+CLOSE_COLOUR = "#555555"
+
+_AXIS_LABELS = {
+    "seq": "event seq",
+    "step": "scheduler step (the events of one step are spread evenly across it)",
+    "time": "wall time since the epoch's first event (s)",
+}
+# free reasons with a mark on the block map: reason -> (marker, colour, legend label)
+_END_MARKS = {
+    "preempted": ("X", PREEMPTED_COLOUR, "preempted (blocks freed for recompute)"),
+    "aborted": ("D", ABORTED_COLOUR, "aborted"),
+}
+
+
+@dataclass
+class TimelinePlot:
+    """A drawn timeline: the figure, the tooltip of each SVG element id, and what was aggregated."""
+
+    figure: Figure
+    titles: dict[str, str]
+    summary: str
+
+
+def event_xs(timeline: PoolTimeline, x: str) -> np.ndarray:
+    """The x of each event, float64 [num_events], on the axis ``x`` (one of AXES).
+
+    ``step``: events without a step take the one before (the first ones the
+    first step); the events of one step are spread evenly over [step, step + 1).
+    ``time``: seconds of wall time since the first event.
+    Raises ValueError for an unknown axis, or ``step`` on events that carry no step.
+    """
+    if x == "seq":
+        return np.asarray(timeline.seqs, dtype=np.float64)
+    if x == "time":
+        wall_ns = np.asarray(timeline.wall_ns, dtype=np.int64)
+        return (wall_ns - wall_ns[0]) / 1e9
+    if x != "step":
+        raise ValueError(f"the x axis must be one of {', '.join(AXES)}, got {x!r}")
+    known = [step for step in timeline.steps if step is not None]
+    if not known:
+        raise ValueError("the events carry no scheduler step: use --x seq or --x time")
+    filled, last = [], known[0]
+    for step in timeline.steps:
+        last = last if step is None else step
+        filled.append(last)
+    steps = np.asarray(filled, dtype=np.float64)
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])  # first event of each run of one step
+    run = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(steps)]))
+    lengths = np.diff(np.r_[starts, len(steps)])
+    return steps + (np.arange(len(steps)) - starts[run]) / lengths[run]
+
+
+def plot_timeline(
+    timeline: PoolTimeline,
+    *,
+    from_seq: int = 1,
+    to_seq: int | None = None,
+    x: str = "seq",
+    violations: Sequence[Violation] = (),
+    damaged_seq: int | None = None,
+) -> TimelinePlot:
+    """Draw the events ``from_seq..to_seq`` of ``timeline`` (see the module docstring).
+
+    violations: the audit's, marked where they carry a block. damaged_seq: the
+    first seq of a damaged log (the timeline stops before it), marked at the
+    right edge. Raises ValueError when no event lies in the range.
+    """
+    first = bisect.bisect_left(timeline.seqs, from_seq)
+    last = bisect.bisect_right(timeline.seqs, to_seq if to_seq is not None else timeline.seqs[-1]) - 1
+    if first > last:
+        raise ValueError(
+            f"no events in seqs {from_seq}..{to_seq}: the epoch holds seqs {timeline.seqs[0]}..{timeline.seqs[-1]}"
+        )
+    xs = event_xs(timeline, x)
+    view = _View(timeline, xs, first, last)
+    colours = view.owner_colours()
+    figure = Figure(figsize=(14, 8.5), layout="constrained")
+    block_ax, occupancy_ax = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    titles: dict[str, str] = {}
+    if view.num_bars <= MAX_BARS:
+        _draw_bars(block_ax, view, colours, titles)
+        blocks_note = f"{view.num_bars:,} held intervals, one bar each"
+    else:
+        cell_span = _draw_cells(block_ax, view, colours)
+        blocks_note = (
+            f"{view.num_bars:,} held intervals drawn as {timeline.num_blocks:,} blocks × {NUM_CELLS:,} cells "
+            f"(a cell shows who held the block at its middle; one cell spans {cell_span})"
+        )
+    marks = _draw_marks(block_ax, view, violations, titles)
+    occupancy_note = _draw_occupancy(occupancy_ax, view)
+    edges = _draw_edges((block_ax, occupancy_ax), view, damaged_seq, titles)
+    _label(figure, block_ax, occupancy_ax, view, x)
+    block_ax.legend(
+        handles=[Patch(facecolor=colour, label=label) for label, colour in colours.legend()] + marks + edges,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize="small",
+        title="requests (by blocks held)" if colours.num_others else "requests",
+    )
+    num_events = last - first + 1
+    summary = f"{num_events:,} events: {blocks_note}; occupancy {occupancy_note}"
+    if timeline.unknown_kinds:
+        summary += "; not drawn: " + ", ".join(f"{n:,} {kind}" for kind, n in sorted(timeline.unknown_kinds.items()))
+    figure.suptitle(_heading(timeline, view) + "\n" + summary, fontsize="medium")
+    return TimelinePlot(figure, titles, summary)
+
+
+class _View:
+    """The intervals and events of ``timeline`` that fall in the event indexes first..last, as arrays."""
+
+    def __init__(self, timeline: PoolTimeline, xs: np.ndarray, first: int, last: int) -> None:
+        self.timeline, self.xs, self.first, self.last = timeline, xs, first, last
+        num_events = timeline.num_events
+        starts = np.asarray(timeline.interval_starts, dtype=np.int64)
+        ends = np.asarray([num_events if end is None else end for end in timeline.interval_ends], dtype=np.int64)
+        # held after some event k of the view: start <= k < end
+        self.index = np.flatnonzero((starts <= last) & (ends > first))  # interval j of each bar
+        self.open = ends[self.index] == num_events  # still held after the timeline's last event
+        self.start = np.maximum(starts[self.index], first)  # event indexes clipped to the view
+        self.end = np.minimum(ends[self.index], last)
+        self.block = np.asarray(timeline.interval_block_ids, dtype=np.int64)[self.index]
+        self.owner = np.asarray(timeline.interval_owner_ids, dtype=np.int64)[self.index]
+        self.x0, self.x1 = xs[self.start], xs[self.end]
+        self._end_reasons: np.ndarray | None = None  # free reason of each bar, read when asked
+
+    @property
+    def num_bars(self) -> int:
+        return len(self.index)
+
+    def owner_colours(self) -> OwnerColours:
+        """Colours for the owners in view, weighed by events x blocks held in view."""
+        owners = self.timeline.owners
+        weights = np.bincount(self.owner, weights=self.end - self.start + 1, minlength=len(owners))
+        present = np.flatnonzero(weights)
+        heaviest = present
+        if len(present) > len(PALETTE):  # only the heaviest can get a colour: rank those alone
+            heaviest = np.sort(present[np.argpartition(-weights[present], len(PALETTE))[: len(PALETTE)]])
+        return OwnerColours({owners[i]: float(weights[i]) for i in heaviest}, num_owners=len(present))
+
+    def ended_with(self, reason: str) -> np.ndarray:
+        """Bars (positions in this view) freed inside the view with ``reason``."""
+        if self._end_reasons is None:
+            reasons = self.timeline.interval_end_reasons
+            self._end_reasons = np.asarray([reasons[j] for j in self.index], dtype=object)
+        return np.flatnonzero((self._end_reasons == reason) & ~self.open)
+
+    def x_of_seq(self, seq: int) -> float | None:
+        """x of the event ``seq`` when it is in view."""
+        i = bisect.bisect_left(self.timeline.seqs, seq)
+        if i < len(self.timeline.seqs) and self.timeline.seqs[i] == seq and self.first <= i <= self.last:
+            return float(self.xs[i])
+        return None
+
+
+def _draw_bars(ax: Any, view: _View, colours: OwnerColours, titles: dict[str, str]) -> None:
+    timeline = view.timeline
+    for k, j in enumerate(view.index):
+        owner = timeline.owners[view.owner[k]]
+        bar = Rectangle(
+            (view.x0[k], view.block[k] - 0.42),
+            view.x1[k] - view.x0[k],
+            0.84,
+            facecolor=colours[owner],
+            edgecolor="white",
+            linewidth=0.3,
+        )
+        bar.set_gid(f"interval-{j}")
+        ax.add_patch(bar)
+        titles[f"interval-{j}"] = _interval_title(timeline, int(j))
+
+
+def _interval_title(timeline: PoolTimeline, j: int) -> str:
+    """``r3 held block 7 from seq 120 to 245 (steps 10 to 22), freed: preempted``."""
+    interval = timeline.interval(j)
+    held = f"{interval.owner} held block {interval.block_id} from seq {interval.start_seq}"
+    if interval.end_seq is None:
+        steps = "" if interval.start_step is None else f" (step {interval.start_step})"
+        where = "POOL_CLOSE: leaked" if timeline.closed_seq is not None else "the last durable event"
+        return f"{held}{steps}, still held at {where}"
+    steps = ""
+    if interval.start_step is not None and interval.end_step is not None:
+        steps = f" (steps {interval.start_step} to {interval.end_step})"
+    return f"{held} to {interval.end_seq}{steps}, freed: {interval.end_reason or 'no reason given'}"
+
+
+def _draw_cells(ax: Any, view: _View, colours: OwnerColours) -> str:
+    """The block map as an image [num_blocks, NUM_CELLS]; returns what one cell spans."""
+    timeline = view.timeline
+    x_lo, x_hi = float(view.xs[view.first]), float(view.xs[view.last])
+    width = max(x_hi - x_lo, 1e-9)
+    middles = x_lo + (np.arange(NUM_CELLS) + 0.5) * width / NUM_CELLS
+    # bars sorted by (block, x0): the bar covering (block b, x) is the last one starting at or before it
+    stride = width + 1.0
+    keys = view.block * stride + (view.x0 - x_lo)
+    order = np.argsort(keys, kind="stable")
+    keys, blocks, x1s = keys[order], view.block[order], view.x1[order]
+    # colour index of each owner: 0 free, 1 the others, then the owners with a colour of their own
+    palette = [FREE_COLOUR, OTHER_COLOUR, *colours.colours.values()]
+    owner_cell = np.ones(len(timeline.owners), dtype=np.int64)
+    for k, owner in enumerate(colours.colours, start=2):
+        owner_cell[timeline.owner_id(owner)] = k
+    bar_colour = owner_cell[view.owner[order]]
+    image = np.zeros((timeline.num_blocks, NUM_CELLS), dtype=np.int64)
+    queries = (np.arange(timeline.num_blocks)[:, None] * stride + (middles - x_lo)[None, :]).ravel()
+    found = np.searchsorted(keys, queries, side="right") - 1
+    cell_blocks = np.repeat(np.arange(timeline.num_blocks), NUM_CELLS)
+    cell_x = np.tile(middles, timeline.num_blocks)
+    valid = found >= 0
+    hit = np.zeros(len(queries), dtype=bool)
+    hit[valid] = (blocks[found[valid]] == cell_blocks[valid]) & (x1s[found[valid]] > cell_x[valid])
+    image.ravel()[hit] = bar_colour[found[hit]]
+    ax.imshow(
+        image,
+        cmap=ListedColormap([to_rgb(colour) for colour in palette]),
+        vmin=-0.5,
+        vmax=len(palette) - 0.5,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+        extent=(x_lo, x_hi, -0.5, timeline.num_blocks - 0.5),
+    )
+    events_per_cell = (view.last - view.first + 1) / NUM_CELLS
+    return f"{width / NUM_CELLS:,.3g} on the x axis, about {events_per_cell:,.0f} events"
+
+
+def _draw_marks(ax: Any, view: _View, violations: Sequence[Violation], titles: dict[str, str]) -> list[Any]:
+    """Preempted and aborted ends, leaks at POOL_CLOSE, audit violations; returns their legend handles."""
+    handles = []
+    for reason, (marker, colour, label) in _END_MARKS.items():
+        bars = view.ended_with(reason)
+        if len(bars):
+            ax.scatter(view.x1[bars], view.block[bars], marker=marker, s=18, color=colour, zorder=3, linewidths=0)
+            handles.append(_mark_handle(marker, colour, f"{label}: {len(bars):,} blocks"))
+    closed_x = view.x_of_seq(view.timeline.closed_seq) if view.timeline.closed_seq is not None else None
+    if closed_x is not None and view.open.any():
+        blocks = view.block[view.open]
+        ax.scatter(np.full(len(blocks), closed_x), blocks, marker=">", s=30, color=LEAK_COLOUR, zorder=3)
+        handles.append(_mark_handle(">", LEAK_COLOUR, f"leaked: {len(blocks):,} blocks held at POOL_CLOSE"))
+    points = [(view.x_of_seq(v.seq), v) for v in violations if v.block_id is not None]
+    points = [(x, v) for x, v in points if x is not None]
+    for k, (x, violation) in enumerate(points):
+        marker = ax.scatter([x], [violation.block_id], marker="*", s=90, color=VIOLATION_COLOUR, zorder=4)
+        marker.set_gid(f"violation-{k}")
+        titles[f"violation-{k}"] = str(violation)
+    if points:
+        handles.append(_mark_handle("*", VIOLATION_COLOUR, f"audit violation: {len(points):,}", size=10))
+    return handles
+
+
+def _mark_handle(marker: str, colour: str, label: str, size: float = 6) -> Line2D:
+    return Line2D([], [], marker=marker, color=colour, linestyle="none", markersize=size, label=label)
+
+
+def _draw_occupancy(ax: Any, view: _View) -> str:
+    """Allocated and free blocks, running requests on a right axis; returns how they were drawn."""
+    timeline = view.timeline
+    span = slice(view.first, view.last + 1)
+    xs = view.xs[span]
+    allocated = np.asarray(timeline.num_allocated[span], dtype=np.float64)
+    running = np.asarray(timeline.num_holding[span], dtype=np.float64)
+    running_ax = ax.twinx()
+    if len(xs) <= MAX_OCCUPANCY_POINTS:
+        ax.fill_between(xs, allocated, step="post", color=ALLOCATED_COLOUR, linewidth=0, label="allocated")
+        ax.fill_between(xs, allocated, timeline.num_blocks, step="post", color=FREE_FILL_COLOUR, label="free")
+        running_ax.plot(xs, running, drawstyle="steps-post", color=RUNNING_COLOUR, linewidth=1)
+        note = "event by event"
+    else:
+        edges = np.linspace(0, len(xs), NUM_CELLS + 1).astype(np.int64)[:-1]
+        cell_xs = xs[edges]
+        low, high = np.minimum.reduceat(allocated, edges), np.maximum.reduceat(allocated, edges)
+        ax.fill_between(cell_xs, low, step="post", color=ALLOCATED_COLOUR, linewidth=0, label="allocated")
+        ax.fill_between(
+            cell_xs, low, high, step="post", color=ALLOCATED_COLOUR, alpha=0.45, linewidth=0, label="allocated (range)"
+        )
+        ax.fill_between(cell_xs, high, timeline.num_blocks, step="post", color=FREE_FILL_COLOUR, label="free")
+        running_ax.plot(
+            cell_xs, np.maximum.reduceat(running, edges), drawstyle="steps-post", color=RUNNING_COLOUR, linewidth=1
+        )
+        note = f"as lowest..highest per cell of {NUM_CELLS:,} (about {len(xs) / NUM_CELLS:,.0f} events each)"
+    ax.set_ylim(0, timeline.num_blocks)
+    ax.set_ylabel("blocks")
+    running_ax.set_ylim(0, max(1.0, float(running.max()) * 1.1))
+    running_ax.set_ylabel("running requests", color=RUNNING_COLOUR)
+    running_ax.tick_params(axis="y", colors=RUNNING_COLOUR)
+    handles, _ = ax.get_legend_handles_labels()
+    handles.append(Line2D([], [], color=RUNNING_COLOUR, label="running requests (holding blocks)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.06, 1.0), fontsize="small")
+    return note
+
+
+def _draw_edges(axes: Sequence[Any], view: _View, damaged_seq: int | None, titles: dict[str, str]) -> list[Any]:
+    """POOL_CLOSE, the crash point (an open epoch's last durable event) and where damage stops the picture."""
+    timeline = view.timeline
+    handles = []
+    last_seq = timeline.seqs[-1]
+    if damaged_seq is not None and view.last == timeline.num_events - 1:
+        label = f"log damaged from seq {damaged_seq:,}: the picture stops at seq {last_seq:,}"
+        _vline(axes, float(view.xs[view.last]), VIOLATION_COLOUR, "-", "damage-marker", label, titles)
+        handles.append(Line2D([], [], color=VIOLATION_COLOUR, linewidth=2, label=label))
+    elif timeline.closed_seq is None and view.last == timeline.num_events - 1:
+        label = f"last durable event, seq {last_seq:,}: open epoch (running, or crashed)"
+        _vline(axes, float(view.xs[view.last]), CRASH_COLOUR, "--", "crash-marker", label, titles)
+        handles.append(Line2D([], [], color=CRASH_COLOUR, linestyle="--", label=label))
+    if timeline.closed_seq is not None:
+        x = view.x_of_seq(timeline.closed_seq)
+        if x is not None:
+            label = f"POOL_CLOSE, seq {timeline.closed_seq:,}"
+            _vline(axes, x, CLOSE_COLOUR, ":", "close-marker", label, titles)
+            handles.append(Line2D([], [], color=CLOSE_COLOUR, linestyle=":", label=label))
+    return handles
+
+
+def _vline(axes: Sequence[Any], x: float, colour: str, style: str, gid: str, title: str, titles: dict) -> None:
+    for k, ax in enumerate(axes):
+        line = ax.axvline(x, color=colour, linestyle=style, linewidth=1.5, zorder=5)
+        line.set_gid(f"{gid}-{k}")
+        titles[f"{gid}-{k}"] = title
+
+
+def _label(figure: Figure, block_ax: Any, occupancy_ax: Any, view: _View, x: str) -> None:
+    x_lo, x_hi = float(view.xs[view.first]), float(view.xs[view.last])
+    pad = max((x_hi - x_lo) * 0.01, 0.5 if x != "time" else 1e-3)
+    block_ax.set_xlim(x_lo - pad, x_hi + pad)
+    block_ax.set_ylim(-0.5, view.timeline.num_blocks - 0.5)
+    block_ax.set_ylabel("block id")
+    block_ax.set_facecolor(FREE_COLOUR)
+    occupancy_ax.set_xlabel(_AXIS_LABELS[x])
+
+
+def _heading(timeline: PoolTimeline, view: _View) -> str:
+    first, last = timeline.seqs[view.first], timeline.seqs[view.last]
+    if timeline.closed_seq is not None:
+        status = f"closed at seq {timeline.closed_seq:,}"
+    else:
+        status = f"open (running, or crashed) after seq {timeline.seqs[-1]:,}"
+    return (
+        f"pool {timeline.pool_id!r} · epoch {timeline.epoch} · seqs {first:,}–{last:,} · "
+        f"{timeline.num_blocks:,} blocks of {timeline.block_size} tokens · {status}"
+    )
