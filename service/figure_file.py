@@ -12,12 +12,33 @@ from __future__ import annotations
 import io
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 SVG_NS = "http://www.w3.org/2000/svg"
+# the namespaces of matplotlib's SVG, kept under their usual prefixes when the document is written again
+NAMESPACES = {
+    "": SVG_NS,
+    "xlink": "http://www.w3.org/1999/xlink",
+    "dc": "http://purl.org/dc/elements/1.1/",
+    "cc": "http://creativecommons.org/ns#",
+    "rdf": "http://www.w3.org/1999/02/22-rdf-syntax-ns#",
+}
 FORMATS = ("svg", "png")
 PNG_DPI = 110
+
+
+@dataclass
+class Picture:
+    """A drawn picture of the pool: the figure, the tooltip of each SVG element id, and what it shows in one line."""
+
+    figure: Any  # matplotlib.figure.Figure
+    titles: dict[str, str]
+    summary: str
+
+    def save(self, path: str | Path, fmt: str | None = None) -> None:
+        save_figure(self.figure, path, self.titles, fmt)
 
 
 def figure_format(path: str | Path) -> str:
@@ -48,8 +69,8 @@ def save_figure(figure: Any, path: str | Path, titles: Mapping[str, str], fmt: s
 
 def add_titles(svg: bytes, titles: Mapping[str, str]) -> bytes:
     """The SVG document with a ``<title>`` (first child) in each element whose id is in ``titles``."""
-    ET.register_namespace("", SVG_NS)
-    ET.register_namespace("xlink", "http://www.w3.org/1999/xlink")
+    for prefix, uri in NAMESPACES.items():
+        ET.register_namespace(prefix, uri)
     root = ET.fromstring(svg)
     for element in root.iter():
         text = titles.get(element.get("id", ""))

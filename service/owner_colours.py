@@ -2,14 +2,16 @@
 
 More than about eighteen colours cannot be told apart, so a picture with more
 owners colours the ones that held the most blocks for longest and draws the
-rest in one neutral grey ("other requests"). Colours go to the chosen owners in
-the order they first took a block, so the first request is blue in every
-picture whose owners all fit.
+rest in one neutral grey ("other requests"). An owner's colour follows from
+its place in the epoch (the n-th request to take a block gets palette colour
+n mod 18), so a request has the same colour in the plot of an epoch and in the
+grid of any of its seqs; only when two owners of one picture would share a
+colour does the later one take the next free colour.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 # matplotlib's tab20 without its greys (grey means "other requests"), dark shades first
 PALETTE = (
@@ -40,19 +42,28 @@ class OwnerColours:
     """owner -> colour for one picture.
 
     ``weights``: owner -> how much of the picture it fills (block-events held),
-    in order of first allocation; ``num_owners`` the owners in the picture
+    in order of first allocation; ``places``: owner -> its place in the epoch
+    (0 for the first to take a block: ``PoolTimeline.owner_id``); ``num_owners`` the owners in the picture
     (default: those in ``weights``, which may hold only the heaviest). With at
     most ``len(PALETTE)`` owners each has its own colour; with more, the
     ``len(PALETTE) - 1`` heaviest keep one and the rest share ``OTHER_COLOUR``.
     """
 
-    def __init__(self, weights: Mapping[str, float], num_owners: int | None = None) -> None:
+    def __init__(
+        self, weights: Mapping[str, float], places: Mapping[str, int], num_owners: int | None = None
+    ) -> None:
         num_owners = len(weights) if num_owners is None else num_owners
         owners = list(weights)
         if num_owners > len(PALETTE):
             heaviest = set(sorted(owners, key=lambda owner: -weights[owner])[: len(PALETTE) - 1])
             owners = [owner for owner in owners if owner in heaviest]
-        self.colours: dict[str, str] = dict(zip(owners, PALETTE))  # owner -> its own colour
+        self.colours: dict[str, str] = {}  # owner -> its own colour
+        free = list(range(len(PALETTE)))  # palette indexes not taken yet, in palette order
+        for owner in owners:
+            wanted = places[owner] % len(PALETTE)
+            index = wanted if wanted in free else next((i for i in free if i > wanted), free[0])
+            free.remove(index)
+            self.colours[owner] = PALETTE[index]
         self.num_others = num_owners - len(self.colours)  # owners drawn in OTHER_COLOUR
 
     def __getitem__(self, owner: str) -> str:
@@ -64,8 +75,3 @@ class OwnerColours:
         if self.num_others:
             entries.append((f"{self.num_others:,} other requests", OTHER_COLOUR))
         return entries
-
-    @classmethod
-    def of(cls, owners: Iterable[str]) -> OwnerColours:
-        """Equal weights: the first ``len(PALETTE) - 1`` owners keep a colour when there are too many."""
-        return cls(dict.fromkeys(owners, 1.0))

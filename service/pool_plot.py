@@ -22,8 +22,8 @@ time of a thousand-cell image, and the figure says what it aggregated.
 from __future__ import annotations
 
 import bisect
+import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,9 +31,11 @@ from matplotlib.colors import ListedColormap, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import FuncFormatter
 
 from nanoserve.allocator import Violation
 from nanoserve.allocator.pool_timeline import PoolTimeline
+from nanoserve.service.figure_file import Picture
 from nanoserve.service.owner_colours import FREE_COLOUR, OTHER_COLOUR, PALETTE, OwnerColours
 
 AXES = ("seq", "step", "time")
@@ -61,15 +63,6 @@ _END_MARKS = {
     "preempted": ("X", PREEMPTED_COLOUR, "preempted (blocks freed for recompute)"),
     "aborted": ("D", ABORTED_COLOUR, "aborted"),
 }
-
-
-@dataclass
-class TimelinePlot:
-    """A drawn timeline: the figure, the tooltip of each SVG element id, and what was aggregated."""
-
-    figure: Figure
-    titles: dict[str, str]
-    summary: str
 
 
 def event_xs(timeline: PoolTimeline, x: str) -> np.ndarray:
@@ -109,7 +102,7 @@ def plot_timeline(
     x: str = "seq",
     violations: Sequence[Violation] = (),
     damaged_seq: int | None = None,
-) -> TimelinePlot:
+) -> Picture:
     """Draw the events ``from_seq..to_seq`` of ``timeline`` (see the module docstring).
 
     violations: the audit's, marked where they carry a block. damaged_seq: the
@@ -152,8 +145,8 @@ def plot_timeline(
     summary = f"{num_events:,} events: {blocks_note}; occupancy {occupancy_note}"
     if timeline.unknown_kinds:
         summary += "; not drawn: " + ", ".join(f"{n:,} {kind}" for kind, n in sorted(timeline.unknown_kinds.items()))
-    figure.suptitle(_heading(timeline, view) + "\n" + summary, fontsize="medium")
-    return TimelinePlot(figure, titles, summary)
+    figure.suptitle(_heading(timeline, view) + "\n" + "\n".join(textwrap.wrap(summary, 150)), fontsize="medium")
+    return Picture(figure, titles, summary)
 
 
 class _View:
@@ -186,7 +179,9 @@ class _View:
         heaviest = present
         if len(present) > len(PALETTE):  # only the heaviest can get a colour: rank those alone
             heaviest = np.sort(present[np.argpartition(-weights[present], len(PALETTE))[: len(PALETTE)]])
-        return OwnerColours({owners[i]: float(weights[i]) for i in heaviest}, num_owners=len(present))
+        return OwnerColours(
+            {owners[i]: float(weights[i]) for i in heaviest}, {owners[i]: int(i) for i in heaviest}, len(present)
+        )
 
     def ended_with(self, reason: str) -> np.ndarray:
         """Bars (positions in this view) freed inside the view with ``reason``."""
@@ -376,6 +371,8 @@ def _label(figure: Figure, block_ax: Any, occupancy_ax: Any, view: _View, x: str
     block_ax.set_ylabel("block id")
     block_ax.set_facecolor(FREE_COLOUR)
     occupancy_ax.set_xlabel(_AXIS_LABELS[x])
+    if x != "time":
+        occupancy_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
 
 
 def _heading(timeline: PoolTimeline, view: _View) -> str:
