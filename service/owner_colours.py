@@ -49,9 +49,7 @@ class OwnerColours:
     ``len(PALETTE) - 1`` heaviest keep one and the rest share ``OTHER_COLOUR``.
     """
 
-    def __init__(
-        self, weights: Mapping[str, float], places: Mapping[str, int], num_owners: int | None = None
-    ) -> None:
+    def __init__(self, weights: Mapping[str, float], places: Mapping[str, int], num_owners: int | None = None) -> None:
         num_owners = len(weights) if num_owners is None else num_owners
         owners = list(weights)
         if num_owners > len(PALETTE):

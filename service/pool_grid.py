@@ -128,7 +128,9 @@ def _draw_grid(
         ink = "white" if _is_dark(fill) else "black"
         ax.text(column + 0.5, row + 0.5, str(block_id), ha="center", va="center", fontsize=font_size, color=ink)
         if owner is None:
-            titles[f"block-{block_id}"] = f"block {block_id}: free, #{free_position[block_id] + 1} out of the free stack"
+            titles[f"block-{block_id}"] = (
+                f"block {block_id}: free, #{free_position[block_id] + 1} out of the free stack"
+            )
         else:
             _, position, interval = place[block_id]
             since = "" if interval is None else f" since seq {interval.start_seq}"
