@@ -43,7 +43,8 @@ def encode_record(
     tail: str,
 ) -> str:
     """One event as its stored line (see the module docstring)."""
-    return f"{seq}|{batch_seq}|{kind}|{block_ids}|{'' if step is None else step}|{reason or ''}|{wall_time_ns}|{monotonic_ns}|{tail}"
+    step_text = "" if step is None else step
+    return f"{seq}|{batch_seq}|{kind}|{block_ids}|{step_text}|{reason or ''}|{wall_time_ns}|{monotonic_ns}|{tail}"
 
 
 def split_record(record: str) -> list[str]:

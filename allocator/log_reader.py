@@ -8,9 +8,9 @@ pool or epoch raises ``LogNotFoundError`` (a ``ValueError``).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,9 +58,9 @@ class EpochInfo:
 def connect(url: str) -> Iterator[sa.Connection]:
     """A read connection to an existing log; LogNotFoundError when there is none."""
     parsed = sa.engine.make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        if not Path(parsed.database).is_file():
-            raise LogNotFoundError(f"no event log at {url!r}: file {parsed.database!r} does not exist")
+    is_sqlite_file = parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:")
+    if is_sqlite_file and not Path(parsed.database).is_file():
+        raise LogNotFoundError(f"no event log at {url!r}: file {parsed.database!r} does not exist")
     engine = create_log_engine(url)
     try:
         with engine.connect() as conn:

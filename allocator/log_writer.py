@@ -26,9 +26,9 @@ import sqlalchemy as sa
 import structlog
 from sqlalchemy.engine import Engine
 
+from nanoserve.allocator.database import Row, insert_rows
 from nanoserve.allocator.event_chain import DATA_KINDS, chain_hash, encode_record
 from nanoserve.allocator.events import Event, parse_event
-from nanoserve.allocator.database import Row, insert_rows
 from nanoserve.allocator.schema import allocator_events, pool_epochs
 
 log = structlog.get_logger(__name__)

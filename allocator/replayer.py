@@ -123,7 +123,9 @@ class Replayer:
             expected = seq + 1
             previous = stored
             try:
-                record_seq, batch_text, kind, block_text, step, reason, wall_ns, mono_ns, tail = record.split("|", 8)
+                record_seq, batch_text, kind, block_text, _step, _reason, _wall_ns, _mono_ns, tail = record.split(
+                    "|", 8
+                )
                 batch_seq = int(batch_text)
                 if not verified and int(record_seq) != seq:
                     violate(seq, "seq_mismatch", f"the record says seq {record_seq}")

@@ -22,6 +22,7 @@ Targets: < 5 us added per call on the caller's thread; replay + audit of 1M < 3 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import random
@@ -90,7 +91,7 @@ def caller_cost(folder: Path, num_calls: int) -> list[tuple[str, float, float]]:
                     f"sqlite:///{folder / f'cost{attempt}.db'}", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
                 )
             pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, event_log=log)
-            wall, cpu = timed(lambda: drive(pool, num_calls))
+            wall, cpu = timed(functools.partial(drive, pool, num_calls))
             if log is not None:
                 log.close()
             best = min(best, (wall, cpu), key=lambda pair: pair[1])

@@ -66,7 +66,9 @@ def single_stream_nanoserve(llm: LLM, request: WorkloadRequest, num_tokens: int)
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     output = llm.generate([TokensPrompt(request.prompt_token_ids)], params)[0]
     metrics = output.metrics
-    assert metrics is not None and metrics.first_token_time is not None and metrics.finished_time is not None
+    assert metrics is not None
+    assert metrics.first_token_time is not None
+    assert metrics.finished_time is not None
     return (num_tokens - 1) / (metrics.finished_time - metrics.first_token_time)
 
 

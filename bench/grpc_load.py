@@ -168,9 +168,11 @@ def main() -> None:
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
-    engine_args: dict[str, object] = dict(
-        num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, event_log_url=f"sqlite:///{log_dir / 'offline.db'}"
-    )
+    engine_args: dict[str, object] = {
+        "num_kv_blocks": args.num_kv_blocks,
+        "dtype": args.dtype,
+        "event_log_url": f"sqlite:///{log_dir / 'offline.db'}",
+    }
     server, address = start_server(
         [
             "--num-kv-blocks",

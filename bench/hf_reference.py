@@ -20,7 +20,8 @@ def hf_model(model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
 
     checkpoint = load_checkpoint(model_path)
     arch = checkpoint.config
-    assert arch.rope_scaling is None and not arch.attention_bias and not arch.qk_norm, "plain Llama only"
+    if arch.rope_scaling is not None or arch.attention_bias or arch.qk_norm:
+        raise ValueError(f"{model_path}: the transformers reference supports plain Llama only")
     config = transformers.LlamaConfig(
         vocab_size=arch.vocab_size,
         hidden_size=arch.hidden_size,
@@ -37,13 +38,14 @@ def hf_model(model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
     model = transformers.LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(checkpoint.weights, strict=False)
     allowed_missing = {"lm_head.weight"} if arch.tie_word_embeddings else set()
-    assert set(missing) <= allowed_missing and not unexpected, f"missing {missing}, unexpected {unexpected}"
+    if not set(missing) <= allowed_missing or unexpected:
+        raise ValueError(f"{model_path}: weights missing {missing}, unexpected {unexpected}")
     if arch.tie_word_embeddings:
         model.tie_weights()
     return model.to(dtype).eval()
 
 
-def hf_model_from_runner(runner, dtype: torch.dtype) -> torch.nn.Module:  # noqa: ANN001 - a ModelRunner
+def hf_model_from_runner(runner, dtype: torch.dtype) -> torch.nn.Module:
     """The same checkpoint the runner serves."""
     from nanoserve.engine.weights import resolve_model_path
 

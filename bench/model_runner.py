@@ -18,6 +18,7 @@ Both sides load the same GGUF (SmolLM2-135M-Instruct by default) in the same dty
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -25,10 +26,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from nanoserve.engine.config import EngineConfig  # noqa: E402
-from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice  # noqa: E402
-from nanoserve.engine.model_runner import ModelRunner  # noqa: E402
-from nanoserve.engine.weights import resolve_model_path  # noqa: E402
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.weights import resolve_model_path
 
 
 def load_transformers(model: str | None, dtype: torch.dtype) -> torch.nn.Module:
@@ -131,7 +132,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    max_batch = max(batch_sizes + [args.prefill_batch])
+    max_batch = max([*batch_sizes, args.prefill_batch])
     tokens_per_seq = max(args.context_len + args.steps + 1, args.prefill_len)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; context {args.context_len}, "
@@ -146,8 +147,8 @@ def main() -> None:
             (
                 "decode",
                 b,
-                lambda b=b: ours_decode(runner, b, args.context_len, args.steps),
-                lambda b=b: hf_decode(model, b, args.context_len, args.steps),
+                functools.partial(ours_decode, runner, b, args.context_len, args.steps),
+                functools.partial(hf_decode, model, b, args.context_len, args.steps),
             )
             for b in batch_sizes
         ]
@@ -155,8 +156,8 @@ def main() -> None:
             (
                 "prefill",
                 args.prefill_batch,
-                lambda: ours_prefill(runner, args.prefill_batch, args.prefill_len),
-                lambda: hf_prefill(model, args.prefill_batch, args.prefill_len),
+                functools.partial(ours_prefill, runner, args.prefill_batch, args.prefill_len),
+                functools.partial(hf_prefill, model, args.prefill_batch, args.prefill_len),
             )
         )
         for phase, batch, run_ours, run_theirs in cells:

@@ -14,13 +14,74 @@ from dataclasses import dataclass
 from typing import Protocol
 
 # Plain words; prompts are random sentences of them, asking for a continuation.
-WORDS = (
-    "the a model cache block token stream server request engine paper river mountain city garden "
-    "music history science ocean forest winter summer light shadow story question answer number "
-    "window table kitchen market train bridge library teacher student planet energy signal memory "
-    "quickly slowly carefully brightly quietly always never often because while after before under "
-    "explain describe compare imagine write list summarize translate consider remember build open"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "cache",
+    "block",
+    "token",
+    "stream",
+    "server",
+    "request",
+    "engine",
+    "paper",
+    "river",
+    "mountain",
+    "city",
+    "garden",
+    "music",
+    "history",
+    "science",
+    "ocean",
+    "forest",
+    "winter",
+    "summer",
+    "light",
+    "shadow",
+    "story",
+    "question",
+    "answer",
+    "number",
+    "window",
+    "table",
+    "kitchen",
+    "market",
+    "train",
+    "bridge",
+    "library",
+    "teacher",
+    "student",
+    "planet",
+    "energy",
+    "signal",
+    "memory",
+    "quickly",
+    "slowly",
+    "carefully",
+    "brightly",
+    "quietly",
+    "always",
+    "never",
+    "often",
+    "because",
+    "while",
+    "after",
+    "before",
+    "under",
+    "explain",
+    "describe",
+    "compare",
+    "imagine",
+    "write",
+    "list",
+    "summarize",
+    "translate",
+    "consider",
+    "remember",
+    "build",
+    "open",
+]
 
 
 # A short system turn: the default one of some templates is longer than the shortest prompts.

@@ -35,7 +35,21 @@ _EXPORTS = {
     "TokensPrompt": "prompts",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # the names of _EXPORTS, spelled out so that linters and type checkers see them
+    "LLM",
+    "AsyncLLMEngine",
+    "ChatPrompt",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "PoolStatus",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+    "TokensPrompt",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

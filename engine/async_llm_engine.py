@@ -14,6 +14,7 @@ blocks before the next forward pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import queue
 import threading
@@ -267,7 +268,7 @@ class AsyncLLMEngine:
             engine.shutdown()
             outputs = engine.step()  # the aborts shutdown made
             loop.call_soon_threadsafe(self._dispatch, outputs, [])
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the loop; callers must hear
+        except BaseException as exc:
             self._error = exc
             _log.exception("engine_loop_failed")
             dead = EngineDeadError(f"engine loop failed: {exc!r}")
@@ -275,7 +276,7 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(self._fail_all, dead)
             try:
                 engine.shutdown()
-            except Exception:  # noqa: BLE001 - already failing; keep the first error
+            except Exception:
                 _log.exception("engine_shutdown_failed")
         finally:
             self._pool_status = engine.pool_status()
@@ -295,7 +296,5 @@ class AsyncLLMEngine:
                 except (DuplicateRequestError, QueueFullError) as exc:
                     failures.append((message.request.request_id, exc))
             elif isinstance(message, _Abort):
-                try:
+                with contextlib.suppress(RequestNotFoundError):  # finished in the meantime
                     engine.abort(message.request_id, message.reason)
-                except RequestNotFoundError:
-                    pass  # finished in the meantime

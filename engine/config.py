@@ -116,7 +116,7 @@ class EngineConfig:
     event_log: EventLogConfig = field(default_factory=EventLogConfig)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat names (``block_size=16, max_num_seqs=8, ...``).
 
         Raises ValueError for a name no layer knows.

@@ -45,7 +45,7 @@ class FlashAttentionBackend:
         device = batch.input_ids.device
         cu_q = [0]
         cu_k = [0]
-        for query_len, context_len in zip(batch.query_lens, batch.context_lens):
+        for query_len, context_len in zip(batch.query_lens, batch.context_lens, strict=True):
             cu_q.append(cu_q[-1] + query_len)
             cu_k.append(cu_k[-1] + context_len)
         return FlashAttentionMetadata(

@@ -67,7 +67,7 @@ class ForwardBatch:
         return len(self.query_lens)
 
     @classmethod
-    def build(cls, seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu") -> "ForwardBatch":
+    def build(cls, seqs: list[SeqSlice], block_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
         """Pack ``seqs`` into one batch on ``device``.
 
         Raises ValueError for an empty batch, a sequence with no new tokens, a
@@ -116,5 +116,5 @@ class ForwardBatch:
             context_lens=context_lens,
             block_tables=as_tensor(table, torch.int32),
             logits_indices=as_tensor(logits_indices, torch.int64),
-            start_positions=[c - q for c, q in zip(context_lens, query_lens)],
+            start_positions=[c - q for c, q in zip(context_lens, query_lens, strict=True)],
         )

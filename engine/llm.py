@@ -33,7 +33,7 @@ class LLM:
         self._counter = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - the runner's Tokenizer
+    def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(
@@ -53,7 +53,7 @@ class LLM:
         request_ids = [f"llm-{next(self._counter)}" for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, params_list):
+            for request_id, prompt, params in zip(request_ids, prompts, params_list, strict=True):
                 self.engine.add_request(request_id, prompt, params)
                 added.append(request_id)
         except Exception:
@@ -89,7 +89,7 @@ class LLM:
         """Closes the engine's event log."""
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

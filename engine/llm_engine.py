@@ -29,9 +29,9 @@ from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.errors import DuplicateRequestError, QueueFullError, RequestNotFoundError
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
+from nanoserve.engine.input_processor import InputProcessor
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.engine.input_processor import InputProcessor
 from nanoserve.engine.prompts import Prompt
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler
@@ -207,7 +207,7 @@ class LLMEngine:
         result = self.sampler(logits, sampled)
         now = time.monotonic()
         outputs = []
-        for request, token_id, logprob in zip(sampled, result.token_ids, result.logprobs):
+        for request, token_id, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.append_token(token_id, logprob)

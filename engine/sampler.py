@@ -187,7 +187,7 @@ def gather_logprobs(
         if n is None:
             result.append(None)
             continue
-        top = dict(zip(top_ids[i][:n], top_values[i][:n]))
+        top = dict(zip(top_ids[i][:n], top_values[i][:n], strict=True))
         result.append(TokenLogprob(chosen_ids[i], chosen[i], top))
     return result
 

@@ -80,7 +80,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        assert request.status is RequestStatus.WAITING and request.block_table is None
+        assert request.status is RequestStatus.WAITING
+        assert request.block_table is None
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -141,7 +142,8 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Frees a running request's blocks and puts it at the front of the waiting queue."""
-        assert request.status is RequestStatus.RUNNING and request.block_table is not None
+        assert request.status is RequestStatus.RUNNING
+        assert request.block_table is not None
         self.running.remove(request)
         request.block_table.release(FreeReason.PREEMPTED)
         request.block_table = None

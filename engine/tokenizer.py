@@ -30,7 +30,7 @@ class Tokenizer:
         self.vocab_size = len(hf_tokenizer)
 
     @classmethod
-    def from_path(cls, path: Path, eos_token_ids: set[int] | None = None) -> "Tokenizer":
+    def from_path(cls, path: Path, eos_token_ids: set[int] | None = None) -> Tokenizer:
         """Load from a ``.gguf`` file or a Hugging Face folder, offline.
 
         eos_token_ids: the stop ids when the caller already read them (parsing a

@@ -14,9 +14,7 @@ import argparse
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL
 
@@ -141,7 +139,8 @@ SETTINGS: tuple[Setting, ...] = (
         "engine",
         str,
         "auto",
-        "weights and KV cache dtype: auto, float32, bfloat16 or float16; auto = bfloat16 on CUDA and CPUs with AVX-512 BF16/AMX, float32 otherwise",
+        "weights and KV cache dtype: auto, float32, bfloat16 or float16; "
+        "auto = bfloat16 on CUDA and CPUs with AVX-512 BF16/AMX, float32 otherwise",
     ),
     Setting("device", "engine", str, "auto", "device: auto, cpu, cuda or cuda:N"),
     Setting(
@@ -280,7 +279,7 @@ def resolve(args: argparse.Namespace | None, environ: Mapping[str, str]) -> dict
 
 def build_configs(
     args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
-) -> tuple[ServerConfig, "EngineConfig"]:
+) -> tuple[ServerConfig, EngineConfig]:
     """Builds ``ServerConfig`` and ``EngineConfig`` from flags and ``NANOSERVE_*`` variables.
 
     Raises ValueError (from the dataclasses) naming a bad value and its range.

@@ -8,6 +8,7 @@ makes one engine call, and converts back. Errors are raised as domain errors;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -109,10 +110,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _abort_quietly(self, request_id: str) -> None:
         """Aborts ``request_id`` if the engine still streams it (the stream's
         close may have aborted it already)."""
-        try:
+        with contextlib.suppress(RequestNotFoundError):
             await self._engine.abort(request_id)
-        except RequestNotFoundError:
-            pass
 
     def _record(self, stream: _Stream, request: convert.FinishedRequest, cause: str | None) -> None:
         """Counts and logs one finished request; every stream is recorded exactly once."""

@@ -65,7 +65,7 @@ def message_for(exc: BaseException) -> str:
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
-        log.exception("rpc_failed", method=method)
+        log.error("rpc_failed", method=method, exc_info=exc)
         await context.abort(code, f"internal error ({type(exc).__name__}); see the server log")
     await context.abort(code, message_for(exc))
 

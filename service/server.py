@@ -18,8 +18,8 @@ SIGINT, stop.
 from __future__ import annotations
 
 import asyncio
-import gc
 import contextlib
+import gc
 import signal
 import time
 from pathlib import Path
@@ -141,7 +141,7 @@ class NanoServer:
         while True:
             try:
                 await self._update_health()
-            except Exception:  # noqa: BLE001 - health must keep being refreshed
+            except Exception:
                 log.exception("health_update_failed")
             status = self.engine.pool_status()
             self.metrics.observe_pool(

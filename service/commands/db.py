@@ -22,8 +22,9 @@ def register(subparsers: Any) -> None:
     upgrade = actions.add_parser(
         "upgrade",
         help="migrate the database at URL to the newest schema",
-        description="Run the event log's Alembic migrations on the database at URL (alembic upgrade head, or --revision): "
-        "creates the tables on a new database, brings an older one up to date. Exit 0 done, 2 unreachable database or bad URL.",
+        description="Run the event log's Alembic migrations on the database at URL (alembic upgrade head, or "
+        "--revision): creates the tables on a new database, brings an older one up to date. "
+        "Exit 0 done, 2 unreachable database or bad URL.",
     )
     upgrade.add_argument(
         "url", metavar="URL", help="SQLAlchemy URL: sqlite:///FILE or postgresql+psycopg://USER@HOST/DB"

@@ -1,7 +1,8 @@
 """``nanoserve log``: read, replay and audit the allocator's event log.
 
     nanoserve log audit  [--url URL] [--pool ID] [--epoch N]
-    nanoserve log show   [--url URL] [--pool ID] [--epoch N] [--owner O] [--block B] [--kind K] [--from SEQ] [--to SEQ] [--limit N]
+    nanoserve log show   [--url URL] [--pool ID] [--epoch N] [--owner O] [--block B] [--kind K]
+                         [--from SEQ] [--to SEQ] [--limit N]
     nanoserve log state  --at SEQ [--url URL] [--pool ID] [--epoch N] [--full]
     nanoserve log epochs [--url URL] [--pool ID]
     nanoserve log plot   [--url URL] [--pool ID] [--epoch N] [--from SEQ] [--to SEQ] [--x seq|step|time] -o FILE
@@ -40,7 +41,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "log",
         help="audit, show and replay the allocator's event log (exit 0 clean, 1 violations, 2 unusable input)",
-        description="Read the block allocator's event log: audit it, show events, replay the pool at a seq, list epochs.",
+        description="Read the block allocator's event log: audit it, show events, replay the pool at a seq, "
+        "list epochs.",
     )
     actions = parser.add_subparsers(dest="log_command", metavar="ACTION", required=True)
 
@@ -153,10 +155,7 @@ def run_audit(args: argparse.Namespace) -> int:
             if not list_epochs(conn, None):
                 print("nothing to audit: the log holds no epochs")
                 return EXIT_CLEAN
-    if args.epoch is None:
-        reports = audit_all(url, args.pool_id)
-    else:
-        reports = [audit(url, args.pool_id, args.epoch)]
+    reports = audit_all(url, args.pool_id) if args.epoch is None else [audit(url, args.pool_id, args.epoch)]
     for report in reports:
         print(report.render(open_status=OPEN_STATUS))
     return EXIT_CLEAN if all(report.clean for report in reports) else EXIT_VIOLATIONS
@@ -207,12 +206,14 @@ def run_state(args: argparse.Namespace) -> int:
     state = replay(_url(args), args.pool_id, args.epoch, until_seq=args.at_seq)
     if state.last_seq < args.at_seq:
         print(
-            f"note: epoch {state.epoch} ends at seq {state.last_seq}; showing the pool there, not at --at {args.at_seq}",
+            f"note: epoch {state.epoch} ends at seq {state.last_seq}; "
+            f"showing the pool there, not at --at {args.at_seq}",
             file=sys.stderr,
         )
     print(
         f"pool {state.pool_id!r} epoch {state.epoch} at seq {state.last_seq}: "
-        f"{state.num_free} free, {state.num_allocated} allocated of {state.num_blocks} blocks of {state.block_size} tokens"
+        f"{state.num_free} free, {state.num_allocated} allocated "
+        f"of {state.num_blocks} blocks of {state.block_size} tokens"
     )
     held = state.blocks_by_owner()
     if held:
@@ -282,7 +283,10 @@ def _utc(wall_time_ns: int) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *rows]
+    ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)

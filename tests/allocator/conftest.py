@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import uuid
 from pathlib import Path
-
-import importlib
 
 import pytest
 

@@ -88,7 +88,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free_all(self, data: st.DataObject, reason: FreeReason | None) -> None:
         block_ids = data.draw(st.lists(st.integers(0, NUM_BLOCKS - 1), unique=True, max_size=4))
         if any(block_id not in self.owners for block_id in block_ids):
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="already free"):
                 self.pool.free_all(block_ids, reason)
             return
         for block_id in block_ids:

@@ -17,7 +17,9 @@ from nanoserve.migrations import upgrade
 DRIVER = """
 import random, sys
 from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, KVCacheExhausted
-log = EventLog.open(sys.argv[1], pool_id="crash", num_blocks=64, block_size=16, num_events_per_snapshot=500, upgrade=False)
+log = EventLog.open(
+    sys.argv[1], pool_id="crash", num_blocks=64, block_size=16, num_events_per_snapshot=500, upgrade=False
+)
 print("epoch", log.epoch, flush=True)
 pool = BlockAllocator(64, 16, event_log=log)
 rng = random.Random(int(sys.argv[2]))

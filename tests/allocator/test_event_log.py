@@ -262,11 +262,13 @@ def test_unsubscribed_callback_gets_nothing_more(log_url: str, pool_id: str) -> 
 
 
 def test_attaching_a_pool_of_another_shape_is_refused(log_url: str, pool_id: str) -> None:
-    with open_log(log_url, pool_id) as log:
-        with pytest.raises(
+    with (
+        open_log(log_url, pool_id) as log,
+        pytest.raises(
             ValueError, match="allocator has num_blocks=8, block_size=16; the log's POOL_INIT says num_blocks=6"
-        ):
-            BlockAllocator(8, 16, event_log=log)
+        ),
+    ):
+        BlockAllocator(8, 16, event_log=log)
 
 
 def test_open_refuses_bad_settings(tmp_path: object) -> None:

@@ -26,16 +26,16 @@ torch.set_num_threads(int(os.environ.get("NANOSERVE_TEST_TORCH_THREADS", "1")))
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice  # noqa: E402
 from nanoserve.engine.weights import default_model_path  # noqa: E402
 
-TINY_DIMS = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-5,
-    initializer_range=0.1,
-)
+TINY_DIMS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.1,
+}
 
 
 @pytest.fixture(scope="session")
@@ -103,7 +103,13 @@ def tiny_runner_factory(tiny_model_dir):
     from nanoserve.engine.model_runner import ModelRunner
 
     def make(**kwargs) -> ModelRunner:
-        settings = dict(model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+        settings = {
+            "model": str(tiny_model_dir),
+            "dtype": "float32",
+            "device": "cpu",
+            "num_kv_blocks": 64,
+            "block_size": 4,
+        }
         settings.update(kwargs)
         return ModelRunner(EngineConfig.from_kwargs(**settings))
 
@@ -138,12 +144,15 @@ def greedy_generate(runner, prompts: list[list[int]], max_new_tokens: int) -> tu
         tables.append(list(range(next_block, next_block + num_blocks)))
         next_block += num_blocks
     assert next_block <= runner.num_kv_blocks, "KV cache too small for this test"
-    slices = [SeqSlice(p, 0, t, True) for p, t in zip(prompts, tables)]
+    slices = [SeqSlice(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]
     prefill_logits = runner.forward(ForwardBatch.build(slices, block_size, runner.device))
     outputs = [[int(t)] for t in prefill_logits.argmax(-1)]
     for _ in range(max_new_tokens - 1):
-        slices = [SeqSlice([out[-1]], len(p) + len(out) - 1, t, True) for p, out, t in zip(prompts, outputs, tables)]
+        slices = [
+            SeqSlice([out[-1]], len(p) + len(out) - 1, t, True)
+            for p, out, t in zip(prompts, outputs, tables, strict=True)
+        ]
         logits = runner.forward(ForwardBatch.build(slices, block_size, runner.device))
-        for out, token in zip(outputs, logits.argmax(-1).tolist()):
+        for out, token in zip(outputs, logits.argmax(-1).tolist(), strict=True):
             out.append(token)
     return outputs, prefill_logits

@@ -39,7 +39,9 @@ async def test_stream_deltas_concatenate_to_the_final_output(engine: AsyncLLMEng
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outputs = [o async for o in engine.generate(PROMPT, params, "a")]
     final = outputs[-1]
-    assert final.finished and final.finish_reason == "length" and len(final.token_ids) == 10
+    assert final.finished
+    assert final.finish_reason == "length"
+    assert len(final.token_ids) == 10
     assert not any(o.finished for o in outputs[:-1])
     assert [t for o in outputs for t in o.delta_token_ids] == final.token_ids
     assert "".join(o.delta_text for o in outputs) == final.text
@@ -53,7 +55,8 @@ async def test_stream_matches_llm_engine_greedy(engine: AsyncLLMEngine, tiny_mod
     final = None
     while sync.has_unfinished_requests():
         final = next((o for o in sync.step() if o.finished), final)
-    assert final is not None and streamed == final.token_ids
+    assert final is not None
+    assert streamed == final.token_ids
 
 
 async def test_consumer_leaving_early_aborts_and_frees_blocks(engine: AsyncLLMEngine) -> None:
@@ -88,7 +91,8 @@ async def test_abort_ends_the_stream_with_finish_reason_abort(engine: AsyncLLMEn
         outputs.append(output)
         if len(outputs) == 2:
             await engine.abort("a")
-    assert outputs[-1].finish_reason == "abort" and outputs[-1].finished
+    assert outputs[-1].finish_reason == "abort"
+    assert outputs[-1].finished
     assert len(outputs[-1].token_ids) < 400
     await _wait_all_free(engine)
 
@@ -138,7 +142,8 @@ async def test_shutdown_aborts_what_outlives_the_grace_period(engine: AsyncLLMEn
     await engine.shutdown(grace_s=0.05)
     await task
     assert outputs[-1].finish_reason == "abort"
-    assert not engine.is_running and not engine.errored
+    assert not engine.is_running
+    assert not engine.errored
     assert engine.pool_status().num_free == engine.pool_status().num_blocks
     with pytest.raises(EngineDeadError):
         await engine.generate(PROMPT, LONG, "b").__anext__()
@@ -163,6 +168,7 @@ async def test_failed_engine_loop_fails_streams_and_refuses_new_requests(engine:
         async for _ in engine.generate(PROMPT, LONG, "a"):
             pass
     assert "device lost" in str(info.value)
-    assert engine.errored and not engine.is_running
+    assert engine.errored
+    assert not engine.is_running
     with pytest.raises(EngineDeadError):
         await engine.generate(PROMPT, LONG, "b").__anext__()

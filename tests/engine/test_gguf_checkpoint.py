@@ -107,7 +107,8 @@ def test_gguf_f32_loads_exactly_like_the_hf_folder(tiny_model_dir, tiny_weights,
     config, weights = tiny_weights
     write_gguf(tmp_path / "tiny.gguf", config, weights, quantized={})
     from_gguf = load_checkpoint(tmp_path / "tiny.gguf")
-    assert from_gguf.config.num_layers == 2 and from_gguf.config.num_kv_heads == 2
+    assert from_gguf.config.num_layers == 2
+    assert from_gguf.config.num_kv_heads == 2
     assert not from_gguf.config.tie_word_embeddings  # output.weight present
     for name, tensor in weights.items():  # un-permuted back to the Hugging Face layout
         assert torch.equal(from_gguf.weights[name], tensor.float()), name

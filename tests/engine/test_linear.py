@@ -21,10 +21,12 @@ def test_packed_linear_matches_plain(num_tokens):
 def test_plain_linear_keeps_weight_when_not_packing():
     weight = torch.randn(8, 4)
     linear = Linear(weight, pack=False)
-    assert linear.packed is None and linear.weight is weight
+    assert linear.packed is None
+    assert linear.weight is weight
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN absent: nothing is packed")
 def test_packed_linear_drops_the_plain_weight():
     linear = Linear(torch.randn(8, 4, dtype=torch.bfloat16))
-    assert linear.packed is not None and linear.weight is None
+    assert linear.packed is not None
+    assert linear.weight is None

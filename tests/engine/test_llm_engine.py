@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def make_llm(tiny_model_dir: Path) -> Callable[..., LLM]:
     def make(**kwargs: object) -> LLM:
-        settings: dict[str, object] = dict(dtype="float32", device="cpu", num_kv_blocks=256, block_size=4)
+        settings: dict[str, object] = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 256, "block_size": 4}
         settings.update(kwargs)
         return LLM(model=str(tiny_model_dir), **settings)
 
@@ -253,7 +253,8 @@ def test_logprobs_follow_each_generated_token(llm: LLM) -> None:
         0
     ]
     logprobs = out.outputs[0].logprobs
-    assert logprobs is not None and [lp.token_id for lp in logprobs] == out.token_ids
+    assert logprobs is not None
+    assert [lp.token_id for lp in logprobs] == out.token_ids
     for lp in logprobs:  # greedy: the chosen token is the most likely one
         assert len(lp.top_logprobs) == 3
         assert next(iter(lp.top_logprobs)) == lp.token_id
@@ -299,15 +300,21 @@ def test_event_log_of_a_preempting_workload_audits_clean(make_llm: Callable[...,
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     status = llm.engine.pool_status()
     llm.shutdown()
-    assert status.epoch == 1 and status.last_seq is not None and status.last_seq > 24
+    assert status.epoch == 1
+    assert status.last_seq is not None
+    assert status.last_seq > 24
     report = audit(url)
-    assert report.clean and report.closed and report.leaked == {}
-    assert report.state.num_blocks == 24 and len(report.state.free_block_ids) == 24
+    assert report.clean
+    assert report.closed
+    assert report.leaked == {}
+    assert report.state.num_blocks == 24
+    assert len(report.state.free_block_ids) == 24
     events = read_events(url)
     preempted_owners = {e.owner for e in events if e.reason == "preempted"}
     assert preempted_owners == {o.request_id for o in outputs if o.metrics.num_preemptions > 0} != set()
     steps = [e.step for e in events if e.kind in ("allocate", "allocate_for", "free", "free_all")]
-    assert None not in steps and steps == sorted(steps)
+    assert None not in steps
+    assert steps == sorted(steps)
 
 
 def test_abort_is_logged_with_reason_aborted(make_llm: Callable[..., LLM], tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def prefill_then_decode(runner, tokens: list[int], block_ids: list[int], num_dec
 
 def test_scattered_blocks_give_contiguous_logits(runner):
     tokens = prompt(23, seed=1)
-    contiguous = prefill_then_decode(runner, tokens, list(range(0, 8)), num_decodes=6)
+    contiguous = prefill_then_decode(runner, tokens, list(range(8)), num_decodes=6)
     scattered = prefill_then_decode(runner, tokens, [97, 12, 55, 8, 120, 33, 71, 100], num_decodes=6)
     torch.testing.assert_close(scattered, contiguous, atol=ATOL, rtol=0)
 
@@ -47,11 +47,15 @@ def test_scattered_blocks_give_contiguous_logits(runner):
 def test_batch_of_different_lengths_matches_each_alone(runner):
     prompts = [prompt(n, seed=n) for n in (5, 17, 9)]
     tables = [[10, 11, 12], [20, 21, 22, 23, 24, 25], [30, 31, 32, 33]]
-    alone = [prefill_then_decode(runner, p, [b + 40 for b in t], num_decodes=3) for p, t in zip(prompts, tables)]
+    alone = [
+        prefill_then_decode(runner, p, [b + 40 for b in t], num_decodes=3) for p, t in zip(prompts, tables, strict=True)
+    ]
 
-    batched = [forward(runner, [SeqSlice(p, 0, t) for p, t in zip(prompts, tables)])]
+    batched = [forward(runner, [SeqSlice(p, 0, t) for p, t in zip(prompts, tables, strict=True)])]
     for step in range(3):
-        slices = [SeqSlice([int(a[step].argmax())], len(p) + step, t) for p, t, a in zip(prompts, tables, alone)]
+        slices = [
+            SeqSlice([int(a[step].argmax())], len(p) + step, t) for p, t, a in zip(prompts, tables, alone, strict=True)
+        ]
         batched.append(forward(runner, slices))
     for i, expected in enumerate(alone):
         torch.testing.assert_close(torch.stack([b[i] for b in batched]), expected, atol=ATOL, rtol=0)
@@ -59,7 +63,7 @@ def test_batch_of_different_lengths_matches_each_alone(runner):
 
 def test_chunked_prefill_matches_one_shot(runner):
     tokens = prompt(30, seed=7)
-    one_shot = forward(runner, [SeqSlice(tokens, 0, list(range(0, 8)))])
+    one_shot = forward(runner, [SeqSlice(tokens, 0, list(range(8)))])
     blocks = list(range(8, 16))
     forward(runner, [SeqSlice(tokens[:7], 0, blocks, needs_logits=False)])
     forward(runner, [SeqSlice(tokens[7:19], 7, blocks, needs_logits=False)])
@@ -107,9 +111,11 @@ def test_decode_batch_of_very_different_contexts_matches_each_alone(runner):
     for n in lengths:
         tables.append(list(range(next_block, next_block + -(-(n + 1) // BLOCK_SIZE))))
         next_block += len(tables[-1])
-    alone = torch.cat([forward(runner, [SeqSlice(p, 0, [b + next_block for b in t])]) for p, t in zip(prompts, tables)])
-    forward(runner, [SeqSlice(p[:-1], 0, t, needs_logits=False) for p, t in zip(prompts, tables)])
-    slices = [SeqSlice(p[-1:], len(p) - 1, t) for p, t in zip(prompts, tables)]
+    alone = torch.cat(
+        [forward(runner, [SeqSlice(p, 0, [b + next_block for b in t])]) for p, t in zip(prompts, tables, strict=True)]
+    )
+    forward(runner, [SeqSlice(p[:-1], 0, t, needs_logits=False) for p, t in zip(prompts, tables, strict=True)])
+    slices = [SeqSlice(p[-1:], len(p) - 1, t) for p, t in zip(prompts, tables, strict=True)]
     decodes = ForwardBatch.build(slices, BLOCK_SIZE, runner.device)
     assert len(TorchAttentionBackend().prepare(decodes, BLOCK_SIZE).decode_buckets) > 1
     torch.testing.assert_close(runner.forward(decodes), alone, atol=ATOL, rtol=0)

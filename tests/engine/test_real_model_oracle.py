@@ -96,8 +96,10 @@ def ours(real_runner, prompts, greedy) -> tuple[list[list[int]], torch.Tensor]:
 def test_greedy_tokens_match_transformers(ours, reference):
     ours, _ = ours
     theirs, _ = reference
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        assert a == b, f"prompt {i} diverges at token {next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a == b, (
+            f"prompt {i} diverges at token {next(j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)}"
+        )
 
 
 def test_last_position_logits_match_transformers(ours, reference):

@@ -55,10 +55,11 @@ def test_stop_string_inside_a_cjk_run_is_cut_before_it(tokenizer: Tokenizer) -> 
 
 
 def test_eos_ends_with_stop_and_adds_no_text(tokenizer: Tokenizer) -> None:
-    token_ids = tokenizer.encode("Hello") + [2]
+    token_ids = [*tokenizer.encode("Hello"), 2]
     request, outputs = _feed(tokenizer, token_ids, SamplingParams(max_tokens=10))
     assert (request.finish_reason, request.stop_reason) == ("stop", 2)
-    assert outputs[-1].text == "Hello" and outputs[-1].token_ids == token_ids
+    assert outputs[-1].text == "Hello"
+    assert outputs[-1].token_ids == token_ids
 
 
 def test_ignore_eos_keeps_going(tokenizer: Tokenizer) -> None:

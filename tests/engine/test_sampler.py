@@ -146,4 +146,5 @@ def test_rows_without_logprobs_get_none() -> None:
         [Row(SamplingParams(temperature=0, logprobs=0)), Row(SamplingParams(temperature=0))],
     )
     assert out.logprobs[1] is None
-    assert out.logprobs[0] is not None and out.logprobs[0].top_logprobs == {}
+    assert out.logprobs[0] is not None
+    assert out.logprobs[0].top_logprobs == {}

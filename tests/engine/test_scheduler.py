@@ -63,7 +63,8 @@ def test_admits_in_order_and_gives_blocks_lifo() -> None:
     assert _chunks(out) == [("a", 0, 3, True), ("b", 0, 4, True)]
     assert a.block_table.block_ids == [0, 1]
     assert b.block_table.block_ids == [2, 3]
-    assert scheduler.num_running == 2 and scheduler.num_waiting == 0
+    assert scheduler.num_running == 2
+    assert scheduler.num_waiting == 0
 
 
 def test_max_num_seqs_caps_running() -> None:
@@ -109,8 +110,10 @@ def test_exhausted_pool_preempts_most_recently_admitted() -> None:
     assert out.preempted == [b]
     assert _chunks(out) == [("a", 4, 1, True)]
     assert a.block_table.block_ids == [0, 1, 3]  # b's blocks came back, 3 on top
-    assert b.status is RequestStatus.WAITING and b.block_table is None
-    assert b.num_computed_tokens == 0 and b.metrics.num_preemptions == 1
+    assert b.status is RequestStatus.WAITING
+    assert b.block_table is None
+    assert b.num_computed_tokens == 0
+    assert b.metrics.num_preemptions == 1
     assert list(scheduler.waiting) == [b]
     assert scheduler.allocator.num_free == 1
 
@@ -123,7 +126,8 @@ def test_preempted_request_recomputes_prompt_and_generated_tokens() -> None:
     for _ in range(3):
         _complete(scheduler, scheduler.schedule())
     # a finished after its 3rd token and freed its blocks; b comes back as 5 tokens
-    assert a.finished and b.token_ids == [0, 1, 2, TOKEN, TOKEN]
+    assert a.finished
+    assert b.token_ids == [0, 1, 2, TOKEN, TOKEN]
     out = scheduler.schedule()
     assert _chunks(out) == [("b", 0, 5, True)]
     assert b.block_table.block_ids == [3, 1, 0]
@@ -135,7 +139,8 @@ def test_a_request_alone_that_cannot_grow_preempts_itself() -> None:
     scheduler.add(a)
     _complete(scheduler, scheduler.schedule())
     out = scheduler.schedule()  # position 4 needs a third block
-    assert out.chunks == [] and out.preempted == [a]
+    assert out.chunks == []
+    assert out.preempted == [a]
     assert scheduler.allocator.num_free == 2
 
 
@@ -163,7 +168,8 @@ def test_finish_frees_blocks_of_running_or_waiting_request(admitted: bool) -> No
     scheduler.finish(target, FreeReason.ABORTED)
     assert target.status is RequestStatus.FINISHED
     assert scheduler.allocator.num_free == (4 if admitted else 2)
-    assert target not in scheduler.running and target not in scheduler.waiting
+    assert target not in scheduler.running
+    assert target not in scheduler.waiting
 
 
 @st.composite

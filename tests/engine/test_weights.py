@@ -38,7 +38,7 @@ def test_default_model_is_the_packaged_smollm2_gguf():
 def test_resolve_model_path_rejects_other_files(tmp_path):
     bogus = tmp_path / "model.bin"
     bogus.write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match="must be a .gguf file or a folder with config.json"):
+    with pytest.raises(FileNotFoundError, match=r"must be a \.gguf file or a folder with config\.json"):
         resolve_model_path(str(bogus))
 
 
@@ -49,6 +49,8 @@ def test_gguf_metadata_becomes_smollm2_config(real_runner):
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
     assert config.rope_theta == 100000.0
     assert config.max_position_embeddings == 8192
-    assert config.tie_word_embeddings and not config.attention_bias and not config.qk_norm
+    assert config.tie_word_embeddings
+    assert not config.attention_bias
+    assert not config.qk_norm
     assert real_runner.vocab_size == 49152
     assert real_runner.model_name == "SmolLM2-135M-Instruct.Q4_1"

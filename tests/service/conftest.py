@@ -36,15 +36,15 @@ class Served:
 def engine_config(log_url: str, **overrides: object):  # -> EngineConfig
     from nanoserve.engine import EngineConfig
 
-    settings: dict[str, object] = dict(
-        event_log_url=log_url,
-        num_kv_blocks=NUM_KV_BLOCKS,
-        block_size=16,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_num_waiting=MAX_NUM_WAITING,
-        max_model_len=1024,
-        dtype="float32",
-    )
+    settings: dict[str, object] = {
+        "event_log_url": log_url,
+        "num_kv_blocks": NUM_KV_BLOCKS,
+        "block_size": 16,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "max_num_waiting": MAX_NUM_WAITING,
+        "max_model_len": 1024,
+        "dtype": "float32",
+    }
     settings.update(overrides)
     return EngineConfig.from_kwargs(**settings)
 

@@ -32,7 +32,8 @@ def test_generate_chat_flags_build_the_request() -> None:
     request = build_request(args)
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
     assert request.sampling.max_tokens == 8
-    assert request.sampling.HasField("temperature") and request.sampling.temperature == 0.0
+    assert request.sampling.HasField("temperature")
+    assert request.sampling.temperature == 0.0
     assert list(request.sampling.stop) == ["\n", "END"]
     assert request.sampling.seed == 7
     assert not request.sampling.HasField("top_p")

@@ -156,7 +156,9 @@ def test_show_rejects_an_unknown_kind_naming_the_kinds(log_url: str, capsys: pyt
         main(["log", "show", "--url", log_url, "--kind", "bogus"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'bogus'" in err and "'allocate_for'" in err and "'pool_close'" in err
+    assert "invalid choice: 'bogus'" in err
+    assert "'allocate_for'" in err
+    assert "'pool_close'" in err
 
 
 def _empty_log(tmp_path: Path) -> str:

@@ -42,7 +42,8 @@ def test_console_lines_on_a_terminal() -> None:
     configure_logging("auto", "info", stream=stream)
     structlog.get_logger("t").info("server_started", address="127.0.0.1:50051")
     text = stream.getvalue()
-    assert "server_started" in text and "address=127.0.0.1:50051" in text
+    assert "server_started" in text
+    assert "address=127.0.0.1:50051" in text
     assert not text.startswith("{")
 
 

@@ -12,15 +12,14 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import structlog
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nanoserve.v1 import allocation_pb2 as apb
-from nanoserve.v1 import allocation_pb2_grpc
+from nanoserve.v1 import allocation_pb2_grpc, generation_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
-from nanoserve.v1 import generation_pb2_grpc
 
 from .conftest import MAX_NUM_SEQS, MAX_NUM_WAITING, NUM_KV_BLOCKS, Served, wait_pool_free
 
@@ -122,7 +121,8 @@ async def test_cancel_mid_stream_frees_the_blocks(served: Served) -> None:
     assert status.num_free == NUM_KV_BLOCKS
     stored = await _stored_events(served)
     frees = [e for e in stored if e.owner == "cancel-me" and e.kind in ("free", "free_all")]
-    assert frees and {e.reason for e in frees} == {"aborted"}
+    assert frees
+    assert {e.reason for e in frees} == {"aborted"}
 
 
 async def test_deadline_exceeded_aborts_the_request(served: Served) -> None:
@@ -131,7 +131,8 @@ async def test_deadline_exceeded_aborts_the_request(served: Served) -> None:
         async for response in _generation(served).Generate(_long_request("deadline"), timeout=0.5):
             received.append(response)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert received and not received[-1].HasField("finish")
+    assert received
+    assert not received[-1].HasField("finish")
     await wait_pool_free(served, timeout_s=2.0)
     stored = await _stored_events(served)
     assert {e.reason for e in stored if e.owner == "deadline" and e.kind in ("free", "free_all")} == {"aborted"}
@@ -501,14 +502,17 @@ async def test_generate_cli_ctrl_c_exits_130_quietly_and_the_server_aborts(serve
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
-        assert process.stdout is not None and process.stderr is not None
+        assert process.stdout is not None
+        assert process.stderr is not None
         first = await asyncio.wait_for(process.stdout.read(1), timeout=60)
         process.send_signal(signal.SIGINT)
         rest, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
         await _settle(served)
     assert process.returncode == 130
     assert stderr.decode() == ""
-    assert first and (first + rest).endswith(b"\n") and not (first + rest).endswith(b"\n\n")
+    assert first
+    assert (first + rest).endswith(b"\n")
+    assert not (first + rest).endswith(b"\n\n")
     [line] = _finished_lines(logs, "ctrl-c")
     assert (line["finish_reason"], line["cause"]) == ("abort", "cancelled")
 

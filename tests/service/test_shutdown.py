@@ -19,9 +19,8 @@ import grpc
 import pytest
 
 from nanoserve.v1 import allocation_pb2 as apb
-from nanoserve.v1 import allocation_pb2_grpc
+from nanoserve.v1 import allocation_pb2_grpc, generation_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
-from nanoserve.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.real_model
 
@@ -122,10 +121,12 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_e
     assert events.index("shutdown_started") < events.index("shutdown_finished")
     finished = {line["request_id"]: line for line in first.lines if line["event"] == "request_finished"}
     assert (finished["long"]["finish_reason"], finished["long"]["cause"]) == ("abort", "shutdown")
-    assert finished["short"]["finish_reason"] == "length" and "cause" not in finished["short"]
+    assert finished["short"]["finish_reason"] == "length"
+    assert "cause" not in finished["short"]
 
     report = audit(log_url, pool_id="default", epoch=epoch)
-    assert report.clean and report.closed
+    assert report.clean
+    assert report.closed
     assert report.leaked == {}
     assert report.state.num_free == 64
     frees = [e for e in read_events(log_url, "default", epoch) if e.owner == "long" and e.kind in ("free", "free_all")]
