@@ -240,7 +240,7 @@ class PoolTimeline:
             return None
         if self._starts_by_block is None:  # one pass for all the questions about this timeline
             self._starts_by_block = {}
-            for block, start in zip(self.interval_block_ids, self.interval_starts):
+            for block, start in zip(self.interval_block_ids, self.interval_starts, strict=True):
                 self._starts_by_block.setdefault(block, []).append(self.seqs[start])
         starts = self._starts_by_block.get(block_id, [])
         position = bisect.bisect_left(starts, seq)  # the holdings of one block begin in seq order

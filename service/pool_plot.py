@@ -116,13 +116,13 @@ def plot_timeline(
             f"no events in seqs {from_seq}..{to_seq}: the epoch holds seqs {timeline.seqs[0]}..{timeline.seqs[-1]}"
         )
     xs = event_xs(timeline, x)
-    view = _View(timeline, xs, first, last)
+    view = TimelineView(timeline, xs, first, last)
     colours = view.owner_colours()
     figure = Figure(figsize=(14, 8.5), layout="constrained")
     block_ax, occupancy_ax = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     titles: dict[str, str] = {}
     if view.num_bars <= MAX_BARS:
-        _draw_bars(block_ax, view, colours, titles)
+        _draw_bars(block_ax, view, colours, titles, damaged_seq)
         blocks_note = f"{view.num_bars:,} held intervals, one bar each"
     else:
         cell_span = _draw_cells(block_ax, view, colours)
@@ -149,8 +149,15 @@ def plot_timeline(
     return Picture(figure, titles, summary)
 
 
-class _View:
-    """The intervals and events of ``timeline`` that fall in the event indexes first..last, as arrays."""
+class TimelineView:
+    """The held intervals ("bars") and events of ``timeline`` in its event indexes first..last, as arrays.
+
+    Per bar k (numpy arrays): ``index[k]`` the interval, ``block[k]``,
+    ``owner[k]`` (owner id), ``start[k]``/``end[k]`` its events clipped to the
+    view, ``x0[k]``/``x1[k]`` their x, ``open[k]`` whether it is still held after
+    the timeline's last event. A bar is in view when its block was held after
+    at least one event of the view.
+    """
 
     def __init__(self, timeline: PoolTimeline, xs: np.ndarray, first: int, last: int) -> None:
         self.timeline, self.xs, self.first, self.last = timeline, xs, first, last
@@ -197,8 +204,40 @@ class _View:
             return float(self.xs[i])
         return None
 
+    @property
+    def x_range(self) -> tuple[float, float]:
+        return float(self.xs[self.first]), float(self.xs[self.last])
 
-def _draw_bars(ax: Any, view: _View, colours: OwnerColours, titles: dict[str, str]) -> None:
+    def cell_middles(self, num_cells: int) -> np.ndarray:
+        """The x of the middle of each of ``num_cells`` equal cells across the view, float64 [num_cells]."""
+        x_lo, x_hi = self.x_range
+        return x_lo + (np.arange(num_cells) + 0.5) * (x_hi - x_lo) / num_cells
+
+    def cell_holders(self, num_cells: int) -> np.ndarray:
+        """The bar holding each block at each cell's middle, -1 when free: int64 [num_blocks, num_cells].
+
+        A bar holds its block over [x0, x1). The holdings of one block never
+        overlap, so with the bars sorted by (block, x0) the one holding block b
+        at x is the last bar starting at or before (b, x), if it has not ended:
+        one ``searchsorted`` for all cells.
+        """
+        x_lo, x_hi = self.x_range
+        middles = self.cell_middles(num_cells)
+        stride = x_hi - x_lo + 1.0  # (block, x) -> block * stride + (x - x_lo), ordered as the pairs
+        keys = self.block * stride + (self.x0 - x_lo)
+        order = np.argsort(keys, kind="stable")
+        num_blocks = self.timeline.num_blocks
+        queries = (np.arange(num_blocks)[:, None] * stride + (middles - x_lo)[None, :]).ravel()
+        found = np.searchsorted(keys[order], queries, side="right") - 1
+        bars = order[np.maximum(found, 0)]
+        cell_blocks = np.repeat(np.arange(num_blocks), num_cells)
+        held = (found >= 0) & (self.block[bars] == cell_blocks) & (self.x1[bars] > np.tile(middles, num_blocks))
+        return np.where(held, bars, -1).reshape(num_blocks, num_cells)
+
+
+def _draw_bars(
+    ax: Any, view: TimelineView, colours: OwnerColours, titles: dict[str, str], damaged_seq: int | None
+) -> None:
     timeline = view.timeline
     for k, j in enumerate(view.index):
         owner = timeline.owners[view.owner[k]]
@@ -212,16 +251,21 @@ def _draw_bars(ax: Any, view: _View, colours: OwnerColours, titles: dict[str, st
         )
         bar.set_gid(f"interval-{j}")
         ax.add_patch(bar)
-        titles[f"interval-{j}"] = _interval_title(timeline, int(j))
+        titles[f"interval-{j}"] = _interval_title(timeline, int(j), damaged_seq)
 
 
-def _interval_title(timeline: PoolTimeline, j: int) -> str:
+def _interval_title(timeline: PoolTimeline, j: int, damaged_seq: int | None) -> str:
     """``r3 held block 7 from seq 120 to 245 (steps 10 to 22), freed: preempted``."""
     interval = timeline.interval(j)
     held = f"{interval.owner} held block {interval.block_id} from seq {interval.start_seq}"
     if interval.end_seq is None:
         steps = "" if interval.start_step is None else f" (step {interval.start_step})"
-        where = "POOL_CLOSE: leaked" if timeline.closed_seq is not None else "the last durable event"
+        if damaged_seq is not None:
+            where = f"seq {timeline.last_seq}, before the damage"
+        elif timeline.closed_seq is not None:
+            where = "POOL_CLOSE: leaked"
+        else:
+            where = "the last durable event"
         return f"{held}{steps}, still held at {where}"
     steps = ""
     if interval.start_step is not None and interval.end_step is not None:
@@ -229,32 +273,19 @@ def _interval_title(timeline: PoolTimeline, j: int) -> str:
     return f"{held} to {interval.end_seq}{steps}, freed: {interval.end_reason or 'no reason given'}"
 
 
-def _draw_cells(ax: Any, view: _View, colours: OwnerColours) -> str:
+def _draw_cells(ax: Any, view: TimelineView, colours: OwnerColours) -> str:
     """The block map as an image [num_blocks, NUM_CELLS]; returns what one cell spans."""
     timeline = view.timeline
-    x_lo, x_hi = float(view.xs[view.first]), float(view.xs[view.last])
-    width = max(x_hi - x_lo, 1e-9)
-    middles = x_lo + (np.arange(NUM_CELLS) + 0.5) * width / NUM_CELLS
-    # bars sorted by (block, x0): the bar covering (block b, x) is the last one starting at or before it
-    stride = width + 1.0
-    keys = view.block * stride + (view.x0 - x_lo)
-    order = np.argsort(keys, kind="stable")
-    keys, blocks, x1s = keys[order], view.block[order], view.x1[order]
+    x_lo, x_hi = view.x_range
     # colour index of each owner: 0 free, 1 the others, then the owners with a colour of their own
     palette = [FREE_COLOUR, OTHER_COLOUR, *colours.colours.values()]
-    owner_cell = np.ones(len(timeline.owners), dtype=np.int64)
+    owner_colour = np.ones(len(timeline.owners), dtype=np.int64)
     for k, owner in enumerate(colours.colours, start=2):
-        owner_cell[timeline.owner_id(owner)] = k
-    bar_colour = owner_cell[view.owner[order]]
-    image = np.zeros((timeline.num_blocks, NUM_CELLS), dtype=np.int64)
-    queries = (np.arange(timeline.num_blocks)[:, None] * stride + (middles - x_lo)[None, :]).ravel()
-    found = np.searchsorted(keys, queries, side="right") - 1
-    cell_blocks = np.repeat(np.arange(timeline.num_blocks), NUM_CELLS)
-    cell_x = np.tile(middles, timeline.num_blocks)
-    valid = found >= 0
-    hit = np.zeros(len(queries), dtype=bool)
-    hit[valid] = (blocks[found[valid]] == cell_blocks[valid]) & (x1s[found[valid]] > cell_x[valid])
-    image.ravel()[hit] = bar_colour[found[hit]]
+        owner_colour[timeline.owner_id(owner)] = k
+    holders = view.cell_holders(NUM_CELLS)
+    image = np.zeros(holders.shape, dtype=np.int64)
+    held = holders >= 0
+    image[held] = owner_colour[view.owner[holders[held]]]
     ax.imshow(
         image,
         cmap=ListedColormap([to_rgb(colour) for colour in palette]),
@@ -266,10 +297,10 @@ def _draw_cells(ax: Any, view: _View, colours: OwnerColours) -> str:
         extent=(x_lo, x_hi, -0.5, timeline.num_blocks - 0.5),
     )
     events_per_cell = (view.last - view.first + 1) / NUM_CELLS
-    return f"{width / NUM_CELLS:,.3g} on the x axis, about {events_per_cell:,.0f} events"
+    return f"{(x_hi - x_lo) / NUM_CELLS:,.3g} on the x axis, about {events_per_cell:,.0f} events"
 
 
-def _draw_marks(ax: Any, view: _View, violations: Sequence[Violation], titles: dict[str, str]) -> list[Any]:
+def _draw_marks(ax: Any, view: TimelineView, violations: Sequence[Violation], titles: dict[str, str]) -> list[Any]:
     """Preempted and aborted ends, leaks at POOL_CLOSE, audit violations; returns their legend handles."""
     handles = []
     for reason, (marker, colour, label) in _END_MARKS.items():
@@ -297,7 +328,16 @@ def _mark_handle(marker: str, colour: str, label: str, size: float = 6) -> Line2
     return Line2D([], [], marker=marker, color=colour, linestyle="none", markersize=size, label=label)
 
 
-def _draw_occupancy(ax: Any, view: _View) -> str:
+def cell_extremes(values: np.ndarray, num_cells: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``values`` [n] cut into ``num_cells`` runs of (nearly) equal length: (first index, lowest, highest) of each.
+
+    All three are [num_cells] arrays (n >= num_cells).
+    """
+    starts = np.linspace(0, len(values), num_cells + 1).astype(np.int64)[:-1]
+    return starts, np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
+
+
+def _draw_occupancy(ax: Any, view: TimelineView) -> str:
     """Allocated and free blocks, running requests on a right axis; returns how they were drawn."""
     timeline = view.timeline
     span = slice(view.first, view.last + 1)
@@ -311,17 +351,14 @@ def _draw_occupancy(ax: Any, view: _View) -> str:
         running_ax.plot(xs, running, drawstyle="steps-post", color=RUNNING_COLOUR, linewidth=1)
         note = "event by event"
     else:
-        edges = np.linspace(0, len(xs), NUM_CELLS + 1).astype(np.int64)[:-1]
+        edges, low, high = cell_extremes(allocated, NUM_CELLS)
         cell_xs = xs[edges]
-        low, high = np.minimum.reduceat(allocated, edges), np.maximum.reduceat(allocated, edges)
         ax.fill_between(cell_xs, low, step="post", color=ALLOCATED_COLOUR, linewidth=0, label="allocated")
         ax.fill_between(
             cell_xs, low, high, step="post", color=ALLOCATED_COLOUR, alpha=0.45, linewidth=0, label="allocated (range)"
         )
         ax.fill_between(cell_xs, high, timeline.num_blocks, step="post", color=FREE_FILL_COLOUR, label="free")
-        running_ax.plot(
-            cell_xs, np.maximum.reduceat(running, edges), drawstyle="steps-post", color=RUNNING_COLOUR, linewidth=1
-        )
+        running_ax.plot(cell_xs, cell_extremes(running, NUM_CELLS)[2], drawstyle="steps-post", color=RUNNING_COLOUR)
         note = f"as lowest..highest per cell of {NUM_CELLS:,} (about {len(xs) / NUM_CELLS:,.0f} events each)"
     ax.set_ylim(0, timeline.num_blocks)
     ax.set_ylabel("blocks")
@@ -334,7 +371,7 @@ def _draw_occupancy(ax: Any, view: _View) -> str:
     return note
 
 
-def _draw_edges(axes: Sequence[Any], view: _View, damaged_seq: int | None, titles: dict[str, str]) -> list[Any]:
+def _draw_edges(axes: Sequence[Any], view: TimelineView, damaged_seq: int | None, titles: dict[str, str]) -> list[Any]:
     """POOL_CLOSE, the crash point (an open epoch's last durable event) and where damage stops the picture."""
     timeline = view.timeline
     handles = []
@@ -363,7 +400,7 @@ def _vline(axes: Sequence[Any], x: float, colour: str, style: str, gid: str, tit
         titles[f"{gid}-{k}"] = title
 
 
-def _label(figure: Figure, block_ax: Any, occupancy_ax: Any, view: _View, x: str) -> None:
+def _label(figure: Figure, block_ax: Any, occupancy_ax: Any, view: TimelineView, x: str) -> None:
     x_lo, x_hi = float(view.xs[view.first]), float(view.xs[view.last])
     pad = max((x_hi - x_lo) * 0.01, 0.5 if x != "time" else 1e-3)
     block_ax.set_xlim(x_lo - pad, x_hi + pad)
@@ -375,7 +412,7 @@ def _label(figure: Figure, block_ax: Any, occupancy_ax: Any, view: _View, x: str
         occupancy_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
 
 
-def _heading(timeline: PoolTimeline, view: _View) -> str:
+def _heading(timeline: PoolTimeline, view: TimelineView) -> str:
     first, last = timeline.seqs[view.first], timeline.seqs[view.last]
     if timeline.closed_seq is not None:
         status = f"closed at seq {timeline.closed_seq:,}"

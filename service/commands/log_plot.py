@@ -59,7 +59,7 @@ def add_plot(actions: Any, add_source: Any) -> argparse.ArgumentParser:
 
 
 def run_plot(args: argparse.Namespace, url: str) -> int:
-    """Audit the epoch, read its timeline up to --to (or the damage), draw it, write it.
+    """Audit the epoch, read its timeline (up to the damage, if any), draw --from..--to, write it.
 
     Raises ValueError (and LogNotFoundError) for unusable input: the caller prints it and exits 2.
     """
@@ -75,20 +75,20 @@ def run_plot(args: argparse.Namespace, url: str) -> int:
     figure_file.figure_format(args.output)
     report = audit(url, args.pool_id, args.epoch)
     damage = next((v for v in report.violations if v.rule not in ALLOCATOR_RULES), None)
-    until_seq = args.to_seq
+    intact_seq = None  # the whole epoch is read (not only up to --to): a bar still held at its end is a leak or a crash
     if damage is not None:
         print(f"nanoserve log plot: the log is damaged from seq {damage.seq}: {damage}", file=sys.stderr)
         if damage.seq <= max(args.from_seq, 2):
             print("nanoserve log plot: nothing before the damage to draw", file=sys.stderr)
             return EXIT_VIOLATIONS
-        until_seq = damage.seq - 1 if until_seq is None else min(until_seq, damage.seq - 1)
-    timeline = read_timeline(url, report.pool_id, report.epoch, until_seq)
+        intact_seq = damage.seq - 1
+    timeline = read_timeline(url, report.pool_id, report.epoch, intact_seq)
     if not timeline.num_intervals:
         raise ValueError(f"nothing to plot: epoch {report.epoch} of pool {report.pool_id!r} holds no allocations")
     picture = pool_plot.plot_timeline(
         timeline,
         from_seq=args.from_seq,
-        to_seq=until_seq,
+        to_seq=args.to_seq,
         x=args.x,
         violations=report.violations,
         damaged_seq=None if damage is None else damage.seq,
