@@ -86,14 +86,13 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
     """Audit one epoch on an open connection (see ``audit``)."""
     replayer = replay_epoch(conn, info, None, lambda: Replayer(info))
     replayer.finish()
-    closed = replayer.closed_seq is not None
+    closed_seq = replayer.closed_seq
+    closed = closed_seq is not None
     leaked: dict[int, str] = {}
-    if closed:
+    if closed_seq is not None:
         leaked = dict(sorted(replayer.owners.items()))
         for block_id, owner in leaked.items():
-            replayer.violate(
-                replayer.closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner
-            )
+            replayer.violate(closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner)
     state = replayer.state()
     violations = sorted(replayer.violations, key=lambda violation: violation.seq)
     return AuditReport(

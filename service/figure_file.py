@@ -78,4 +78,5 @@ def add_titles(svg: bytes, titles: Mapping[str, str]) -> bytes:
             title = ET.Element(f"{{{SVG_NS}}}title")
             title.text = text
             element.insert(0, title)
-    return ET.tostring(root, encoding="utf-8", xml_declaration=True)
+    document: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
+    return document

@@ -113,21 +113,21 @@ def _draw_grid(
     font_size = max(2.5, min(9.0, cell_in * 72 * 0.32))
     for block_id in range(state.num_blocks):
         row, column = divmod(block_id, num_columns)
-        owner = state.owners.get(block_id)
+        holder = state.owners.get(block_id)
         cell = Rectangle(
             (column, row),
             1,
             1,
-            facecolor=FREE_COLOUR if owner is None else colours[owner],
+            facecolor=FREE_COLOUR if holder is None else colours[holder],
             edgecolor=EDGE_COLOUR,
             linewidth=0.5,
         )
         cell.set_gid(f"block-{block_id}")
         ax.add_patch(cell)
-        fill = FREE_COLOUR if owner is None else colours[owner]
+        fill = FREE_COLOUR if holder is None else colours[holder]
         ink = "white" if _is_dark(fill) else "black"
         ax.text(column + 0.5, row + 0.5, str(block_id), ha="center", va="center", fontsize=font_size, color=ink)
-        if owner is None:
+        if holder is None:
             titles[f"block-{block_id}"] = (
                 f"block {block_id}: free, #{free_position[block_id] + 1} out of the free stack"
             )
@@ -137,7 +137,7 @@ def _draw_grid(
             if interval is not None and interval.start_step is not None:
                 since += f" (step {interval.start_step})"
             titles[f"block-{block_id}"] = (
-                f"block {block_id}: held by {owner}{since}, logical block {position} of its table"
+                f"block {block_id}: held by {holder}{since}, logical block {position} of its table"
             )
     ax.set_xlim(-0.05, num_columns + 0.05)
     ax.set_ylim(num_rows + 0.05, -0.05)  # block 0 top left, ids run along the rows
@@ -179,9 +179,10 @@ def _draw_tables(
             lines.append((table if k == 0 else None, colours[owner], line))
     num_lines = max(len(lines) + 1, 16)
     owners = list(tables)
-    for k, (table, colour, line) in enumerate(lines):
+    for k, (first_line_of, colour, line) in enumerate(lines):
         label = ax.text(0.55, k + 0.5, line, va="center", fontsize="small", family="monospace")
-        if table is not None:
+        if first_line_of is not None:
+            table = first_line_of
             swatch = Rectangle((0, k + 0.15), 0.35, 0.7, facecolor=colour, edgecolor=EDGE_COLOUR, linewidth=0.5)
             ax.add_patch(swatch)
             label.set_gid(f"table-{table}")

@@ -77,7 +77,8 @@ def event_xs(timeline: PoolTimeline, x: str) -> np.ndarray:
         return np.asarray(timeline.seqs, dtype=np.float64)
     if x == "time":
         wall_ns = np.asarray(timeline.wall_ns, dtype=np.int64)
-        return (wall_ns - wall_ns[0]) / 1e9
+        seconds: np.ndarray = (wall_ns - wall_ns[0]) / 1e9
+        return seconds
     if x != "step":
         raise ValueError(f"the x axis must be one of {', '.join(AXES)}, got {x!r}")
     known = [step for step in timeline.steps if step is not None]
@@ -91,7 +92,8 @@ def event_xs(timeline: PoolTimeline, x: str) -> np.ndarray:
     starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])  # first event of each run of one step
     run = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(steps)]))
     lengths = np.diff(np.r_[starts, len(steps)])
-    return steps + (np.arange(len(steps)) - starts[run]) / lengths[run]
+    spread: np.ndarray = steps + (np.arange(len(steps)) - starts[run]) / lengths[run]
+    return spread
 
 
 def plot_timeline(
@@ -393,7 +395,9 @@ def _draw_edges(axes: Sequence[Any], view: TimelineView, damaged_seq: int | None
     return handles
 
 
-def _vline(axes: Sequence[Any], x: float, colour: str, style: str, gid: str, title: str, titles: dict) -> None:
+def _vline(
+    axes: Sequence[Any], x: float, colour: str, style: str, gid: str, title: str, titles: dict[str, str]
+) -> None:
     for k, ax in enumerate(axes):
         line = ax.axvline(x, color=colour, linestyle=style, linewidth=1.5, zorder=5)
         line.set_gid(f"{gid}-{k}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -267,7 +268,7 @@ def run_epochs(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
-def block_ranges(block_ids: list[int]) -> str:
+def block_ranges(block_ids: Iterable[int]) -> str:
     """Block ids sorted and compressed into runs: [5, 0, 1, 2, 7] -> "0-2, 5, 7"."""
     runs: list[list[int]] = []
     for block_id in sorted(block_ids):

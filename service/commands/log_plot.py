@@ -35,7 +35,7 @@ MISSING_PLOT_EXTRA = "matplotlib is not installed: pip install 'nanoserve[plot]'
 
 def add_plot(actions: Any, add_source: Any) -> argparse.ArgumentParser:
     """The ``plot`` action's parser under ``nanoserve log`` (``add_source`` adds --url, --pool and --epoch)."""
-    plot = actions.add_parser(
+    plot: argparse.ArgumentParser = actions.add_parser(
         "plot",
         help="draw an epoch: block map over time and occupancy (SVG or PNG)",
         description="Draw one epoch as two aligned panels over time: a block map (y = block id, each block's held "
