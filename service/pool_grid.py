@@ -29,7 +29,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from nanoserve.allocator import PoolState
+from nanoserve.allocator import Event, PoolState
 from nanoserve.allocator.pool_timeline import BlockInterval, PoolTimeline
 from nanoserve.service.figure_file import Picture
 from nanoserve.service.owner_colours import FREE_COLOUR, OwnerColours
@@ -40,9 +40,10 @@ GRID_WIDTH_IN = 8.0  # inches of the block grid
 EDGE_COLOUR = "#9a9a9a"
 
 
-def draw_pool_grid(state: PoolState, timeline: PoolTimeline) -> Picture:
+def draw_pool_grid(state: PoolState, timeline: PoolTimeline, event: Event | None = None) -> Picture:
     """The picture of ``state`` (from ``replay``), with ``timeline`` read up to the same seq.
 
+    event: the event at that seq, named in the heading; the blocks it touched are outlined.
     Raises ValueError when the two disagree on the seq they stand at.
     """
     if timeline.last_seq != state.last_seq:
@@ -62,7 +63,8 @@ def draw_pool_grid(state: PoolState, timeline: PoolTimeline) -> Picture:
     figure = Figure(figsize=(GRID_WIDTH_IN + 6.0, height_in), layout="constrained")
     grid_ax, stack_ax, tables_ax = figure.subplots(1, 3, width_ratios=(GRID_WIDTH_IN, 1.0, 5.0))
     titles: dict[str, str] = {}
-    _draw_grid(grid_ax, state, tables, colours, num_columns, num_rows, cell_in, titles)
+    touched = set(event.block_ids) if event is not None else set()
+    _draw_grid(grid_ax, state, tables, colours, num_columns, num_rows, cell_in, titles, touched)
     _draw_free_stack(stack_ax, state, titles, height_in)
     _draw_tables(tables_ax, tables, colours, titles)
     step = timeline.steps[-1]
@@ -71,8 +73,21 @@ def draw_pool_grid(state: PoolState, timeline: PoolTimeline) -> Picture:
         f"{state.num_allocated:,} allocated, {state.num_free:,} free of {state.num_blocks:,} blocks "
         f"of {state.block_size} tokens; {len(tables):,} requests hold blocks"
     )
-    figure.suptitle(f"pool {state.pool_id!r} · epoch {state.epoch} · after {at}\n{summary}", fontsize="medium")
+    heading = f"pool {state.pool_id!r} · epoch {state.epoch} · as it stood after {at}"
+    if event is not None:
+        heading += f": {_describe(event)}"
+    figure.suptitle(f"{heading}\n{summary}", fontsize="medium")
     return Picture(figure, titles, summary)
+
+
+def _describe(event: Event) -> str:
+    """``free_all of blocks 19, 18, 34 by req-9, preempted (outlined)``."""
+    if not event.block_ids:
+        return event.kind
+    blocks = ", ".join(map(str, event.block_ids))
+    reason = f", {event.reason}" if event.reason else ""
+    plural = "s" if len(event.block_ids) > 1 else ""
+    return f"{event.kind} of block{plural} {blocks} by {event.owner}{reason} (outlined)"
 
 
 def _place(timeline: PoolTimeline, owner: str) -> int:
@@ -104,6 +119,7 @@ def _draw_grid(
     num_rows: int,
     cell_in: float,
     titles: dict[str, str],
+    touched: set[int],
 ) -> None:
     place: dict[int, tuple[str, int, BlockInterval | None]] = {}  # block_id -> owner, position in table, holding
     for owner, blocks in tables.items():
@@ -119,8 +135,9 @@ def _draw_grid(
             1,
             1,
             facecolor=FREE_COLOUR if holder is None else colours[holder],
-            edgecolor=EDGE_COLOUR,
-            linewidth=0.5,
+            edgecolor="black" if block_id in touched else EDGE_COLOUR,
+            linewidth=2.5 if block_id in touched else 0.5,
+            zorder=2 if block_id in touched else 1,
         )
         cell.set_gid(f"block-{block_id}")
         ax.add_patch(cell)

@@ -121,20 +121,28 @@ def plot_timeline(
     view = TimelineView(timeline, xs, first, last)
     colours = view.owner_colours()
     figure = Figure(figsize=(14, 8.5), layout="constrained")
-    block_ax, occupancy_ax = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    aggregated = view.num_bars > MAX_BARS
+    ends = {reason: view.ending_events(reason) for reason in _END_MARKS}
+    strip = aggregated and any(len(events) for events in ends.values())
+    if strip:  # a row of counts per cell for the preemptions and aborts, too many to mark block by block
+        block_ax, ends_ax, occupancy_ax = figure.subplots(3, 1, sharex=True, height_ratios=(3, 0.28, 1))
+        _draw_end_counts(ends_ax, view, ends)
+    else:
+        block_ax, occupancy_ax = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     titles: dict[str, str] = {}
-    if view.num_bars <= MAX_BARS:
+    if not aggregated:
         _draw_bars(block_ax, view, colours, titles, damaged_seq)
         blocks_note = f"{view.num_bars:,} held intervals, one bar each"
     else:
-        cell_span = _draw_cells(block_ax, view, colours)
+        cell_span = _draw_cells(block_ax, view, colours, x)
         blocks_note = (
             f"{view.num_bars:,} held intervals drawn as {timeline.num_blocks:,} blocks × {NUM_CELLS:,} cells "
-            f"(a cell shows who held the block at its middle; one cell spans {cell_span})"
+            f"(a cell: who held the block at its middle; one cell spans {cell_span})"
         )
-    marks = _draw_marks(block_ax, view, violations, titles)
+    marks = _draw_marks(block_ax, view, violations, titles, per_block=not aggregated)
     occupancy_note = _draw_occupancy(occupancy_ax, view)
-    edges = _draw_edges((block_ax, occupancy_ax), view, damaged_seq, titles)
+    axes = (block_ax, ends_ax, occupancy_ax) if strip else (block_ax, occupancy_ax)
+    edges = _draw_edges(axes, view, damaged_seq, titles)
     _label(figure, block_ax, occupancy_ax, view, x)
     block_ax.legend(
         handles=[Patch(facecolor=colour, label=label) for label, colour in colours.legend()] + marks + edges,
@@ -198,6 +206,10 @@ class TimelineView:
             reasons = self.timeline.interval_end_reasons
             self._end_reasons = np.asarray([reasons[j] for j in self.index], dtype=object)
         return np.flatnonzero((self._end_reasons == reason) & ~self.open)
+
+    def ending_events(self, reason: str) -> np.ndarray:
+        """Event indexes in view that freed blocks with ``reason``: one per freeing event, in order."""
+        return np.unique(self.end[self.ended_with(reason)])
 
     def x_of_seq(self, seq: int) -> float | None:
         """x of the event ``seq`` when it is in view."""
@@ -275,7 +287,7 @@ def _interval_title(timeline: PoolTimeline, j: int, damaged_seq: int | None) -> 
     return f"{held} to {interval.end_seq}{steps}, freed: {interval.end_reason or 'no reason given'}"
 
 
-def _draw_cells(ax: Any, view: TimelineView, colours: OwnerColours) -> str:
+def _draw_cells(ax: Any, view: TimelineView, colours: OwnerColours, x: str) -> str:
     """The block map as an image [num_blocks, NUM_CELLS]; returns what one cell spans."""
     timeline = view.timeline
     x_lo, x_hi = view.x_range
@@ -298,16 +310,21 @@ def _draw_cells(ax: Any, view: TimelineView, colours: OwnerColours) -> str:
         interpolation="nearest",
         extent=(x_lo, x_hi, -0.5, timeline.num_blocks - 0.5),
     )
-    events_per_cell = (view.last - view.first + 1) / NUM_CELLS
-    return f"{(x_hi - x_lo) / NUM_CELLS:,.3g} on the x axis, about {events_per_cell:,.0f} events"
+    events = f"about {(view.last - view.first + 1) / NUM_CELLS:,.0f} events"
+    if x == "seq":
+        return events
+    unit = "steps" if x == "step" else "s"
+    return f"{(x_hi - x_lo) / NUM_CELLS:,.3g} {unit}, {events}"
 
 
-def _draw_marks(ax: Any, view: TimelineView, violations: Sequence[Violation], titles: dict[str, str]) -> list[Any]:
-    """Preempted and aborted ends, leaks at POOL_CLOSE, audit violations; returns their legend handles."""
+def _draw_marks(
+    ax: Any, view: TimelineView, violations: Sequence[Violation], titles: dict[str, str], per_block: bool
+) -> list[Any]:
+    """Preempted and aborted ends (``per_block``), leaks at POOL_CLOSE, audit violations; returns legend handles."""
     handles = []
     for reason, (marker, colour, label) in _END_MARKS.items():
         bars = view.ended_with(reason)
-        if len(bars):
+        if len(bars) and per_block:
             ax.scatter(view.x1[bars], view.block[bars], marker=marker, s=18, color=colour, zorder=3, linewidths=0)
             handles.append(_mark_handle(marker, colour, f"{label}: {len(bars):,} blocks"))
     closed_x = view.x_of_seq(view.timeline.closed_seq) if view.timeline.closed_seq is not None else None
@@ -324,6 +341,19 @@ def _draw_marks(ax: Any, view: TimelineView, violations: Sequence[Violation], ti
     if points:
         handles.append(_mark_handle("*", VIOLATION_COLOUR, f"audit violation: {len(points):,}", size=10))
     return handles
+
+
+def _draw_end_counts(ax: Any, view: TimelineView, ends: dict[str, np.ndarray]) -> None:
+    """One row per free reason of _END_MARKS: the requests freed so in each cell, shaded from white to its colour."""
+    rows, labels = [], []
+    for reason, (_, colour, _) in _END_MARKS.items():
+        counts, _ = np.histogram(view.xs[ends[reason]], bins=NUM_CELLS, range=view.x_range)
+        share = counts / max(1, int(counts.max()))  # [NUM_CELLS] in 0..1
+        rows.append(1.0 - (1.0 - np.asarray(to_rgb(colour)))[None, :] * share[:, None])  # [NUM_CELLS, 3]
+        labels.append(f"{reason}: {len(ends[reason]):,} (≤ {int(counts.max()):,}/cell)")
+    x_lo, x_hi = view.x_range
+    ax.imshow(np.stack(rows), aspect="auto", interpolation="nearest", extent=(x_lo, x_hi, len(rows) - 0.5, -0.5))
+    ax.set_yticks(range(len(rows)), labels, fontsize="x-small")
 
 
 def _mark_handle(marker: str, colour: str, label: str, size: float = 6) -> Line2D:

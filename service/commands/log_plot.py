@@ -107,6 +107,7 @@ def run_plot(args: argparse.Namespace, url: str) -> int:
 
 def write_state_picture(url: str, state: Any, path: str) -> int:
     """``log state --svg``: the grid of ``state`` (replayed from ``url``) written to ``path``; the exit status."""
+    from nanoserve.allocator import read_events
     from nanoserve.allocator.pool_timeline import read_timeline
 
     draw = _drawing("state")
@@ -117,7 +118,8 @@ def write_state_picture(url: str, state: Any, path: str) -> int:
     from nanoserve.service.pool_grid import draw_pool_grid
 
     timeline = read_timeline(url, state.pool_id, state.epoch, state.last_seq)
-    picture = draw_pool_grid(state, timeline)
+    events = read_events(url, state.pool_id, state.epoch, state.last_seq, state.last_seq)
+    picture = draw_pool_grid(state, timeline, events[0] if events else None)
     picture.save(path, fmt)
     print(f"wrote {path}: {picture.summary}")
     return EXIT_CLEAN

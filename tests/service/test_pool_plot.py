@@ -223,11 +223,16 @@ def test_a_million_event_epoch_is_drawn_as_cells(url: str, tmp_path: Path, monke
     write_trace(url)
     picture = pool_plot.plot_timeline(read_timeline(url))
     assert picture.summary == (
-        "8 events: 6 held intervals drawn as 6 blocks × 4 cells (a cell shows who held the block at its middle; "
-        "one cell spans 1.75 on the x axis, about 2 events); occupancy as lowest..highest per cell of 4 "
-        "(about 2 events each)"
+        "8 events: 6 held intervals drawn as 6 blocks × 4 cells (a cell: who held the block at its middle; "
+        "one cell spans about 2 events); occupancy as lowest..highest per cell of 4 (about 2 events each)"
     )
     assert not any(key.startswith("interval-") for key in picture.titles)
+    # block map, preemption and abort counts per cell, occupancy and its right axis
+    assert len(picture.figure.axes) == 4
+    labels = [label.get_text() for label in picture.figure.axes[1].get_yticklabels()]
+    assert labels == ["preempted: 1 (≤ 1/cell)", "aborted: 1 (≤ 1/cell)"]
+    by_step = pool_plot.plot_timeline(read_timeline(url), x="step")
+    assert "one cell spans 0.875 steps, about 2 events" in by_step.summary
 
 
 def test_empty_epoch_exits_2_without_a_picture(url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -344,6 +349,14 @@ def test_state_svg_colours_exactly_the_allocated_blocks(url: str, tmp_path: Path
     stack = [shapes[f"free-{p}"][1] for p in range(sum(1 for i in shapes if i.startswith("free-")))]
     assert [int(t.rsplit(" ", 1)[1]) for t in stack] == list(reversed(state.free_block_ids)) == [3, 5, 6, 7, 8, 9]
     assert shapes["table-0"][1] == "A's block table, logical block 0 first"
+    heading = next(t.text for t in ET.parse(out).getroot().iter(f"{SVG}text") if "as it stood" in (t.text or ""))
+    assert heading == "pool 'p' · epoch 1 · as it stood after seq 7: allocate of block 4 by A (outlined)"
+    outlined = [
+        b
+        for b, (e, _) in ((int(i[6:]), v) for i, v in shapes.items() if i.startswith("block-"))
+        if "stroke: #000000" in e.find(f"{SVG}path").get("style")
+    ]  # type: ignore[union-attr]
+    assert outlined == [4]
 
 
 def test_state_svg_lists_block_tables_in_logical_order(url: str, tmp_path: Path) -> None:
