@@ -67,7 +67,7 @@ def draw_pool_grid(state: PoolState, timeline: PoolTimeline, event: Event | None
     _draw_grid(grid_ax, state, tables, colours, num_columns, num_rows, cell_in, titles, touched)
     _draw_free_stack(stack_ax, state, titles, height_in)
     _draw_tables(tables_ax, tables, colours, titles)
-    step = timeline.steps[-1]
+    step = timeline.step(timeline.num_events - 1)
     at = f"seq {state.last_seq:,}" + ("" if step is None else f" (step {step:,})")
     summary = (
         f"{state.num_allocated:,} allocated, {state.num_free:,} free of {state.num_blocks:,} blocks "

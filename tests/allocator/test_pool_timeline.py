@@ -55,10 +55,10 @@ def test_small_trace_gives_exact_intervals(url: str) -> None:
 def test_occupancy_counts_blocks_and_the_owners_holding_them(url: str) -> None:
     small_trace(url)
     timeline = read_timeline(url)
-    assert timeline.seqs == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert list(timeline.seqs) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert timeline.steps == [None, 0, 0, 1, 1, 3, 3, 3, None]
-    assert timeline.num_allocated == [0, 2, 3, 1, 2, 3, 2, 1, 1]
-    assert timeline.num_holding == [0, 1, 2, 1, 2, 3, 2, 1, 1]
+    assert list(timeline.num_allocated) == [0, 2, 3, 1, 2, 3, 2, 1, 1]
+    assert list(timeline.num_holding) == [0, 1, 2, 1, 2, 3, 2, 1, 1]
 
 
 def test_interval_times_are_the_events_wall_times(url: str) -> None:
@@ -157,7 +157,7 @@ def test_unknown_kinds_are_counted_and_change_nothing(url: str) -> None:
     timeline = read_timeline(url)
     assert timeline.unknown_kinds == {"ref_taken": 1}
     assert timeline.owners_now() == {0: "A"}
-    assert timeline.num_allocated == [0, 1, 1, 1]
+    assert list(timeline.num_allocated) == [0, 1, 1, 1]
 
 
 def test_plot_range_runs_from_the_holding_to_the_violation() -> None:

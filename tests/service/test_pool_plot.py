@@ -22,7 +22,7 @@ from nanoserve.allocator.pool_timeline import read_timeline
 from nanoserve.service import convert
 from nanoserve.service.cli import main
 from nanoserve.service.owner_colours import FREE_COLOUR
-from nanoserve.service.pool_plot import TimelineView, cell_extremes, event_xs
+from nanoserve.service.timeline_view import TimelineView, cell_extremes, event_xs
 
 SVG = "{http://www.w3.org/2000/svg}"
 # "A held block 0 from seq 2 to 4 (steps 0 to 1), freed: preempted" / "... from seq 3 (step 0), still held at ..."
