@@ -14,9 +14,11 @@ Drawn from a ``PoolTimeline``. Up to ``MAX_BARS`` intervals in view each is
 one bar (in an SVG, an element with id ``interval-J`` and a tooltip naming
 owner, block, seqs, steps and how it ended). Past that the block map is an
 image of ``NUM_CELLS`` time cells per block, each cell the holder of the block
-at the cell's middle, and past ``MAX_OCCUPANCY_POINTS`` events the occupancy
-is drawn per cell as its lowest..highest value: a million events draw in the
-time of a thousand-cell image, and the figure says what it aggregated.
+at the cell's middle, with the preemptions and aborts counted per cell in a
+strip below it; past ``MAX_OCCUPANCY_POINTS`` events the occupancy is drawn per
+cell as its lowest..highest value. A million events draw in the time of a
+thousand-cell image, and the figure's heading says what it aggregated. The
+arrays behind it are ``timeline_view``'s.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from nanoserve.service.timeline_view import TimelineView, cell_extremes, event_x
 MAX_BARS = 10_000  # held intervals in view drawn one bar each; more: an image of cells
 MAX_OCCUPANCY_POINTS = 20_000  # events in view drawn one by one; more: min..max per cell
 NUM_CELLS = 1_200  # time cells of the image and of the binned occupancy (about one per pixel)
+MAX_TITLED_MARKS = 500  # leaks marked one SVG element each (with a tooltip); more: one element for all
 
 ALLOCATED_COLOUR = "#3b6ea5"
 FREE_FILL_COLOUR = "#e4e4e4"
@@ -52,6 +55,7 @@ LEAK_COLOUR = "#e7298a"
 VIOLATION_COLOUR = "#ff7f00"
 CRASH_COLOUR = "#d62728"
 CLOSE_COLOUR = "#555555"
+DAMAGE_COLOUR = "#000000"
 
 _AXIS_LABELS = {
     "seq": "event seq",
@@ -124,7 +128,9 @@ def plot_timeline(
     summary = f"{num_events:,} events: {blocks_note}; occupancy {occupancy_note}"
     if timeline.unknown_kinds:
         summary += "; not drawn: " + ", ".join(f"{n:,} {kind}" for kind, n in sorted(timeline.unknown_kinds.items()))
-    figure.suptitle(_heading(timeline, view) + "\n" + "\n".join(textwrap.wrap(summary, 150)), fontsize="medium")
+    figure.suptitle(
+        _heading(timeline, view, damaged_seq) + "\n" + "\n".join(textwrap.wrap(summary, 150)), fontsize="medium"
+    )
     return Picture(figure, titles, summary)
 
 
@@ -206,12 +212,23 @@ def _draw_marks(
         if len(bars) and per_block:
             ax.scatter(view.x1[bars], view.block[bars], marker=marker, s=18, color=colour, zorder=3, linewidths=0)
             handles.append(_mark_handle(marker, colour, f"{label}: {len(bars):,} blocks"))
-    closed_x = view.x_of_seq(view.timeline.closed_seq) if view.timeline.closed_seq is not None else None
+    closed_seq = view.timeline.closed_seq
+    closed_x = view.x_of_seq(closed_seq) if closed_seq is not None else None
     if closed_x is not None and view.open.any():
         blocks = view.block[view.open]
-        ax.scatter(np.full(len(blocks), closed_x), blocks, marker=">", s=30, color=LEAK_COLOUR, zorder=3)
+        if len(blocks) <= MAX_TITLED_MARKS:  # one element per leak, each with its tooltip
+            for block, owner_id in zip(blocks, view.owner[view.open], strict=True):
+                leak = ax.scatter([closed_x], [block], marker=">", s=30, color=LEAK_COLOUR, zorder=3)
+                leak.set_gid(f"leak-{block}")
+                owner = view.timeline.owners[owner_id]
+                titles[f"leak-{block}"] = (
+                    f"block {block} still held by {owner} at POOL_CLOSE (seq {closed_seq}): leaked"
+                )
+        else:
+            ax.scatter(np.full(len(blocks), closed_x), blocks, marker=">", s=30, color=LEAK_COLOUR, zorder=3)
         handles.append(_mark_handle(">", LEAK_COLOUR, f"leaked: {len(blocks):,} blocks held at POOL_CLOSE"))
-    points = [(view.x_of_seq(v.seq), v) for v in violations if v.block_id is not None]
+    # the other broken rules (a leak is marked above)
+    points = [(view.x_of_seq(v.seq), v) for v in violations if v.block_id is not None and v.rule != "leaked_block"]
     points = [(x, v) for x, v in points if x is not None]
     for k, (x, violation) in enumerate(points):
         marker = ax.scatter([x], [violation.block_id], marker="*", s=90, color=VIOLATION_COLOUR, zorder=4)
@@ -229,7 +246,7 @@ def _draw_end_counts(ax: Any, view: TimelineView, ends: dict[str, np.ndarray]) -
         counts, _ = np.histogram(view.xs[ends[reason]], bins=NUM_CELLS, range=view.x_range)
         share = counts / max(1, int(counts.max()))  # [NUM_CELLS] in 0..1
         rows.append(1.0 - (1.0 - np.asarray(to_rgb(colour)))[None, :] * share[:, None])  # [NUM_CELLS, 3]
-        labels.append(f"{reason}: {len(ends[reason]):,} (≤ {int(counts.max()):,}/cell)")
+        labels.append(f"{reason}: {len(ends[reason]):,} requests, ≤ {int(counts.max()):,} per cell")
     x_lo, x_hi = view.x_range
     ax.imshow(np.stack(rows), aspect="auto", interpolation="nearest", extent=(x_lo, x_hi, len(rows) - 0.5, -0.5))
     ax.set_yticks(range(len(rows)), labels, fontsize="x-small")
@@ -280,10 +297,10 @@ def _draw_edges(axes: Sequence[Any], view: TimelineView, damaged_seq: int | None
     last_seq = timeline.seqs[-1]
     if damaged_seq is not None and view.last == timeline.num_events - 1:
         label = f"log damaged from seq {damaged_seq:,}: the picture stops at seq {last_seq:,}"
-        _vline(axes, float(view.xs[view.last]), VIOLATION_COLOUR, "-", "damage-marker", label, titles)
-        handles.append(Line2D([], [], color=VIOLATION_COLOUR, linewidth=2, label=label))
+        _vline(axes, float(view.xs[view.last]), DAMAGE_COLOUR, "-.", "damage-marker", label, titles)
+        handles.append(Line2D([], [], color=DAMAGE_COLOUR, linestyle="-.", label=label))
     elif timeline.closed_seq is None and view.last == timeline.num_events - 1:
-        label = f"last durable event, seq {last_seq:,}: open epoch (running, or crashed)"
+        label = f"last durable event, seq {last_seq:,}: open epoch (running, or crashed); bars reaching it held then"
         _vline(axes, float(view.xs[view.last]), CRASH_COLOUR, "--", "crash-marker", label, titles)
         handles.append(Line2D([], [], color=CRASH_COLOUR, linestyle="--", label=label))
     if timeline.closed_seq is not None:
@@ -316,9 +333,11 @@ def _label(figure: Figure, block_ax: Any, occupancy_ax: Any, view: TimelineView,
         occupancy_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
 
 
-def _heading(timeline: PoolTimeline, view: TimelineView) -> str:
+def _heading(timeline: PoolTimeline, view: TimelineView, damaged_seq: int | None) -> str:
     first, last = timeline.seqs[view.first], timeline.seqs[view.last]
-    if timeline.closed_seq is not None:
+    if damaged_seq is not None:
+        status = f"log damaged from seq {damaged_seq:,}: drawn up to seq {timeline.seqs[-1]:,}"
+    elif timeline.closed_seq is not None:
         status = f"closed at seq {timeline.closed_seq:,}"
     else:
         status = f"open (running, or crashed) after seq {timeline.seqs[-1]:,}"

@@ -41,7 +41,7 @@ def add_plot(actions: Any, add_source: Any) -> argparse.ArgumentParser:
         description="Draw one epoch as two aligned panels over time: a block map (y = block id, each block's held "
         "intervals coloured by owner; preemptions, aborts, leaks, POOL_CLOSE or the crash point marked) and the "
         "pool's occupancy (allocated and free blocks, running requests). Audits the epoch first: "
-        "exit 0 clean, 1 violations (marked; a damaged log is drawn up to its first bad seq), 2 no picture.",
+        "exit 0 clean, 1 violations (marked; a damaged log is drawn up to the seq before the damage), 2 no picture.",
     )
     add_source(plot, epoch_help="the epoch to draw (default: the newest)")
     plot.add_argument("--from", dest="from_seq", type=int, default=1, metavar="SEQ", help="first seq (default 1)")

@@ -127,14 +127,37 @@ def test_bar_titles_name_steps_and_how_the_holding_ended(url: str, tmp_path: Pat
     ]
 
 
-def test_leaks_are_marked_as_the_audits_violations(url: str, tmp_path: Path) -> None:
+def test_leaks_are_marked_at_pool_close(url: str, tmp_path: Path) -> None:
     write_trace(url)
     out = tmp_path / "plot.svg"
     main(["log", "plot", "--url", url, "-o", str(out)])
-    marks = sorted(text for element_id, (_, text) in titled(out).items() if element_id.startswith("violation-"))
-    assert marks == [str(v) for v in sorted(audit(url).violations, key=str)]
-    assert marks[0] == "seq 8 block 0 owner 'A': leaked_block: block still allocated at POOL_CLOSE"
-    assert titled(out)["close-marker-0"][1] == "POOL_CLOSE, seq 8"
+    shapes = titled(out)
+    leaks = {key: text for key, (_, text) in shapes.items() if key.startswith("leak-")}
+    assert leaks == {
+        "leak-0": "block 0 still held by A at POOL_CLOSE (seq 8): leaked",
+        "leak-1": "block 1 still held by A at POOL_CLOSE (seq 8): leaked",
+        "leak-2": "block 2 still held by B at POOL_CLOSE (seq 8): leaked",
+    }
+    assert {(v.block_id, v.owner) for v in audit(url).violations} == {(0, "A"), (1, "A"), (2, "B")}
+    assert not any(key.startswith("violation-") for key in shapes)  # the leaks are not marked twice
+    assert shapes["close-marker-0"][1] == "POOL_CLOSE, seq 8"
+
+
+def test_broken_allocator_rules_are_marked_where_they_happened(url: str, tmp_path: Path) -> None:
+    log = EventLog.open(url, pool_id="p", num_blocks=4, block_size=4)
+    log.record("allocate_for", (0, 1), "A", None)  # seq 2
+    log.record("free", (1,), "B", "finished")  # seq 3: B frees A's block
+    log.record("free", (1,), "A", "finished")  # seq 4: a double free
+    log.record("free", (0,), "A", "finished")  # seq 5
+    log.close()
+    out = tmp_path / "rules.svg"
+    assert main(["log", "plot", "--url", url, "-o", str(out)]) == 1
+    marks = sorted(text for key, (_, text) in titled(out).items() if key.startswith("violation-"))
+    assert marks == [
+        "seq 3 block 1 owner 'B': owner_mismatch: block is held by 'A'",
+        "seq 4 block 1 owner 'A': free_of_free_block: block is not allocated",
+    ]
+    assert bars(out) == {("A", 0, 2, 5), ("A", 1, 2, 3)}
 
 
 def test_open_epoch_draws_the_crash_marker_at_the_last_durable_seq(url: str, tmp_path: Path) -> None:
@@ -143,7 +166,7 @@ def test_open_epoch_draws_the_crash_marker_at_the_last_durable_seq(url: str, tmp
     assert main(["log", "plot", "--url", url, "-o", str(out)]) == 0
     shapes = titled(out)
     crash, text = shapes["crash-marker-0"]
-    assert text == "last durable event, seq 7: open epoch (running, or crashed)"
+    assert text == "last durable event, seq 7: open epoch (running, or crashed); bars reaching it held then"
     [crash_x] = set(path_xs(crash))
     held_at_crash = [e for i, (e, t) in shapes.items() if i.startswith("interval-") and "still held" in t]
     assert len(held_at_crash) == 3  # A's two blocks and B's, drawn up to the crash
@@ -230,7 +253,7 @@ def test_a_million_event_epoch_is_drawn_as_cells(url: str, tmp_path: Path, monke
     # block map, preemption and abort counts per cell, occupancy and its right axis
     assert len(picture.figure.axes) == 4
     labels = [label.get_text() for label in picture.figure.axes[1].get_yticklabels()]
-    assert labels == ["preempted: 1 (≤ 1/cell)", "aborted: 1 (≤ 1/cell)"]
+    assert labels == ["preempted: 1 requests, ≤ 1 per cell", "aborted: 1 requests, ≤ 1 per cell"]
     by_step = pool_plot.plot_timeline(read_timeline(url), x="step")
     assert "one cell spans 0.875 steps, about 2 events" in by_step.summary
 
