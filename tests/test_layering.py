@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # package folder -> top-level import names it must never use
 FORBIDDEN = {
-    "allocator": ("torch", "nanoserve.engine", "nanoserve.service", "nanoserve.v1", "grpc"),
+    "allocator": ("torch", "nanoserve.engine", "nanoserve.service", "nanoserve.v1", "grpc", "matplotlib"),
     "engine": ("nanoserve.service", "nanoserve.v1", "grpc", "google.protobuf"),
 }
 
