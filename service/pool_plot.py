@@ -330,7 +330,7 @@ def _label(figure: Figure, block_ax: Any, occupancy_ax: Any, view: TimelineView,
     block_ax.set_facecolor(FREE_COLOUR)
     occupancy_ax.set_xlabel(_AXIS_LABELS[x])
     if x != "time":
-        occupancy_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+        occupancy_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.10g}"))
 
 
 def _heading(timeline: PoolTimeline, view: TimelineView, damaged_seq: int | None) -> str:
