@@ -22,6 +22,7 @@ import sqlite3
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 _digest = operator.methodcaller("digest")
 # columns of a (seq, record, hash) row, taken out of a whole chunk at C speed
@@ -63,7 +64,7 @@ def verify_rows(cursor: sqlite3.Cursor, previous_hash: bytes, from_seq: int) -> 
     return ChainResult(True, num_rows, previous if num_rows else None)
 
 
-def start(database: str, sql: str, params: list, previous_hash: bytes, from_seq: int) -> subprocess.Popen:
+def start(database: str, sql: str, params: list[Any], previous_hash: bytes, from_seq: int) -> subprocess.Popen[str]:
     """Launch the verifier on an SQLite file; ``sql`` selects (seq, record as BLOB, hash) in seq order."""
     request = {
         "database": database,
@@ -81,7 +82,7 @@ def start(database: str, sql: str, params: list, previous_hash: bytes, from_seq:
     )
 
 
-def result(proc: subprocess.Popen) -> ChainResult | None:
+def result(proc: subprocess.Popen[str]) -> ChainResult | None:
     """The verdict of a started verifier; None when it failed (the caller then checks in-process)."""
     out, _ = proc.communicate()
     if proc.returncode != 0:

@@ -50,7 +50,9 @@ def insert_rows(conn: sa.Connection, rows: list[Row]) -> None:
     PostgreSQL gets COPY, SQLite one executemany of a prepared INSERT: SQLAlchemy's
     per-row parameter processing cost more than the database's own work here.
     """
-    cursor = conn.connection.driver_connection.cursor()
+    driver = conn.connection.driver_connection
+    assert driver is not None, "a connection inside a transaction has its driver connection"
+    cursor = driver.cursor()
     columns = ", ".join(ROW_COLUMNS)
     try:
         if conn.dialect.name == "postgresql":

@@ -168,9 +168,7 @@ class EventLog:
         assert allocator.num_allocated == 0, "attach the log before the first allocation"
         self._allocator = allocator
 
-    def record(
-        self, kind: str, block_ids: tuple[int, ...], owner: str | None, reason: str | None, last: bool = True
-    ) -> None:
+    def record(self, kind: str, block_ids: tuple[int, ...], owner: str, reason: str | None, last: bool = True) -> None:
         """Append one event (allocator thread).
 
         Outside a step the call's events form one batch, sealed at its ``last``

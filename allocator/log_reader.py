@@ -9,7 +9,7 @@ pool or epoch raises ``LogNotFoundError`` (a ``ValueError``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +58,10 @@ class EpochInfo:
 def connect(url: str) -> Iterator[sa.Connection]:
     """A read connection to an existing log; LogNotFoundError when there is none."""
     parsed = sa.engine.make_url(url)
-    is_sqlite_file = parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:")
-    if is_sqlite_file and not Path(parsed.database).is_file():
-        raise LogNotFoundError(f"no event log at {url!r}: file {parsed.database!r} does not exist")
+    database = parsed.database or ""
+    is_sqlite_file = parsed.get_backend_name() == "sqlite" and database not in ("", ":memory:")
+    if is_sqlite_file and not Path(database).is_file():
+        raise LogNotFoundError(f"no event log at {url!r}: file {database!r} does not exist")
     engine = create_log_engine(url)
     try:
         with engine.connect() as conn:
@@ -119,7 +120,7 @@ def event_rows(
     kind: str | None = None,
     columns: tuple[sa.ColumnElement[Any], ...] = EVENT_COLUMNS,
     num_rows_per_chunk: int = 10_000,
-) -> Iterator[list[tuple]]:
+) -> Generator[list[tuple[Any, ...]], None, None]:
     """Stored rows (``columns``, EVENT_COLUMNS by default) of one epoch in seq order, in chunks.
 
     ``owner`` and ``kind`` filter on the indexed-for-display columns (replay
@@ -136,6 +137,7 @@ def event_rows(
         query = query.where(allocator_events.c.kind == kind)
     sql, params = compile_for_driver(conn, query)
     driver = conn.connection.driver_connection
+    assert driver is not None, "an open connection has its driver connection"
     if conn.dialect.name == "postgresql":
         cursor = driver.cursor(name=f"nanoserve_replay_{uuid.uuid4().hex[:12]}")
     else:
@@ -150,7 +152,7 @@ def event_rows(
 
 def rows_query(
     pool_id: str, epoch: int, from_seq: int, until_seq: int | None, columns: tuple[sa.ColumnElement[Any], ...]
-) -> sa.Select:
+) -> sa.Select[Any]:
     """SELECT ``columns`` of one epoch's rows with ``from_seq <= seq <= until_seq``, in seq order."""
     query = (
         sa.select(*columns)
@@ -166,7 +168,7 @@ def rows_query(
     return query
 
 
-def compile_for_driver(conn: sa.Connection, query: sa.Select) -> tuple[str, Any]:
+def compile_for_driver(conn: sa.Connection, query: sa.Select[Any]) -> tuple[str, Any]:
     """``query`` as the DBAPI driver takes it: SQL text and its parameters."""
     compiled = query.compile(dialect=conn.dialect)
     params: Any = compiled.construct_params()
@@ -209,7 +211,7 @@ def stored_hash(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> byte
     return None if value is None else bytes(value)
 
 
-def to_event(pool_id: str, epoch: int, row: tuple) -> Event:
+def to_event(pool_id: str, epoch: int, row: tuple[Any, ...]) -> Event:
     """An ``Event`` from one EVENT_COLUMNS row. ValueError when its record is malformed."""
     seq, _kind, _owner, record, hash_ = row
     return parse_event(pool_id, epoch, seq, record, hash_)

@@ -203,7 +203,11 @@ class LogWriter:
             for seq, kind, block_ids, owner, step, reason, wall_ns, mono_ns, data in batch:
                 assert seq == expected_seq, f"seq {seq} sealed where {expected_seq} was due"
                 expected_seq += 1
-                tail = _encode_data(data) if kind in DATA_KINDS else owner
+                if kind in DATA_KINDS:
+                    tail = _encode_data(data)
+                else:
+                    assert owner is not None, f"seq {seq}: a {kind} event has no owner"
+                    tail = owner
                 record = encode_record(
                     seq, batch_seq, kind, ",".join(map(str, block_ids)), step, reason, wall_ns, mono_ns, tail
                 )

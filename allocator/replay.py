@@ -84,12 +84,17 @@ def replay_epoch(
     beside a live writer.
     """
     replayer = start()
-    database = conn.engine.url.database
-    if conn.dialect.name == "sqlite" and database not in (None, "", ":memory:"):
+    database = conn.engine.url.database or ""
+    if conn.dialect.name == "sqlite" and database not in ("", ":memory:"):
         last_seq = last_stored_seq(conn, info.pool_id, info.epoch, until_seq)
         num_rows = 0 if last_seq is None else last_seq - replayer.expected_seq + 1
-        if num_rows >= NUM_EVENTS_FOR_VERIFIER and _has_idle_core() and replayer.invariant_holds():
-            if _replay_verified(conn, database, info, replayer, last_seq):  # type: ignore[arg-type]
+        if (
+            last_seq is not None
+            and num_rows >= NUM_EVENTS_FOR_VERIFIER
+            and _has_idle_core()
+            and replayer.invariant_holds()
+        ):
+            if _replay_verified(conn, database, info, replayer, last_seq):
                 return replayer
             replayer = start()
             until_seq = last_seq
@@ -135,7 +140,9 @@ def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replay
     verdict = chain_verifier.result(verifier)
     if not in_line or verdict is None or not verdict.intact or verdict.num_rows != replayer.expected_seq - from_seq:
         return False
-    replayer.previous_hash = verdict.last_hash  # type: ignore[assignment]
+    if verdict.last_hash is None:  # no row verified: the rows vanished meanwhile; replay them the careful way
+        return False
+    replayer.previous_hash = verdict.last_hash
     return True
 
 

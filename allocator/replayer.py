@@ -14,6 +14,7 @@ import hashlib
 import json
 import operator
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from nanoserve.allocator.event_chain import DATA_KINDS, genesis_hash
 from nanoserve.allocator.events import EventKind
@@ -67,7 +68,7 @@ class Replayer:
         self._start_snapshot_seq = start_seq if start_seq > 1 else None
         self.num_events = 0
 
-    def apply_chunks(self, chunks: Iterable[Sequence[tuple]]) -> None:
+    def apply_chunks(self, chunks: Iterable[Sequence[tuple[Any, ...]]]) -> None:
         """Check and apply chunks of rows (EVENT_COLUMNS tuples) in seq order.
 
         A chunk whose seqs run on from the last one and whose hashes all
@@ -84,7 +85,7 @@ class Replayer:
             else:
                 self.apply_rows(chunk, verified=True)
 
-    def _chunk_is_intact(self, chunk: Sequence[tuple]) -> bool:
+    def _chunk_is_intact(self, chunk: Sequence[tuple[Any, ...]]) -> bool:
         if not chunk:
             return True
         first = self.expected_seq
@@ -96,7 +97,7 @@ class Replayer:
         records = map(str.encode, map(_record_of, chunk))
         return list(map(_digest, map(hashlib.sha256, map(operator.add, previous, records)))) == hashes
 
-    def apply_rows(self, rows: Sequence[tuple], verified: bool = False) -> None:
+    def apply_rows(self, rows: Sequence[tuple[Any, ...]], verified: bool = False) -> None:
         """Check and apply rows in seq order; ``verified`` skips the seq and hash checks already done."""
         previous = self.previous_hash
         expected = self.expected_seq
@@ -159,10 +160,11 @@ class Replayer:
                 except ValueError:
                     violate(seq, "bad_record", f"block_ids {block_text!r} is not a list of block ids", owner=owner)
                     continue
+                # a block event's tail is its owner (``owner`` is None only for data kinds)
                 if kind in _ALLOCATE_KINDS:
-                    self._allocate(seq, block_ids, owner)
+                    self._allocate(seq, block_ids, tail)
                 else:
-                    self._free(seq, block_ids, owner)
+                    self._free(seq, block_ids, tail)
             elif kind == _SNAPSHOT:
                 self._snapshot(seq, tail)
             elif kind == _INIT:
@@ -178,7 +180,7 @@ class Replayer:
         self.num_events += len(rows)
         self.batch_end = batch_end
 
-    def apply_intact_rows(self, rows: Sequence[tuple]) -> bool:
+    def apply_intact_rows(self, rows: Sequence[tuple[Any, ...]]) -> bool:
         """Apply rows (EVENT_COLUMNS; the hash unused) whose hash chain is verified already.
 
         Makes every check of ``apply_rows(rows, verified=True)`` (columns,
@@ -253,9 +255,9 @@ class Replayer:
                 elif free[-len(block_ids) :] == block_ids[::-1]:  # the allocator pops from the top
                     del free[-len(block_ids) :]
                     for block_id in block_ids:
-                        owners[block_id] = owner
+                        owners[block_id] = tail  # a block event's tail is its owner
                 else:
-                    self._allocate(seq, block_ids, owner)
+                    self._allocate(seq, block_ids, tail)
             elif code == _SNAPSHOT_CODE:
                 self._snapshot(seq, tail)
             elif code == _INIT_CODE:
@@ -318,7 +320,7 @@ class Replayer:
         self.free = free
         self.owners = owners
 
-    def _allocate(self, seq: int, block_ids: list[int], owner: str | None) -> None:
+    def _allocate(self, seq: int, block_ids: list[int], owner: str) -> None:
         free, owners = self.free, self.owners
         for block_id in block_ids:
             holder = owners.get(block_id)
@@ -331,9 +333,9 @@ class Replayer:
                     free.pop()
                 else:
                     free.remove(block_id)
-                owners[block_id] = owner  # type: ignore[assignment]
+                owners[block_id] = owner
 
-    def _free(self, seq: int, block_ids: list[int], owner: str | None) -> None:
+    def _free(self, seq: int, block_ids: list[int], owner: str) -> None:
         free, owners = self.free, self.owners
         for block_id in block_ids:
             holder = owners.pop(block_id, None)

@@ -78,5 +78,6 @@ class AllocatorEvent(Base):
     hash: Mapped[bytes] = mapped_column(LargeBinary(32))
 
 
-pool_epochs = PoolEpoch.__table__
-allocator_events = AllocatorEvent.__table__
+# The Table objects: ``__table__`` is typed as a FromClause, which has no ``name`` and takes no INSERT.
+pool_epochs = Base.metadata.tables[PoolEpoch.__tablename__]
+allocator_events = Base.metadata.tables[AllocatorEvent.__tablename__]

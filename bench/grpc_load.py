@@ -83,7 +83,7 @@ def _run_offline(llm: LLM, workload: list[WorkloadRequest]) -> Run:
     return Run(elapsed_s, sum(len(o.token_ids) for o in outputs), ttft_s, tpot_s)
 
 
-async def _stream(stub: generation_pb2_grpc.GenerationStub, request: WorkloadRequest, run: Run) -> None:
+async def _stream(stub: generation_pb2_grpc.GenerationServiceStub, request: WorkloadRequest, run: Run) -> None:
     message = pb.GenerateRequest(
         prompt_token_ids=pb.TokenIds(ids=request.prompt_token_ids),
         sampling=pb.SamplingParameters(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
@@ -107,7 +107,7 @@ async def run_grpc(address: str, workload: list[WorkloadRequest], concurrency: i
     run = Run(0.0, 0, [], [])
     pending = list(reversed(workload))
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
 
         async def client() -> None:
             while pending:

@@ -12,13 +12,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nanoserve.engine.async_llm_engine import AsyncLLMEngine
+    from nanoserve.engine.async_llm_engine import AsyncLLMEngine, RequestStream
     from nanoserve.engine.config import EngineConfig
     from nanoserve.engine.llm import LLM
-    from nanoserve.engine.llm_engine import LLMEngine, PoolStatus
-    from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.engine.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
     from nanoserve.engine.prompts import ChatPrompt, TokensPrompt
     from nanoserve.engine.sampling_params import SamplingParams
+    from nanoserve.engine.status import ModelInfo, PoolStatus
 
 _EXPORTS = {
     "AsyncLLMEngine": "async_llm_engine",
@@ -27,7 +28,10 @@ _EXPORTS = {
     "EngineConfig": "config",
     "LLM": "llm",
     "LLMEngine": "llm_engine",
-    "PoolStatus": "llm_engine",
+    "PoolStatus": "status",
+    "ModelInfo": "status",
+    "AbortCause": "outputs",
+    "RequestStream": "async_llm_engine",
     "RequestMetrics": "outputs",
     "RequestOutput": "outputs",
     "SamplingParams": "sampling_params",
@@ -42,6 +46,9 @@ __all__ = [  # the names of _EXPORTS, spelled out so that linters and type check
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "ModelInfo",
+    "AbortCause",
+    "RequestStream",
     "PoolStatus",
     "RequestMetrics",
     "RequestOutput",

@@ -1,10 +1,24 @@
 """AsyncLLMEngine: LLMEngine on its own thread, streams for asyncio callers.
 
-The engine thread owns the LLMEngine (scheduler, allocator, model runner);
-nothing else touches them. Work crosses threads in two places only:
+The engine thread owns the LLMEngine (scheduler, allocator, model runner, the
+registry of live requests); nothing else touches them. Work crosses threads
+in three places only:
 
+    asyncio loop ──tokenizer thread──▶ processed Request (tokenized, validated)
     asyncio loop ──inbox (SimpleQueue) + wake-up Event──▶ engine thread
     asyncio loop ◀──loop.call_soon_threadsafe(outputs)─── engine thread
+
+Ownership: the engine thread alone decides whether a request is admitted (a
+duplicate live id, a full queue) and how every request ends. The event loop
+holds one ``RequestStream`` per call, keyed by the request's serial (unique for
+the engine's life), never by its id alone: a request id reused right after a
+cancel belongs to a new stream, and nothing of the old request reaches it.
+
+Every request that was handed over ends with exactly one final output,
+carrying its cause when it was aborted (``AbortCause``): finished, stopped,
+aborted by an Abort call, cancelled, past its deadline, shut down, or the
+engine failed. ``RequestStream.finished`` resolves with it whether or not
+anyone still reads the stream, so a server records each request once.
 
 The engine thread sleeps on the Event while idle (no polling) and, while
 requests run, drains the inbox before every step, so an abort frees its
@@ -14,11 +28,14 @@ blocks before the next forward pass.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
+import dataclasses
 import enum
+import functools
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,13 +43,15 @@ import structlog
 
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError, RequestNotFoundError
-from nanoserve.engine.llm_engine import LLMEngine, PoolStatus
-from nanoserve.engine.outputs import RequestOutput
-from nanoserve.engine.prompts import Prompt
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.prompts import ChatPrompt, Prompt
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.status import ModelInfo, PoolStatus
 
 if TYPE_CHECKING:
+    from nanoserve.allocator.event_log import EventLog
     from nanoserve.engine.tokenizer import Tokenizer
 
 _log = structlog.get_logger(__name__)
@@ -53,18 +72,114 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
-    reason: str
+    cause: AbortCause
+    serial: int | None  # None: whichever live request has the id (the Abort RPC)
+    reply: asyncio.Future[None] | None  # resolved with the verdict (the Abort RPC waits for it)
 
 
 class _Stop:
     pass
 
 
+class RequestStream:
+    """One request's side of the handover, on the event loop.
+
+    Iterate it for the request's outputs; the last one is finished. A request
+    the engine refuses (invalid, duplicate live id, full queue, engine down)
+    raises its error from the iteration before any output. ``finished``
+    resolves exactly once: with the final output of a request that was handed
+    to the engine (or aborted before it could be), or with the refusal's
+    error. ``abort(cause)`` is safe at any time and more than once; only the
+    first cause counts.
+    """
+
+    def __init__(self, request_id: str, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.finished: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        self.request: Request | None = None  # set once processed; the engine thread owns it after submission
+        self.submitted = False
+        self.abort_cause: AbortCause | None = None  # asked for by the caller; the engine decides what happened
+        self._outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._last_output: RequestOutput | None = None
+        self._engine: AsyncLLMEngine | None = None
+
+    def abort(self, cause: AbortCause) -> None:
+        """Ends the request with ``cause`` unless it has ended already."""
+        if self.finished.done() or self.abort_cause is not None:
+            return
+        self.abort_cause = cause
+        if self.submitted and self._engine is not None and self.request is not None:
+            self._engine._submit(_Abort(self.request_id, cause, self.request.serial, None))
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await self._outputs.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    # ---- event-loop side, called by AsyncLLMEngine --------------------------
+
+    def _deliver(self, output: RequestOutput) -> None:
+        self._last_output = output
+        self._outputs.put_nowait(output)
+        if output.finished and not self.finished.done():
+            self.finished.set_result(output)
+
+    def _refuse(self, error: BaseException) -> None:
+        """The request never ran: the caller gets ``error``, nothing is recorded as finished."""
+        self._outputs.put_nowait(error)
+        if not self.finished.done():
+            self.finished.set_exception(error)
+            self.finished.exception()  # retrieved: a refusal is reported through the iteration
+
+    def _end_without_engine(self, cause: AbortCause, error: BaseException | None = None) -> None:
+        """Ends a request the engine thread cannot end (aborted before submission, or the
+        engine failed): its final output is made here from what the stream has seen."""
+        now = time.monotonic()
+        last = self._last_output
+        request = self.request
+        completion = CompletionOutput(
+            index=0,
+            text=last.text if last is not None else "",
+            token_ids=list(last.token_ids) if last is not None else [],
+            finish_reason="abort",
+            logprobs=last.outputs[0].logprobs if last is not None else None,
+        )
+        metrics = dataclasses.replace(last.metrics) if last is not None and last.metrics is not None else None
+        if metrics is None:
+            metrics = RequestMetrics(arrival_time=request.metrics.arrival_time if request else self.arrival_time)
+        metrics.finished_time = now
+        final = RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=request.prompt_token_ids if request is not None else [],
+            outputs=[completion],
+            finished=True,
+            metrics=metrics,
+            prompt=request.prompt if request is not None else None,
+            serial=request.serial if request is not None else 0,
+            abort_cause=cause,
+        )
+        self._last_output = final
+        if not self.finished.done():
+            self.finished.set_result(final)
+        self._outputs.put_nowait(error if error is not None else final)
+
+
 class AsyncLLMEngine:
     """Streams per-request outputs to asyncio code while the engine steps on a thread.
 
-    Invariant: ``_streams`` (touched on the event loop only) holds exactly the
-    requests whose caller still waits for a final output.
+    The narrow face the service uses: ``add_request`` / ``generate`` /
+    ``abort`` / ``tokenize``, ``model_info``, ``pool_status()``,
+    ``event_log`` and ``health``. Invariant (event loop only): ``_streams``
+    holds exactly the streams handed to the engine thread whose final output
+    has not arrived, keyed by serial; ``_open`` every stream not yet finished.
     """
 
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
@@ -72,10 +187,13 @@ class AsyncLLMEngine:
         self._engine = engine
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}  # request_id -> its outputs
-        self._all_done: asyncio.Event | None = None  # set while _streams is empty
+        self._streams: dict[int, RequestStream] = {}  # serial -> stream handed to the engine thread
+        self._open: set[RequestStream] = set()  # every stream not yet finished
+        self._all_done: asyncio.Event | None = None  # set while no stream is open
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # tokenization and chat templating run here, one at a time, never on the event loop
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenize")
         self._state = _State.NEW
         self._error: BaseException | None = None
         self._pool_status: PoolStatus | None = None  # published by the engine thread after each step
@@ -106,97 +224,122 @@ class AsyncLLMEngine:
         return self._error is not None
 
     @property
-    def engine(self) -> LLMEngine:
+    def _core(self) -> LLMEngine:
         if self._engine is None:
             raise EngineDeadError("engine not started")
         return self._engine
 
     @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+    def model_info(self) -> ModelInfo:
+        """The loaded model and its limits (fixed after start)."""
+        return self._core.model_info
 
     @property
-    def model_name(self) -> str:
-        return self.engine.model_name
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, for in-process callers (the service tokenizes through ``tokenize``)."""
+        return self._core.tokenizer
+
+    @property
+    def event_log(self) -> EventLog | None:
+        """The allocator's event log, or None when the engine keeps none."""
+        return self._core.event_log
+
+    @property
+    def event_log_healthy(self) -> bool:
+        """The log can record (True when there is no log)."""
+        log = self._core.event_log
+        return log is None or bool(log.healthy)
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Stops accepting requests, lets running ones finish for up to ``grace_s``
-        seconds, aborts the rest, stops the thread and closes the event log."""
+        seconds, aborts the rest (cause shutdown), stops the thread and closes the
+        event log."""
         if self._state in (_State.NEW, _State.STOPPED):
             self._state = _State.STOPPED
+            self._tokenizer_pool.shutdown(wait=False)
             return
         self._state = _State.DRAINING
         assert self._all_done is not None
         try:
             await asyncio.wait_for(self._all_done.wait(), timeout=grace_s)
         except asyncio.TimeoutError:
-            for request_id in list(self._streams):
-                self._submit(_Abort(request_id, "shutdown"))
+            for stream in list(self._open):
+                stream.abort(AbortCause.SHUTDOWN)
         self._submit(_Stop())
         assert self._thread is not None
         await asyncio.to_thread(self._thread.join)
+        self._tokenizer_pool.shutdown(wait=False)
         self._state = _State.STOPPED
 
     # ---- requests ----------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> RequestStream:
+        """Starts a request and returns its stream at once (event loop only).
+
+        The prompt is tokenized and validated on the tokenizer thread, then
+        handed to the engine thread, which admits it or refuses it; refusals
+        (InvalidRequestError, DuplicateRequestError, QueueFullError,
+        EngineDeadError) come out of the stream's iteration and its
+        ``finished``. Raises EngineDeadError at once when the engine does not
+        accept requests.
+        """
+        self._check_accepting()
+        assert self._all_done is not None
+        stream = RequestStream(request_id, time.monotonic())
+        stream._engine = self
+        self._open.add(stream)
+        self._all_done.clear()
+        stream.finished.add_done_callback(lambda _: self._close(stream))
+        asyncio.get_running_loop().create_task(self._hand_over(stream, prompt, sampling_params))
+        return stream
 
     async def generate(
         self,
         prompt: Prompt,
         sampling_params: SamplingParams | None,
         request_id: str,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yields this request's outputs as they are produced; the last one is finished.
 
-        Validation errors (InvalidRequestError, DuplicateRequestError,
-        QueueFullError, EngineDeadError) are raised before the first item. If
-        the caller stops iterating early or is cancelled, the request is
-        aborted and its blocks freed before the engine's next step.
+        Errors are raised before the first item. If the caller stops iterating
+        early or is cancelled, the request is aborted (cause cancelled) and its
+        blocks freed before the engine's next step.
         """
-        self._check_accepting()
-        request = self.engine.process_request(request_id, prompt, sampling_params)
-        if request_id in self._streams:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already live")
-        self._check_queue_room()
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
-        assert self._all_done is not None
-        self._all_done.clear()
-        if self._error is not None:  # the loop died before it could fail this stream
-            self._streams.pop(request_id)
-            self._mark_if_all_done()
-            raise EngineDeadError(f"engine loop failed: {self._error!r}")
-        self._submit(_Add(request))
-        finished = False
+        stream = self.add_request(request_id, prompt, sampling_params)
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine has dropped the request already
-                    raise item
-                if item.finished:
-                    finished = True
-                yield item
-                if finished:
-                    return
+            async for output in stream:
+                yield output
         finally:
-            if not finished and self._streams.pop(request_id, None) is not None:
-                self._submit(_Abort(request_id, "cancelled"))
-                self._mark_if_all_done()
+            stream.abort(AbortCause.CANCELLED)
 
     async def abort(self, request_id: str) -> None:
-        """Aborts a live request; its stream ends with finish_reason "abort".
+        """Aborts the live request with this id (cause abort_rpc); its stream ends with
+        finish_reason "abort". Raises RequestNotFoundError when no live request has it."""
+        reply: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._submit(_Abort(request_id, AbortCause.ABORT_RPC, None, reply))
+        await reply
 
-        Raises RequestNotFoundError when no live request has this id.
-        """
-        if request_id not in self._streams:
-            raise RequestNotFoundError(request_id)
-        self._submit(_Abort(request_id, "aborted"))
+    async def tokenize(self, prompt: str | ChatPrompt) -> list[int]:
+        """Token ids of a text, or of chat messages rendered with the chat template, computed on
+        the tokenizer thread. Raises InvalidRequestError (field ``text`` or ``messages``): an
+        unknown role, a model without a chat template, a text too long to be any prompt by its
+        length alone (the work stays bounded; a text that tokenizes longer is counted)."""
+        tokenize = functools.partial(self._core.input_processor.tokenize, prompt, text_field="text", as_prompt=False)
+        _, token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tokenize)
+        return token_ids
 
     def pool_status(self) -> PoolStatus:
-        """The pool as of the engine thread's last step."""
-        if self._pool_status is None:
+        """The pool and queues as of the engine thread's last step (they change only in a step),
+        with the log's progress read from the log now."""
+        status = self._pool_status
+        if status is None:
             raise EngineDeadError("engine not started")
-        return self._pool_status
+        log = self._core.event_log
+        if log is None:
+            return status
+        return dataclasses.replace(status, last_seq=log.last_seq, durable_seq=log.durable_seq)
 
     def _check_accepting(self) -> None:
         if self._error is not None:
@@ -206,13 +349,38 @@ class AsyncLLMEngine:
         if self._state is not _State.RUNNING:
             raise EngineDeadError(f"engine is {self._state.value}; not accepting requests")
 
-    def _check_queue_room(self) -> None:
-        limit = self.config.scheduler.max_num_waiting
-        status = self._pool_status
-        num_running = status.num_running if status is not None else 0
-        num_waiting = len(self._streams) - num_running  # requests handed over but not admitted
-        if num_waiting >= limit:
-            raise QueueFullError(f"{num_waiting} requests are waiting (max_num_waiting {limit})")
+    async def _hand_over(self, stream: RequestStream, prompt: Prompt, params: SamplingParams | None) -> None:
+        """Tokenizes on the tokenizer thread, then hands the request to the engine thread."""
+        loop = asyncio.get_running_loop()
+        try:
+            stream.request = await loop.run_in_executor(
+                self._tokenizer_pool,
+                self._core.process_request,
+                stream.request_id,
+                prompt,
+                params,
+                stream.arrival_time,
+            )
+            self._check_accepting()
+        except Exception as exc:
+            if stream.abort_cause is not None:  # the caller left first: its ending, not the refusal
+                stream._end_without_engine(stream.abort_cause)
+            else:
+                stream._refuse(exc)
+            return
+        if stream.abort_cause is not None:  # aborted while tokenizing: the engine never sees it
+            stream._end_without_engine(stream.abort_cause)
+            return
+        self._streams[stream.request.serial] = stream
+        stream.submitted = True
+        self._submit(_Add(stream.request))
+
+    def _close(self, stream: RequestStream) -> None:
+        self._open.discard(stream)
+        if stream.request is not None:
+            self._streams.pop(stream.request.serial, None)
+        if not self._open and self._all_done is not None:
+            self._all_done.set()
 
     def _submit(self, message: _Add | _Abort | _Stop) -> None:
         self._inbox.put(message)
@@ -220,40 +388,34 @@ class AsyncLLMEngine:
 
     # ---- event-loop side of the handover ------------------------------------
 
-    def _dispatch(self, outputs: list[RequestOutput], failures: list[tuple[str, BaseException]]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], failures: list[tuple[int, BaseException]]) -> None:
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # the caller went away; the engine has aborted it
-            stream.put_nowait(output)
-            if output.finished:
-                del self._streams[output.request_id]
-        for request_id, error in failures:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put_nowait(error)
-        self._mark_if_all_done()
+            stream = self._streams.get(output.serial)
+            assert stream is not None, f"output of request {output.request_id!r} #{output.serial} has no stream"
+            stream._deliver(output)
+        for serial, error in failures:
+            stream = self._streams.get(serial)
+            assert stream is not None, f"refusal of request #{serial} has no stream"
+            if stream.abort_cause is not None:
+                stream._end_without_engine(stream.abort_cause)
+            else:
+                stream._refuse(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(error)
-        self._streams.clear()
-        self._mark_if_all_done()
-
-    def _mark_if_all_done(self) -> None:
-        if not self._streams and self._all_done is not None:
-            self._all_done.set()
+        """The engine thread died: every request it held ends here, cause engine_error."""
+        for stream in list(self._streams.values()):
+            stream._end_without_engine(AbortCause.ENGINE_ERROR, error)
 
     # ---- engine thread -----------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._core
         loop = self._loop
         assert loop is not None
         try:
             while True:
                 self._wakeup.clear()
-                failures: list[tuple[str, BaseException]] = []
+                failures: list[tuple[int, BaseException]] = []
                 if self._drain_inbox(engine, failures):
                     break
                 if engine.has_unfinished_requests() or engine.has_pending_outputs:
@@ -281,8 +443,10 @@ class AsyncLLMEngine:
         finally:
             self._pool_status = engine.pool_status()
 
-    def _drain_inbox(self, engine: LLMEngine, failures: list[tuple[str, BaseException]]) -> bool:
-        """Applies queued adds and aborts; True when asked to stop."""
+    def _drain_inbox(self, engine: LLMEngine, failures: list[tuple[int, BaseException]]) -> bool:
+        """Applies queued adds and aborts, in the order they were sent; True when asked to stop."""
+        loop = self._loop
+        assert loop is not None
         while True:
             try:
                 message = self._inbox.get_nowait()
@@ -294,7 +458,21 @@ class AsyncLLMEngine:
                 try:
                     engine.add_processed(message.request)
                 except (DuplicateRequestError, QueueFullError) as exc:
-                    failures.append((message.request.request_id, exc))
+                    failures.append((message.request.serial, exc))
             elif isinstance(message, _Abort):
-                with contextlib.suppress(RequestNotFoundError):  # finished in the meantime
-                    engine.abort(message.request_id, message.reason)
+                try:
+                    engine.abort(message.request_id, message.cause, message.serial)
+                    verdict: BaseException | None = None
+                except RequestNotFoundError as exc:  # ended in the meantime, or never live
+                    verdict = exc
+                if message.reply is not None:
+                    loop.call_soon_threadsafe(_resolve, message.reply, verdict)
+
+
+def _resolve(reply: asyncio.Future[None], error: BaseException | None) -> None:
+    if reply.done():
+        return
+    if error is None:
+        reply.set_result(None)
+    else:
+        reply.set_exception(error)

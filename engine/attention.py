@@ -26,20 +26,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.engine.forward_batch import ForwardBatch
 
+# the per-step metadata type of one backend: what its prepare makes and its forward reads
+MetadataT = TypeVar("MetadataT")
 
-class AttentionBackend(Protocol):
+
+class AttentionBackend(Protocol[MetadataT]):
     """What the model needs from an attention implementation."""
 
     name: str
 
-    def prepare(self, batch: ForwardBatch, block_size: int) -> object:
+    def prepare(self, batch: ForwardBatch, block_size: int) -> MetadataT:
         """Per-step metadata shared by every layer."""
         ...
 
@@ -50,7 +53,7 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        metadata: object,
+        metadata: MetadataT,
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
         caches: [num_blocks, block_size, num_kv_heads, head_dim]. Writes k, v into the
@@ -165,7 +168,7 @@ class TorchAttentionBackend:
                 continue
             context_len = batch.context_lens[i]
             start = context_len - query_len
-            num_blocks = -(-context_len // block_size)
+            num_context_blocks = -(-context_len // block_size)
             mask = None
             if start > 0:
                 query_positions = torch.arange(start, context_len, device=device)
@@ -175,7 +178,7 @@ class TorchAttentionBackend:
                     token_start=token_starts[i],
                     token_end=token_starts[i] + query_len,
                     context_len=context_len,
-                    block_ids=batch.block_tables[i, :num_blocks].long(),
+                    block_ids=batch.block_tables[i, :num_context_blocks].long(),
                     mask=mask,
                 )
             )
@@ -264,7 +267,7 @@ def _flash_attn_version() -> tuple[int, ...] | None:
     return tuple(int(part) for part in flash_attn.__version__.split(".")[:2] if part.isdigit())
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> tuple[AttentionBackend, str]:
+def select_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> tuple[AttentionBackend[Any], str]:
     """The attention backend for this device, and why it was chosen (for the start-up log).
 
     flash-attn when on CUDA, importable (>= 2.6, paged KV), with fp16/bf16 and a

@@ -9,6 +9,7 @@ is tested on CPU-only machines.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ class FlashAttentionBackend:
     name = "flash-attn"
 
     def __init__(self) -> None:
-        self._varlen = None
+        self._varlen: Callable[..., torch.Tensor] | None = None  # flash_attn_varlen_func, imported on first use
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> FlashAttentionMetadata:
         device = batch.input_ids.device
@@ -66,15 +67,16 @@ class FlashAttentionBackend:
         value_cache: torch.Tensor,
         metadata: FlashAttentionMetadata,
     ) -> torch.Tensor:
-        if self._varlen is None:
+        varlen = self._varlen
+        if varlen is None:
             from flash_attn import flash_attn_varlen_func
 
-            self._varlen = flash_attn_varlen_func
+            varlen = self._varlen = flash_attn_varlen_func
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
-        out = self._varlen(
+        out = varlen(
             q,
             key_cache,
             value_cache,

@@ -1,8 +1,15 @@
 """Turning a prompt and its SamplingParams into a validated Request.
 
-Pure: it reads the tokenizer and the engine's fixed limits, never the
-scheduler, so AsyncLLMEngine runs it on the caller's thread and a bad request
-fails there, before it is queued.
+Pure: it reads the tokenizer and the engine's fixed limits (``ModelInfo``),
+never the scheduler, so AsyncLLMEngine runs it on its tokenizer thread and a
+bad request fails there, before it is queued, without holding up the event
+loop.
+
+Every check of a request's content lives here or in ``SamplingParams``; the
+service only checks the shape of its protobuf message. The work is bounded
+before it starts: a text that cannot fit in ``max_model_len`` tokens whatever
+the tokenizer does with it is refused from its length alone, so a megabyte
+prompt costs a length check, not a tokenization.
 """
 
 from __future__ import annotations
@@ -16,7 +23,16 @@ from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nanoserve.engine.status import ModelInfo
     from nanoserve.engine.tokenizer import Tokenizer
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_REQUEST_ID_CHARS = 128
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints: the blocks ``a`` tokens need at ``b`` tokens per block."""
+    return -(-a // b)
 
 
 class InputProcessor:
@@ -24,17 +40,20 @@ class InputProcessor:
 
     Limits: prompt + max_tokens <= max_model_len, and <= the whole pool
     (num_blocks * block_size tokens), so that a request alone always fits and
-    is never preempted forever. Every error names the field and both numbers.
+    is never preempted forever. Every error names the field and both numbers;
+    a prompt that alone leaves no room for one generated token is named as
+    the prompt, not as max_tokens.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, num_blocks: int, block_size: int
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_info: ModelInfo) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.vocab_size = model_info.vocab_size
+        self.max_model_len = model_info.max_model_len
+        self.num_blocks = model_info.num_blocks
+        self.block_size = model_info.block_size
+        self.pool_tokens = model_info.num_blocks * model_info.block_size
+        # the longest sequence a request may reach: its prompt leaves room for one generated token
+        self.max_seq_len = min(self.max_model_len, self.pool_tokens)
 
     def process(
         self,
@@ -42,20 +61,24 @@ class InputProcessor:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        serial: int = 0,
     ) -> Request:
         """Raises InvalidRequestError naming the field and the limit."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", f"must be a non-empty string, got {request_id!r}")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
-        prompt_text, prompt_token_ids = self.tokenize(prompt)
-        for token_id in params.stop_token_ids:
+        for index, token_id in enumerate(params.stop_token_ids):
             if token_id >= self.vocab_size:
                 raise InvalidRequestError(
-                    "stop_token_ids", f"token id {token_id} is not below vocab_size {self.vocab_size}"
+                    f"stop_token_ids[{index}]", f"token id {token_id} outside the vocabulary [0, {self.vocab_size})"
                 )
+        prompt_text, prompt_token_ids = self.tokenize(prompt)
+        num_prior_output_tokens = self.prior_output_tokens(prompt, len(prompt_token_ids))
         return Request(
             request_id,
             prompt_token_ids,
@@ -65,50 +88,117 @@ class InputProcessor:
             decoder=self.tokenizer,
             prompt=prompt_text,
             arrival_time=arrival_time,
+            serial=serial,
+            num_prior_output_tokens=num_prior_output_tokens,
         )
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids); raises InvalidRequestError."""
+    def prior_output_tokens(self, prompt: Prompt, num_prompt_tokens: int) -> int:
+        """A resumed TokensPrompt's count of already generated tokens (0 otherwise), checked."""
+        if not isinstance(prompt, TokensPrompt):
+            return 0
+        num_prior = prompt.num_prior_output_tokens
+        ok = isinstance(num_prior, int) and not isinstance(num_prior, bool) and 0 <= num_prior < num_prompt_tokens
+        if not ok:
+            raise InvalidRequestError(
+                "num_prior_output_tokens",
+                f"must be an integer in [0, {num_prompt_tokens}) (fewer than the prompt's tokens), got {num_prior!r}",
+            )
+        return num_prior
+
+    def tokenize(
+        self, prompt: Prompt, *, text_field: str = "prompt", as_prompt: bool = True
+    ) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids); raises InvalidRequestError naming the input:
+        ``text_field`` (text), ``prompt_token_ids`` or ``messages`` (chat).
+
+        as_prompt: also refuse an empty result or one longer than a prompt may be.
+        Without it (counting tokens) only a text that could not be a prompt by
+        its length alone is refused, so the work stays bounded.
+        """
         if isinstance(prompt, str):
+            field = text_field
+            self._check_text_fits(field, len(prompt.encode("utf-8", "surrogatepass")))
             token_ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         elif isinstance(prompt, TokensPrompt):
+            field = "prompt_token_ids"
             token_ids = list(prompt.prompt_token_ids)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError("prompt_token_ids", f"token id {bad[0]!r} is not in [0, {self.vocab_size})")
+            if as_prompt:
+                self._check_prompt_len(len(token_ids), field)
+            for index, token_id in enumerate(token_ids):
+                if type(token_id) is not int or not 0 <= token_id < self.vocab_size:
+                    raise InvalidRequestError(
+                        f"prompt_token_ids[{index}]",
+                        f"token id {token_id!r} outside the vocabulary [0, {self.vocab_size})",
+                    )
             text = None
         elif isinstance(prompt, ChatPrompt):
+            field = "messages"
             token_ids = self._apply_chat_template(prompt)
             text = None
         else:
             raise InvalidRequestError("prompt", f"must be str, TokensPrompt or ChatPrompt, got {type(prompt).__name__}")
-        if not token_ids:
-            raise InvalidRequestError("prompt", "is empty (0 tokens)")
+        if as_prompt:
+            if not token_ids:
+                raise InvalidRequestError(field, "is empty (0 tokens)")
+            self._check_prompt_len(len(token_ids), field)
         return text, token_ids
 
     def _apply_chat_template(self, prompt: ChatPrompt) -> list[int]:
         if not self.tokenizer.has_chat_template:
             raise InvalidRequestError("messages", "the model has no chat template; send a plain prompt")
         if not prompt.messages:
-            raise InvalidRequestError("messages", "is empty")
-        for i, message in enumerate(prompt.messages):
-            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-                raise InvalidRequestError("messages", f"message {i} needs string 'role' and 'content'")
+            raise InvalidRequestError("messages", "must hold at least one message")
+        num_bytes = 0
+        for index, message in enumerate(prompt.messages):
+            role, content = message.get("role"), message.get("content")
+            if role not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"messages[{index}].role", f"unknown role {role!r}; known roles: {', '.join(CHAT_ROLES)}"
+                )
+            if not isinstance(content, str):
+                raise InvalidRequestError(
+                    f"messages[{index}].content", f"must be a string, got {type(content).__name__}"
+                )
+            num_bytes += len(content.encode("utf-8", "surrogatepass"))
+        # the template only adds tokens around the contents: contents that cannot fit cannot fit templated
+        self._check_text_fits("messages", num_bytes)
         return list(self.tokenizer.apply_chat_template(prompt.messages))
 
+    def _check_text_fits(self, field: str, num_bytes: int) -> None:
+        """Refuses a text whose length alone proves it is longer than any prompt may be.
+
+        Each token covers at most ``tokenizer.max_token_bytes`` bytes of text, so
+        a text of ``num_bytes`` bytes is at least ceil(num_bytes / max_token_bytes)
+        tokens. A text under the bound is tokenized and checked exactly.
+        """
+        min_tokens = cdiv(num_bytes, self.tokenizer.max_token_bytes)
+        if min_tokens > self.max_seq_len - 1:
+            raise InvalidRequestError(
+                field,
+                f"{num_bytes} bytes of text are at least {min_tokens} tokens; a prompt may have at most "
+                f"{self.max_seq_len - 1} tokens (max_model_len {self.max_model_len}, KV pool {self.pool_tokens} "
+                "tokens, one token left to generate)",
+            )
+
+    def _check_prompt_len(self, num_prompt_tokens: int, field: str = "prompt") -> None:
+        if num_prompt_tokens > self.max_seq_len - 1:
+            raise InvalidRequestError(
+                field,
+                f"prompt has {num_prompt_tokens} tokens; at most {self.max_seq_len - 1} leave room for one generated "
+                f"token (max_model_len {self.max_model_len}, KV pool {self.pool_tokens} tokens)",
+            )
+
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """max_tokens checked against max_model_len and the pool; None -> all that fits."""
-        pool_tokens = self.num_blocks * self.block_size
+        """max_tokens checked against max_model_len and the pool; None -> all that fits.
+
+        A prompt too long by itself is reported as the prompt (field "prompt"),
+        whatever max_tokens says; only a prompt that fits makes max_tokens the
+        field at fault.
+        """
+        self._check_prompt_len(num_prompt_tokens)
         if max_tokens is None:
-            limit = min(self.max_model_len, pool_tokens)
-            max_tokens = limit - num_prompt_tokens
-            if max_tokens < 1:
-                raise InvalidRequestError(
-                    "prompt",
-                    f"prompt has {num_prompt_tokens} tokens; at most {limit - 1} leave room for one generated "
-                    f"token (max_model_len {self.max_model_len}, KV pool {pool_tokens} tokens)",
-                )
+            return self.max_seq_len - num_prompt_tokens
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -116,11 +206,11 @@ class InputProcessor:
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.max_model_len})",
             )
-        if total > pool_tokens:
+        if total > self.pool_tokens:
             raise InvalidRequestError(
                 "max_tokens",
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
-                f"needs {-(-total // self.block_size)} KV blocks; the whole pool holds {self.num_blocks} "
-                f"blocks ({pool_tokens} tokens)",
+                f"needs {cdiv(total, self.block_size)} KV blocks; the whole pool holds {self.num_blocks} "
+                f"blocks ({self.pool_tokens} tokens)",
             )
         return max_tokens

@@ -14,9 +14,10 @@ from typing import Any
 
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.outputs import RequestOutput
+from nanoserve.engine.outputs import AbortCause, RequestOutput
 from nanoserve.engine.prompts import ChatPrompt, Prompt, TokensPrompt
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.tokenizer import Tokenizer
 
 
 class LLM:
@@ -33,7 +34,7 @@ class LLM:
         self._counter = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(
@@ -58,7 +59,7 @@ class LLM:
                 added.append(request_id)
         except Exception:
             for request_id in added:
-                self.engine.abort(request_id, "generate_failed")
+                self.engine.abort(request_id, AbortCause.CALLER)
             self.engine.step()  # hand out the aborts' final outputs, so the next call starts clean
             raise
         finished: dict[str, RequestOutput] = {}

@@ -18,9 +18,9 @@ One step::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -31,38 +31,19 @@ from nanoserve.engine.errors import DuplicateRequestError, QueueFullError, Reque
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
 from nanoserve.engine.input_processor import InputProcessor
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.outputs import RequestOutput
+from nanoserve.engine.outputs import AbortCause, RequestOutput
 from nanoserve.engine.prompts import Prompt
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
+from nanoserve.engine.status import ModelInfo, PoolStatus
 
 _log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     from nanoserve.allocator.event_log import EventLog
     from nanoserve.engine.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class PoolStatus:
-    """The KV block pool and queues as of the last step.
-
-    last_seq / durable_seq: the event log's last recorded and last committed
-    sequence numbers; epoch likewise; None where the engine keeps no log.
-    """
-
-    pool_id: str
-    epoch: int | None
-    num_blocks: int
-    block_size: int
-    num_free: int
-    num_allocated: int
-    num_running: int
-    num_waiting: int
-    last_seq: int | None
-    durable_seq: int | None
 
 
 class LLMEngine:
@@ -83,15 +64,29 @@ class LLMEngine:
         self.num_blocks: int = self.runner.num_kv_blocks
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.num_blocks, self.block_size
+        self.model_info = ModelInfo(
+            model_name=self.model_name,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            vocab_size=self.vocab_size,
+            has_chat_template=self.tokenizer.has_chat_template,
+            eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)),
+            max_prompt_bytes=(min(self.max_model_len, self.num_blocks * self.block_size) - 1)
+            * self.tokenizer.max_token_bytes,
         )
+        self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.event_log: EventLog | None = self._open_event_log()
         self.allocator = BlockAllocator(self.num_blocks, self.block_size, self.event_log)
         self.scheduler = Scheduler(config.scheduler, self.allocator)
         self.sampler = Sampler()
-        self._requests: dict[str, Request] = {}  # request_id -> live (unfinished) request
+        # request_id -> live (unfinished) request: the one registry of requests, the one
+        # arbiter of duplicate ids and queue room
+        self._requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []  # final outputs of aborted requests
+        self._serials = itertools.count(1)  # Request.serial; next() on a count is atomic in CPython
         self._step = 0
         self._closed = False
 
@@ -138,9 +133,10 @@ class LLMEngine:
     ) -> Request:
         """Tokenizes and validates a request without touching the scheduler.
 
-        Safe to call from any thread. Raises InvalidRequestError.
+        Safe to call from any thread (AsyncLLMEngine calls it on its tokenizer
+        thread). Raises InvalidRequestError.
         """
-        return self.input_processor.process(request_id, prompt, sampling_params, arrival_time)
+        return self.input_processor.process(request_id, prompt, sampling_params, arrival_time, next(self._serials))
 
     def add_processed(self, request: Request) -> None:
         """Queues a request made by ``process_request``; engine thread only."""
@@ -211,6 +207,7 @@ class LLMEngine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.append_token(token_id, logprob)
+            output: RequestOutput | None
             if request.finish_reason is not None:
                 output = self._finish(request, FreeReason.FINISHED, now)
             else:
@@ -227,18 +224,22 @@ class LLMEngine:
         assert output is not None
         return output
 
-    def abort(self, request_id: str, reason: str = "aborted") -> None:
+    def abort(self, request_id: str, cause: AbortCause, serial: int | None = None) -> None:
         """Stops a waiting or running request and frees its blocks at once.
 
-        Its final output (finish_reason "abort") comes from the next ``step``.
-        ``reason`` (why: "aborted", "cancelled", "shutdown", ...) goes to the
-        engine's log. Raises RequestNotFoundError.
+        Its final output (finish_reason "abort", ``abort_cause`` = ``cause``)
+        comes from the next ``step``. ``serial``: abort only the request of
+        that serial (a stream aborting its own request must not end a newer
+        request that reuses the id). Raises RequestNotFoundError when no live
+        request has this id (and serial).
         """
         request = self._requests.get(request_id)
-        if request is None:
-            raise RequestNotFoundError(request_id)
-        _log.debug("request_aborted", request_id=request_id, reason=reason, num_output_tokens=request.num_output_tokens)
-        request.finish_reason = "abort"
+        if request is None or (serial is not None and request.serial != serial):
+            raise RequestNotFoundError(f"request_id: no live request {request_id!r}")
+        _log.debug(
+            "request_aborted", request_id=request_id, cause=cause.value, num_output_tokens=request.num_output_tokens
+        )
+        request.abort(cause)
         # Frees outside a scheduler step get a step of their own in the log.
         self._step += 1
         self.allocator.begin_step(self._step)
@@ -270,13 +271,14 @@ class LLMEngine:
         if self._closed:
             return
         for request_id in list(self._requests):
-            self.abort(request_id, "shutdown")
+            self.abort(request_id, AbortCause.SHUTDOWN)
         self._closed = True
         if self.event_log is not None:
             self.event_log.close()
 
 
-def _jsonable(value: object) -> object:
+def _jsonable(value: Any) -> Any:
+    """``value`` with torch dtypes as their names and tuples as lists: a JSON value."""
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

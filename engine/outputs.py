@@ -8,7 +8,23 @@ Outputs are snapshots: the engine never mutates one after handing it out.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class AbortCause(str, enum.Enum):
+    """Why a request ended with finish_reason "abort"; carried by its final output.
+
+    The engine knows every ending: whoever asks it to abort a request says why,
+    and the request's one final output carries that cause to whoever records it.
+    """
+
+    ABORT_RPC = "abort_rpc"  # an Abort call named the request
+    CANCELLED = "cancelled"  # the client cancelled the call or went away
+    DEADLINE = "deadline"  # the call's deadline passed
+    SHUTDOWN = "shutdown"  # still running when the server's shutdown grace ran out
+    ENGINE_ERROR = "engine_error"  # the engine loop failed
+    CALLER = "caller"  # the engine's own caller gave up (``LLM.generate`` cleaning up after a bad request)
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,11 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None
     prompt: str | None = None
+    # this request's number in the engine's life (1, 2, ...): two requests that reuse one
+    # request_id, one after the other, have different serials
+    serial: int = 0
+    # why an aborted request ended (final output only); None for every other ending
+    abort_cause: AbortCause | None = None
 
     @property
     def text(self) -> str:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from nanoserve.allocator import BlockTable
+from nanoserve.engine.counter_rng import random_seed
 from nanoserve.engine.detokenizer import Decoder
-from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from nanoserve.engine.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.text_stream import TextStream
 
@@ -41,8 +40,11 @@ class Request:
         decoder: Decoder,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        serial: int = 0,
+        num_prior_output_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.serial = serial  # unique over the engine's life; request_id alone may be reused
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -53,12 +55,15 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.status = RequestStatus.WAITING
         self.block_table: BlockTable | None = None
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        # Sampling: the effective seed (the client's, or 64 random bits) and how many of the prompt's
+        # last tokens an earlier admission generated; with them the sampler continues a resumed request
+        # exactly (output position = num_prior_output_tokens + num_output_tokens).
+        self.seed: int = sampling_params.seed if sampling_params.seed is not None else random_seed()
+        self.num_prior_output_tokens = num_prior_output_tokens
         self.stream = TextStream(decoder, sampling_params.stop, sampling_params.logprobs is not None)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.abort_cause: AbortCause | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
     @property
@@ -86,14 +91,17 @@ class Request:
 
         Sets ``finish_reason`` / ``stop_reason`` when it does: EOS or a stop
         token id (never before min_tokens), a stop string, or max_tokens.
+        ``stop_reason`` names what the client asked for: the stop string, or
+        the id from ``stop_token_ids``; it stays None for the model's own EOS
+        (a token that is both EOS and in ``stop_token_ids`` reports its id).
         """
         self.token_ids.append(token_id)
         num_output = self.num_output_tokens + 1
         may_stop = num_output > self.sampling_params.min_tokens
-        is_stop_token = token_id in self.eos_token_ids or token_id in self.sampling_params.stop_token_ids
-        if may_stop and is_stop_token:
+        is_stop_token_id = token_id in self.sampling_params.stop_token_ids
+        if may_stop and (is_stop_token_id or token_id in self.eos_token_ids):
             self.stream.append(token_id, logprob, decode=False, check_stop=False)
-            self._set_finish("stop", token_id)
+            self._set_finish("stop", token_id if is_stop_token_id else None)
             return
         matched = self.stream.append(token_id, logprob, decode=True, check_stop=may_stop)
         if matched is not None:
@@ -104,6 +112,12 @@ class Request:
     def _set_finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason = reason
         self.stop_reason = stop_reason
+
+    def abort(self, cause: AbortCause) -> None:
+        """Ends the request with finish_reason "abort" and its cause (the caller frees its blocks)."""
+        self.finish_reason = "abort"
+        self.stop_reason = None
+        self.abort_cause = cause
 
     def make_output(self, *, final: bool) -> RequestOutput | None:
         """This step's output: what the stream may release now; None when nothing new.
@@ -131,4 +145,6 @@ class Request:
             delta_logprobs=delta.logprobs,
             metrics=RequestMetrics(**vars(self.metrics)),
             prompt=self.prompt,
+            serial=self.serial,
+            abort_cause=self.abort_cause if final else None,
         )

@@ -1,14 +1,33 @@
 """Batched sampling: one call turns a step's logits into one token per sequence.
 
 Every transform works on the whole [num_seqs, vocab_size] tensor with one
-value per row; Python loops only gather per-request settings and draw the
-random numbers of seeded requests from their own generators.
+value per row; Python loops only gather per-request settings.
 
 Order (as in vLLM): penalties on the raw logits, min_tokens masking, then
-greedy rows take the argmax; the others are divided by their temperature and
-truncated by top-k, top-p and min-p, and a token is drawn with the
-exponential race (argmax of p / q, q ~ Exp(1), which draws from p exactly
-like multinomial sampling but lets each row bring its own noise).
+greedy rows (temperature 0, or below ``MIN_SAMPLING_TEMPERATURE``) take the
+argmax; the others are shifted by their largest logit, divided by their
+temperature, truncated by top-k, top-p and min-p, and drawn by inverse
+transform sampling.
+
+The draw: each sampled row gets one uniform ``u`` in [0, 1) from its seed and
+output position (``counter_rng``: SplitMix64 read at a position), and takes the
+token ``t`` with ``cdf(t - 1) <= u * cdf(V - 1) < cdf(t)``, the cumulative
+probabilities running in token-id order (Devroye, "Non-Uniform Random Variate
+Generation", 1986, ch. II.2). So a row's token depends only on its own logits,
+settings, seed and position: not on the rest of the batch, nor on what the
+request went through before (preemption and recompute, a restart). One random
+number per row instead of one per vocabulary entry; the cumulative sum is
+taken in two levels (float32 sums of 256-token chunks, then float64 running
+sums of the chunk sums and of the chosen chunk) so that a 49152-token row is
+not scanned in float64.
+
+Numerics: whatever the parameters that ``SamplingParams`` accepts, no NaN or
+inf reaches the draw. NaN logits become -inf and +inf logits the largest
+float32; a repetition penalty's quotient is clamped to the finite range; each
+row is shifted so that its largest logit is 0 before the temperature divides
+it, so tiny temperatures give -inf (probability 0), never +inf. A row without
+a finite logit is drawn uniformly (greedy: token 0). Tokens with probability 0
+are never drawn.
 """
 
 from __future__ import annotations
@@ -19,18 +38,39 @@ from typing import Protocol
 
 import torch
 
+from nanoserve.engine.counter_rng import uniforms
 from nanoserve.engine.outputs import TokenLogprob
 from nanoserve.engine.sampling_params import SamplingParams
+
+CDF_CHUNK_SIZE = 256  # tokens per chunk of the two-level cumulative sum
 
 
 class SamplingRow(Protocol):
     """What the sampler reads from one sequence."""
 
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None  # None: draw from the sampler's generator
-    min_tokens_banned_ids: list[int]  # EOS / stop token ids blocked while min_tokens is not reached
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def seed(self) -> int:
+        """The request's effective seed, in [-2**63, 2**63)."""
+        ...
+
+    @property
+    def num_prior_output_tokens(self) -> int:
+        """The last ones of prompt_token_ids, generated before this admission (a resumed request)."""
+        ...
+
+    @property
+    def min_tokens_banned_ids(self) -> list[int]:
+        """EOS / stop token ids blocked while min_tokens is not reached."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -44,42 +84,67 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of a logits batch.
 
-    A row's result depends only on its own logits, settings and generator,
-    never on the other rows: a seeded request gives the same tokens whatever
-    shares its batch.
+    A row's token depends only on its own logits, settings, seed and output
+    position, never on the other rows or on earlier calls: the sampler holds
+    no state.
     """
-
-    def __init__(self, generator: torch.Generator | None = None) -> None:
-        self._generator = generator
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [num_seqs, vocab_size] float32, row i belonging to rows[i]."""
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} sequences"
         params = [row.sampling_params for row in rows]
+        logits = finite_logits(logits)
         raw_logits = logits
         logits = apply_penalties(logits, rows)
         logits = mask_min_tokens(logits, rows)
-        token_ids = torch.argmax(logits, dim=-1)  # [num_seqs]
-        if not all(p.greedy for p in params):
-            probs = sampling_probs(logits, params)
-            noise = self._exponential_noise(probs, rows)
-            drawn = torch.argmax(probs / noise, dim=-1)
-            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-            token_ids = torch.where(greedy, token_ids, drawn)
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if len(drawn) == len(rows):
+            token_ids = draw(logits, rows)  # [num_seqs]
+        else:
+            token_ids = torch.argmax(logits, dim=-1)  # [num_seqs]; greedy rows keep it
+            if drawn:
+                index = torch.tensor(drawn, device=logits.device)
+                token_ids[index] = draw(logits.index_select(0, index), [rows[i] for i in drawn])
         return SamplerOutput(token_ids.tolist(), gather_logprobs(raw_logits, token_ids, params))
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        # noise: [num_seqs, vocab_size], Exp(1); seeded rows draw from their own generator.
-        noise = torch.empty_like(probs).exponential_(generator=self._generator)
-        for i, row in enumerate(rows):
-            generator = row.generator
-            if generator is None or row.sampling_params.greedy:
-                continue
-            if generator.device == noise.device:
-                noise[i].exponential_(generator=generator)
-            else:  # a CPU generator serving CUDA logits: same draws on every device
-                noise[i].copy_(torch.empty(noise.shape[1], device=generator.device).exponential_(generator=generator))
-        return noise.clamp_(min=1e-20)
+
+def draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row by inverse transform sampling: [n, vocab_size] -> [n] int64.
+
+    logits: after penalties and masking; every row samples (none greedy).
+    """
+    probs = sampling_probs(logits, [row.sampling_params for row in rows])
+    seeds = torch.tensor([row.seed for row in rows], dtype=torch.int64)
+    positions = torch.tensor([output_position(row) for row in rows], dtype=torch.int64)
+    # Drawn on the CPU whatever the logits' device: the same numbers everywhere.
+    u = uniforms(seeds, positions).to(probs.device)  # [n] float64
+    return inverse_cdf(probs, u)
+
+
+def output_position(row: SamplingRow) -> int:
+    """Index of the token being sampled among all the request's generated tokens (0 for the first)."""
+    return row.num_prior_output_tokens + len(row.output_token_ids)
+
+
+def generated_token_ids(row: SamplingRow) -> list[int]:
+    """Every token the request generated: the prior ones at the end of the prompt, then this admission's."""
+    num_prompt = len(row.prompt_token_ids) - row.num_prior_output_tokens
+    return row.prompt_token_ids[num_prompt:] + row.output_token_ids
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf and +inf -> the largest finite value; a row with no finite logit left -> all 0.
+
+    logits: [num_seqs, vocab_size]. Returns ``logits`` itself when every row's
+    max is finite: one reduction tells, as a max is NaN or +inf exactly when
+    its row holds one, and -inf only when the whole row is -inf. A row of
+    zeros is uniform: drawn uniformly, token 0 for greedy, logprobs -log(vocab_size).
+    """
+    if bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        return logits
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+    no_mass = logits.amax(dim=-1, keepdim=True) == float("-inf")  # [num_seqs, 1]
+    return logits.masked_fill(no_mass, 0.0)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -87,8 +152,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
     logits: [num_seqs, vocab_size]. Repetition (CTRL): logits of tokens seen in
     prompt or output are divided by the penalty when positive, multiplied when
-    negative. Presence / frequency (OpenAI): subtract presence * [count > 0] +
-    frequency * count, counting generated tokens only.
+    negative; a quotient past the largest float is clamped to it. Presence /
+    frequency (OpenAI): subtract presence * [count > 0] + frequency * count,
+    counting generated tokens only (a resumed request's prior ones included).
     """
     params = [row.sampling_params for row in rows]
     has_repetition = any(p.repetition_penalty != 1.0 for p in params)
@@ -96,13 +162,15 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     if not (has_repetition or has_additive):
         return logits
     vocab_size = logits.shape[1]
-    output_counts = token_counts([row.output_token_ids for row in rows], vocab_size, logits.device)
+    output_counts = token_counts([generated_token_ids(row) for row in rows], vocab_size, logits.device)
     logits = logits.clone()
     if has_repetition:
         prompt_counts = token_counts([row.prompt_token_ids for row in rows], vocab_size, logits.device)
         seen = (prompt_counts + output_counts) > 0  # [num_seqs, vocab_size]
         penalty = _column([p.repetition_penalty for p in params], logits)
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # penalty is finite and > 0: a tiny one overflows the quotient (clamped), never gives NaN
+        quotient = (logits / penalty).clamp_(max=torch.finfo(logits.dtype).max)
+        penalized = torch.where(logits > 0, quotient, logits * penalty)
         logits = torch.where(seen, penalized, logits)
     if has_additive:
         presence = _column([p.presence_penalty for p in params], logits)
@@ -131,12 +199,21 @@ def mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p, min-p; returns probabilities [num_seqs, vocab_size].
 
-    Greedy rows (temperature 0) are scaled by 1 and their probabilities unused.
+    logits: [num_seqs, vocab_size], no NaN or +inf (``finite_logits``). Each row
+    is shifted so that its largest logit is 0, then divided by its temperature:
+    every value lands in [-inf, 0] whatever the temperature, and the softmax
+    never sees inf - inf. Greedy rows are scaled by 1 and their probabilities
+    unused.
     """
-    temperature = _column([p.temperature if not p.greedy else 1.0 for p in params], logits)
-    logits = logits / temperature
     vocab_size = logits.shape[1]
-    top_k = [p.top_k if p.top_k is not None else vocab_size for p in params]
+    temperature = _column([1.0 if p.greedy else p.temperature for p in params], logits)
+    row_max = logits.amax(dim=-1, keepdim=True)  # [num_seqs, 1]
+    no_mass = row_max == float("-inf")  # min_tokens banned every token left: drawn uniformly
+    if bool(no_mass.any()):
+        logits = logits.masked_fill(no_mass, 0.0)
+        row_max = row_max.masked_fill(no_mass, 0.0)
+    logits = torch.sub(logits, row_max).div_(temperature)
+    top_k = [min(p.top_k, vocab_size) if p.top_k is not None else vocab_size for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
         logits = truncate_top_k_top_p(logits, top_k, top_p)
@@ -170,10 +247,53 @@ def truncate_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token t with cdf(t - 1) <= u * total < cdf(t), cdf in token-id order.
+
+    probs: [n, vocab_size] >= 0 with mass in every row (need not sum to 1);
+    u: [n] float64 in [0, 1). Returns [n] int64. A token without mass is never
+    returned. Two levels: float32 sums of CDF_CHUNK_SIZE-token chunks, whose
+    float64 running sum picks the chunk; a float64 running sum of that chunk
+    picks the token.
+    """
+    num_rows, vocab_size = probs.shape
+    num_full = vocab_size // CDF_CHUNK_SIZE
+    chunk_sums = []  # [n, num_chunks] float32 in pieces
+    if num_full:
+        full = probs[:, : num_full * CDF_CHUNK_SIZE].view(num_rows, num_full, CDF_CHUNK_SIZE)
+        chunk_sums.append(full.sum(dim=-1))
+    if vocab_size % CDF_CHUNK_SIZE:
+        chunk_sums.append(probs[:, num_full * CDF_CHUNK_SIZE :].sum(dim=-1, keepdim=True))
+    chunk_cdf = torch.cumsum(torch.cat(chunk_sums, dim=1), dim=-1, dtype=torch.float64)  # [n, num_chunks]
+    target = u.unsqueeze(1) * chunk_cdf[:, -1:]  # [n, 1]
+    chunk = _search(chunk_cdf, target)  # [n, 1]
+    mass_before = chunk_cdf.gather(1, (chunk - 1).clamp_(min=0)).masked_fill_(chunk == 0, 0.0)  # [n, 1]
+    columns = chunk * CDF_CHUNK_SIZE + torch.arange(CDF_CHUNK_SIZE, device=probs.device)  # [n, CDF_CHUNK_SIZE]
+    chunk_probs = probs.gather(1, columns.clamp(max=vocab_size - 1)).masked_fill_(columns >= vocab_size, 0.0)
+    cdf = torch.cumsum(chunk_probs, dim=-1, dtype=torch.float64).add_(mass_before)  # [n, CDF_CHUNK_SIZE]
+    return (chunk * CDF_CHUNK_SIZE + _search(cdf, target)).squeeze(1)
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cdf exceeds target, at most the last index that adds mass.
+
+    cdf: [n, m] non-decreasing; target: [n, 1]. The bound keeps a target that
+    rounding put at or past the row's total on a token with mass.
+    """
+    index = torch.searchsorted(cdf, target, right=True)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())  # first index reaching the row's total
+    return torch.minimum(index, last)
+
+
 def gather_logprobs(
     raw_logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
 ) -> list[TokenLogprob | None]:
-    """Chosen-token logprob and the top-n alternatives for rows that asked for them."""
+    """Chosen-token logprob and the top-n alternatives for rows that asked for them.
+
+    Of the model's own distribution (log-softmax of ``raw_logits``: before
+    penalties, temperature and truncation, as vLLM's default). Finite for finite
+    logits; a token whose logit is -inf has logprob -inf.
+    """
     wanted = [p.logprobs for p in params]
     if all(n is None for n in wanted):
         return [None] * len(params)

@@ -7,6 +7,7 @@ tokenizer.json / tokenizer_config.json. Nothing is ever fetched from a hub.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -52,6 +53,29 @@ class Tokenizer:
         if tok.eos_token_id is not None:
             eos.add(int(tok.eos_token_id))
         return cls(tok, eos, name)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of input text one token stands for, added tokens included.
+
+        A byte-level BPE entry spells each byte of text with one character, so
+        its length in characters is the bytes it covers. For other tokenizers
+        the UTF-8 length of an entry bounds it (SentencePiece spells a space as
+        the 3-byte "▁", byte fallback one byte as "<0xNN>"). A normalizer may
+        shrink text before it is split (NFKC composes characters), so with one
+        the bound is taken four times over.
+        """
+        backend = self._tok.backend_tokenizer
+        added = {token.content for token in self._tok.added_tokens_decoder.values()}
+        byte_level = type(backend.decoder).__name__ == "ByteLevel"
+        longest = 1
+        for token in self._tok.get_vocab():
+            if token in added:
+                num_bytes = len(token.encode("utf-8", "surrogatepass"))
+            else:
+                num_bytes = len(token) if byte_level else len(token.encode("utf-8", "surrogatepass"))
+            longest = max(longest, num_bytes)
+        return longest if backend.normalizer is None else 4 * longest
 
     @property
     def has_chat_template(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging.config
 import os
+from typing import Any
 
 from alembic import context
 
@@ -32,7 +33,7 @@ def _include_name(name: str | None, type_: str, parent_names: object) -> bool:
     return type_ != "table" or name in target_metadata.tables
 
 
-def _configure(**kwargs: object) -> None:
+def _configure(**kwargs: Any) -> None:
     context.configure(
         target_metadata=target_metadata,
         compare_type=True,

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs what the tests need (scripts/install.sh) and runs the whole suite,
-# PostgreSQL tests included (server at 127.0.0.1:5432, database `test`).
+# Installs what the tests need (scripts/install.sh), runs the code quality gates
+# (scripts/lint.sh: ruff lint and format, mypy) and the whole suite, PostgreSQL
+# tests included (server at 127.0.0.1:5432, database `test`). The tests run even
+# when a gate fails, so one run reports both; either failing fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -16,4 +18,10 @@ fi
 # In CI the PostgreSQL tests must run, not skip.
 if [ "${CI:-}" = "true" ]; then export NANOSERVE_REQUIRE_PG=1; fi
 
+lint_status=0
+bash scripts/lint.sh || lint_status=$?
 python -m pytest "$@"
+if [ "$lint_status" -ne 0 ]; then
+  echo "test.sh: the tests passed but scripts/lint.sh failed (see above)" >&2
+  exit "$lint_status"
+fi

@@ -1,4 +1,4 @@
-"""``nanoserve.v1.Allocation``: the KV pool's status, its live event stream, its audit."""
+"""``nanoserve.v1.AllocationService``: the KV pool's status, its live event stream, its audit."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from nanoserve.v1 import allocation_pb2_grpc
 NUM_EVENTS_PER_PAGE = 1000  # stored events read per query while catching up
 
 
-class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
+class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
     """max_queued_events: live events one WatchEvents stream may buffer before the log
     cuts it off (it then catches up from the store)."""
 
@@ -26,20 +26,17 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
         self._max_queued_events = max_queued_events
 
     async def GetPoolStatus(
-        self, request: apb.GetPoolStatusRequest, context: grpc.aio.ServicerContext
-    ) -> apb.PoolStatus:
-        status = convert.to_pool_status(self._engine.pool_status())
-        event_log = self._engine.engine.event_log
-        if event_log is not None:
-            # the engine publishes its status after a step; the writer commits later,
-            # so an idle engine's snapshot would show a stale durable_seq forever
-            status.last_seq = max(status.last_seq, event_log.last_seq)
-            status.durable_seq = event_log.durable_seq
-        return status
+        self,
+        request: apb.GetPoolStatusRequest,
+        context: grpc.aio.ServicerContext[apb.GetPoolStatusRequest, apb.GetPoolStatusResponse],
+    ) -> apb.GetPoolStatusResponse:
+        return convert.to_pool_status(self._engine.pool_status())
 
     async def WatchEvents(
-        self, request: apb.WatchEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[apb.AllocationEvent]:
+        self,
+        request: apb.WatchEventsRequest,
+        context: grpc.aio.ServicerContext[apb.WatchEventsRequest, apb.WatchEventsResponse],
+    ) -> AsyncIterator[apb.WatchEventsResponse]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate.
 
         The live subscription opens *before* the stored events are read, so an
@@ -54,7 +51,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
             live = EventStream(event_log, max_queued_events=self._max_queued_events)
             try:
                 async for event in self._stored_events(event_log, next_seq):
-                    yield convert.to_event(event)
+                    yield apb.WatchEventsResponse(event=convert.to_event(event))
                     next_seq = event.seq + 1
                     if event.kind == EventKind.POOL_CLOSE.value:
                         return
@@ -62,7 +59,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
                     if event.seq < next_seq:
                         continue
                     assert event.seq == next_seq, f"live events jumped from {next_seq} to {event.seq}"
-                    yield convert.to_event(event)
+                    yield apb.WatchEventsResponse(event=convert.to_event(event))
                     next_seq = event.seq + 1
                 return  # POOL_CLOSE ended the live stream
             except EventStreamLagged:
@@ -72,10 +69,14 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
 
     async def _stored_events(self, event_log: EventLog, from_seq: int) -> AsyncIterator[Event]:
         """Committed events of the current epoch from ``from_seq``, a page per query."""
-        url = self._engine.config.event_log.event_log_url
         while True:
             page = await asyncio.to_thread(
-                read_events, url, event_log.pool_id, event_log.epoch, from_seq, from_seq + NUM_EVENTS_PER_PAGE - 1
+                read_events,
+                event_log.url,
+                event_log.pool_id,
+                event_log.epoch,
+                from_seq,
+                from_seq + NUM_EVENTS_PER_PAGE - 1,
             )
             for event in page:
                 yield event
@@ -83,16 +84,17 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServicer):
                 return
             from_seq = page[-1].seq + 1
 
-    async def Audit(self, request: apb.AuditRequest, context: grpc.aio.ServicerContext) -> apb.AuditReport:
+    async def Audit(
+        self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditResponse]
+    ) -> apb.AuditResponse:
         event_log = self._event_log()
-        url = self._engine.config.event_log.event_log_url
         epoch = request.epoch if request.HasField("epoch") else event_log.epoch
-        report = await asyncio.to_thread(audit, url, pool_id=event_log.pool_id, epoch=epoch)
+        report = await asyncio.to_thread(audit, event_log.url, pool_id=event_log.pool_id, epoch=epoch)
         # the server knows its own epoch is open because it is running, not crashed
-        return convert.to_audit_report(report, live=report.epoch == event_log.epoch)
+        return convert.to_audit_response(report, live=report.epoch == event_log.epoch)
 
     def _event_log(self) -> EventLog:
-        event_log = self._engine.engine.event_log
+        event_log = self._engine.event_log
         if event_log is None:
             raise EventLogDisabledError("the server keeps no event log (--event-log-url none)")
         return event_log

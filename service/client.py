@@ -34,7 +34,8 @@ def health_status(channel: grpc.Channel, service: str = "", timeout_s: float = 5
     """
     stub = health_pb2_grpc.HealthStub(channel)
     response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)  # grpc_health is untyped
+    return name
 
 
 def wait_ready(channel: grpc.Channel, timeout_s: float, service: str = "") -> bool:

@@ -42,6 +42,10 @@ class ServerConfig:
         ``authorization: Bearer <token>``.
     grace_s: on SIGTERM/SIGINT, seconds that streams in flight may take to
         finish before they are aborted.
+    max_request_bytes: the largest request message the server reads; larger
+        ones are refused by gRPC itself with RESOURCE_EXHAUSTED (no RetryInfo:
+        the same request can never succeed). None derives it from the model:
+        the longest prompt ``max_model_len`` allows plus ``REQUEST_OVERHEAD_BYTES``.
     """
 
     host: str = "0.0.0.0"
@@ -53,9 +57,12 @@ class ServerConfig:
     grace_s: float = 10.0
     log_format: str = "auto"
     log_level: str = "info"
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)
+        if self.max_request_bytes is not None and self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024 bytes, got {self.max_request_bytes}")
         _check_port("metrics_port", self.metrics_port)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together (got only one)")
@@ -94,6 +101,10 @@ def _bytes(text: str) -> int:
         if lowered.endswith(suffix):
             return int(float(lowered[: -len(suffix)]) * factor)
     return int(lowered)
+
+
+def _optional_bytes(text: str) -> int | None:
+    return None if text.lower() in ("", "none", "auto") else _bytes(text)
 
 
 @dataclass(frozen=True)
@@ -214,6 +225,15 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "require 'authorization: Bearer TOKEN' on every call except health",
         default_help="none: no token required",
+    ),
+    Setting(
+        "max_request_bytes",
+        "server",
+        _optional_bytes,
+        None,
+        "largest request message read, in bytes (suffixes KiB, MiB allowed); larger ones get RESOURCE_EXHAUSTED "
+        "without RetryInfo",
+        default_help="the longest prompt max_model_len allows, plus 64KiB",
     ),
     Setting(
         "grace_s",

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from nanoserve.allocator import EventKind, FreeReason
+from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.outputs import RequestMetrics
 from nanoserve.engine.prompts import ChatPrompt, TokensPrompt
 from nanoserve.engine.sampling_params import SamplingParams
@@ -19,13 +24,56 @@ from nanoserve.v1 import generation_pb2 as pb
 if TYPE_CHECKING:  # the engine proper imports torch; these are only types here
     from nanoserve.allocator.audit import AuditReport
     from nanoserve.allocator.events import Event
-    from nanoserve.engine import AsyncLLMEngine, PoolStatus, RequestOutput
+    from nanoserve.engine import ModelInfo, PoolStatus, RequestOutput
     from nanoserve.engine.outputs import TokenLogprob
 
-FINISH_REASONS = {
+# One table per enum of the contract: the engine's and the allocator's names <-> proto values. An
+# UNSPECIFIED (0) value is never in a table: on the way out it stands for a name this table lacks.
+FINISH_REASONS: dict[str, pb.FinishReason] = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+}
+# proto role -> the engine's chat template role
+CHAT_ROLES: dict[pb.ChatRole, str] = {
+    pb.CHAT_ROLE_SYSTEM: "system",
+    pb.CHAT_ROLE_USER: "user",
+    pb.CHAT_ROLE_ASSISTANT: "assistant",
+}
+EVENT_KINDS: dict[str, apb.EventKind] = {
+    EventKind.POOL_INIT.value: apb.EVENT_KIND_POOL_INIT,
+    EventKind.ALLOCATE.value: apb.EVENT_KIND_ALLOCATE,
+    EventKind.ALLOCATE_FOR.value: apb.EVENT_KIND_ALLOCATE_FOR,
+    EventKind.FREE.value: apb.EVENT_KIND_FREE,
+    EventKind.FREE_ALL.value: apb.EVENT_KIND_FREE_ALL,
+    EventKind.SNAPSHOT.value: apb.EVENT_KIND_SNAPSHOT,
+    EventKind.POOL_CLOSE.value: apb.EVENT_KIND_POOL_CLOSE,
+}
+FREE_REASONS: dict[str, apb.FreeReason] = {
+    FreeReason.FINISHED.value: apb.FREE_REASON_FINISHED,
+    FreeReason.ABORTED.value: apb.FREE_REASON_ABORTED,
+    FreeReason.PREEMPTED.value: apb.FREE_REASON_PREEMPTED,
+}
+# the rules the allocator's replay and audit check (``Violation.rule``)
+AUDIT_RULES: dict[str, apb.AuditRule] = {
+    "missing_events": apb.AUDIT_RULE_MISSING_EVENTS,
+    "out_of_order": apb.AUDIT_RULE_OUT_OF_ORDER,
+    "hash_mismatch": apb.AUDIT_RULE_HASH_MISMATCH,
+    "seq_mismatch": apb.AUDIT_RULE_SEQ_MISMATCH,
+    "bad_record": apb.AUDIT_RULE_BAD_RECORD,
+    "column_mismatch": apb.AUDIT_RULE_COLUMN_MISMATCH,
+    "torn_batch": apb.AUDIT_RULE_TORN_BATCH,
+    "after_close": apb.AUDIT_RULE_AFTER_CLOSE,
+    "misplaced_init": apb.AUDIT_RULE_MISPLACED_INIT,
+    "unknown_kind": apb.AUDIT_RULE_UNKNOWN_KIND,
+    "allocate_of_allocated": apb.AUDIT_RULE_ALLOCATE_OF_ALLOCATED,
+    "foreign_block": apb.AUDIT_RULE_FOREIGN_BLOCK,
+    "free_of_free_block": apb.AUDIT_RULE_FREE_OF_FREE_BLOCK,
+    "owner_mismatch": apb.AUDIT_RULE_OWNER_MISMATCH,
+    "bad_snapshot": apb.AUDIT_RULE_BAD_SNAPSHOT,
+    "snapshot_mismatch": apb.AUDIT_RULE_SNAPSHOT_MISMATCH,
+    "missing_close": apb.AUDIT_RULE_MISSING_CLOSE,
+    "leaked_block": apb.AUDIT_RULE_LEAKED_BLOCK,
 }
 
 # SamplingParameters fields with presence (optional): unset leaves the engine's default
@@ -43,29 +91,87 @@ OPTIONAL_SAMPLING_FIELDS = (
 )
 
 
+# engine input names -> their protobuf paths in GenerateRequest / TokenizeRequest
+_INPUT_PATHS = {"messages": "chat.messages", "prompt_token_ids": "prompt_token_ids.ids"}
+
+
 def proto_field(engine_field: str) -> str:
-    """The GenerateRequest field path of a field the engine names in an
-    ``InvalidRequestError`` (``max_tokens`` -> ``sampling.max_tokens``);
-    paths the service already gave, and unknown names, are returned as they are."""
-    if engine_field in pb.SamplingParameters.DESCRIPTOR.fields_by_name:
-        return f"sampling.{engine_field}"
-    if engine_field == "messages":
-        return "chat.messages"
+    """The request's protobuf field path of a field the engine names in an
+    ``InvalidRequestError``: ``max_tokens`` -> ``sampling.max_tokens``,
+    ``stop[1]`` -> ``sampling.stop[1]``, ``messages[0].role`` ->
+    ``chat.messages[0].role``, ``prompt_token_ids[3]`` -> ``prompt_token_ids.ids[3]``;
+    other names (``prompt``, ``request_id``, ``input``) are already paths."""
+    name, bracket, rest = engine_field.partition("[")
+    tail = bracket + rest
+    if name in pb.SamplingParameters.DESCRIPTOR.fields_by_name:
+        return f"sampling.{name}{tail}"
+    if name in _INPUT_PATHS:
+        return _INPUT_PATHS[name] + tail
     return engine_field
 
 
+def input_kind(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
+    """The member of the ``input`` oneof that is set; InvalidRequestError("input") when none is.
+
+    With ``to_messages``' role check, the one check the service makes itself:
+    the shape of the message. Everything about its content is the engine's.
+    """
+    kind: str | None = request.WhichOneof("input")
+    if kind is None:
+        *others, last = (field.name for field in request.DESCRIPTOR.oneofs_by_name["input"].fields)
+        raise InvalidRequestError("input", f"give exactly one of {', '.join(others)} or {last}; none was set")
+    return kind
+
+
 def to_messages(chat: pb.ChatMessages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    """The engine's chat messages; InvalidRequestError naming the message whose role is UNSPECIFIED or a
+    value this server does not know (the engine checks the rest: at least one message, the lengths)."""
+    return [{"role": _chat_role(index, m.role), "content": m.content} for index, m in enumerate(chat.messages)]
+
+
+def _chat_role(index: int, role: pb.ChatRole) -> str:
+    name = CHAT_ROLES.get(role)
+    if name is not None:
+        return name
+    known = ", ".join(pb.ChatRole.Name(known_role) for known_role in CHAT_ROLES)
+    if role == pb.CHAT_ROLE_UNSPECIFIED:
+        given = "CHAT_ROLE_UNSPECIFIED (unset)"
+    else:  # a value from a newer contract, or a number sent as is
+        given = f"{role} (not a role this server knows)"
+    raise InvalidRequestError(f"chat.messages[{index}].role", f"must be one of {known}, got {given}")
+
+
+def to_duration(seconds: float) -> Duration:
+    """A ``google.protobuf.Duration`` of ``seconds``, to the nearest nanosecond."""
+    duration = Duration()
+    duration.FromNanoseconds(round(seconds * 1e9))
+    return duration
+
+
+def to_timings(request: FinishedRequest) -> pb.Timings:
+    """The request's durations; one it never reached (None) stays unset."""
+    timings = pb.Timings()
+    for field, seconds in (("queue_time", request.queue_s), ("ttft", request.ttft_s), ("total_time", request.total_s)):
+        if seconds is not None:
+            getattr(timings, field).CopyFrom(to_duration(seconds))
+    return timings
 
 
 def to_prompt(request: pb.GenerateRequest) -> str | TokensPrompt | ChatPrompt:
-    """The engine prompt of a validated request (exactly one input set)."""
-    kind = request.WhichOneof("input")
+    """The engine prompt of a request; InvalidRequestError("input") when no input is set."""
+    kind = input_kind(request)
     if kind == "prompt":
         return request.prompt
     if kind == "prompt_token_ids":
         return TokensPrompt(prompt_token_ids=list(request.prompt_token_ids.ids))
-    assert kind == "chat", f"validate_input lets only known inputs through, got {kind!r}"
+    assert kind == "chat", f"unknown input {kind!r}"
+    return ChatPrompt(messages=to_messages(request.chat))
+
+
+def to_tokenize_input(request: pb.TokenizeRequest) -> str | ChatPrompt:
+    """What a TokenizeRequest asks to tokenize; InvalidRequestError("input") when nothing is set."""
+    if input_kind(request) == "text":
+        return request.text
     return ChatPrompt(messages=to_messages(request.chat))
 
 
@@ -92,12 +198,13 @@ def to_token_logprob(logprob: TokenLogprob) -> pb.TokenLogprob:
 
 
 def finished_request(output: RequestOutput) -> FinishedRequest:
-    """Counts and timings (seconds) of a finished request, for the metrics and the log."""
+    """Counts, timings (seconds) and abort cause of a request's final output, for the metrics and the log."""
     completion = output.outputs[0]
     m = output.metrics or RequestMetrics(arrival_time=0.0)
     return FinishedRequest(
         request_id=output.request_id,
         finish_reason=completion.finish_reason or "abort",
+        abort_cause=output.abort_cause.value if output.abort_cause is not None else None,
         num_prompt_tokens=len(output.prompt_token_ids),
         num_completion_tokens=len(completion.token_ids),
         queue_s=_elapsed(m.arrival_time, m.first_scheduled_time),
@@ -117,9 +224,7 @@ def to_finish(output: RequestOutput) -> pb.Finish:
     finish = pb.Finish(
         reason=FINISH_REASONS[summary.finish_reason],
         usage=pb.Usage(prompt_tokens=summary.num_prompt_tokens, completion_tokens=summary.num_completion_tokens),
-        timings=pb.Timings(
-            queue_s=summary.queue_s or 0.0, ttft_s=summary.ttft_s or 0.0, total_s=summary.total_s or 0.0
-        ),
+        timings=to_timings(summary),
         num_preemptions=summary.num_preemptions,
     )
     if isinstance(completion.stop_reason, str):
@@ -141,22 +246,22 @@ def to_response(output: RequestOutput) -> pb.GenerateResponse:
     return response
 
 
-def to_model_info(engine: AsyncLLMEngine) -> pb.ModelInfo:
-    core = engine.engine
-    return pb.ModelInfo(
-        model_name=core.model_name,
-        dtype=str(core.runner.dtype).removeprefix("torch."),
-        device=str(core.runner.device),
-        max_model_len=core.max_model_len,
-        block_size=core.block_size,
-        num_blocks=core.num_blocks,
-        vocab_size=core.vocab_size,
-        has_chat_template=core.tokenizer.has_chat_template,
+def to_model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
+    return pb.GetModelInfoResponse(
+        model_name=info.model_name,
+        dtype=info.dtype,
+        device=info.device,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        num_blocks=info.num_blocks,
+        vocab_size=info.vocab_size,
+        has_chat_template=info.has_chat_template,
+        eos_token_ids=info.eos_token_ids,
     )
 
 
-def to_pool_status(status: PoolStatus) -> apb.PoolStatus:
-    return apb.PoolStatus(
+def to_pool_status(status: PoolStatus) -> apb.GetPoolStatusResponse:
+    return apb.GetPoolStatusResponse(
         pool_id=status.pool_id,
         epoch=status.epoch or 0,
         num_blocks=status.num_blocks,
@@ -171,16 +276,21 @@ def to_pool_status(status: PoolStatus) -> apb.PoolStatus:
 
 
 def to_event(event: Event) -> apb.AllocationEvent:
+    """A stored event; a kind or free reason the tables lack (a newer log) is UNSPECIFIED."""
+    wall_time = Timestamp()
+    wall_time.FromNanoseconds(event.wall_time_ns)
+    monotonic_time = Duration()
+    monotonic_time.FromNanoseconds(event.monotonic_ns)
     message = apb.AllocationEvent(
         seq=event.seq,
         pool_id=event.pool_id,
         epoch=event.epoch,
-        kind=event.kind,
+        kind=EVENT_KINDS.get(event.kind, apb.EVENT_KIND_UNSPECIFIED),
         block_ids=event.block_ids,
         owner=event.owner or "",
-        reason=event.reason or "",
-        wall_time_s=event.wall_time_ns / 1e9,
-        mono_time_s=event.monotonic_ns / 1e9,
+        free_reason=FREE_REASONS.get(event.reason or "", apb.FREE_REASON_UNSPECIFIED),
+        wall_time=wall_time,
+        monotonic_time=monotonic_time,
         hash=event.hash.hex(),
     )
     if event.step is not None:
@@ -188,10 +298,11 @@ def to_event(event: Event) -> apb.AllocationEvent:
     return message
 
 
-def to_audit_report(report: AuditReport, live: bool = False) -> apb.AuditReport:
-    """``live``: the epoch is the serving process's own, so open means running."""
+def to_audit_response(report: AuditReport, live: bool = False) -> apb.AuditResponse:
+    """``live``: the epoch is the serving process's own, so open means running. A rule
+    ``AUDIT_RULES`` lacks is UNSPECIFIED, its name leading the violation's message."""
     open_status = "open (live: this server's epoch)" if live else "open (running, or crashed)"
-    message = apb.AuditReport(
+    message = apb.AuditResponse(
         pool_id=report.pool_id,
         epoch=report.epoch,
         clean=report.clean,
@@ -201,8 +312,12 @@ def to_audit_report(report: AuditReport, live: bool = False) -> apb.AuditReport:
         summary=report.render(open_status=open_status),
     )
     for violation in report.violations:
+        rule = AUDIT_RULES.get(violation.rule, apb.AUDIT_RULE_UNSPECIFIED)
         entry = apb.Violation(
-            seq=violation.seq, rule=violation.rule, owner=violation.owner or "", message=violation.message
+            seq=violation.seq,
+            rule=rule,
+            owner=violation.owner or "",
+            message=violation.message if rule else f"{violation.rule}: {violation.message}",
         )
         if violation.block_id is not None:
             entry.block_id = violation.block_id

@@ -3,7 +3,10 @@
 ``ErrorInterceptor`` wraps every unary and server-streaming method: a domain
 error raised by a servicer (or by the engine it called) ends the call with the
 status below and the error's message, which names the field and the limit.
-Anything else is a bug: it is logged with its traceback and the client gets
+A full waiting queue (RESOURCE_EXHAUSTED) also carries a ``google.rpc.RetryInfo``
+detail in the ``grpc-status-details-bin`` trailer: that is what tells a client
+it may retry, unlike gRPC's own RESOURCE_EXHAUSTED for an over-size message,
+which has no detail. Anything else is a bug: it is logged with its traceback and the client gets
 INTERNAL. ``AuthInterceptor`` checks ``authorization: Bearer <token>`` on every
 method except the health service, which load balancers probe without a token.
 """
@@ -17,6 +20,9 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from nanoserve.allocator.log_reader import LogNotFoundError
 from nanoserve.engine.errors import (
@@ -43,6 +49,10 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LogNotFoundError, grpc.StatusCode.NOT_FOUND),  # Audit of an epoch the log does not hold
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
 )
+# The retry delay a full waiting queue advises (google.rpc.RetryInfo). A request leaves the
+# queue when a running one finishes, a matter of the seconds one completion takes; the server
+# cannot predict it, so this is a hint to start from and back off from on repeats.
+QUEUE_FULL_RETRY_DELAY_S = 1.0
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -62,16 +72,28 @@ def message_for(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+def retry_status(code: grpc.StatusCode, message: str, retry_delay_s: float) -> grpc.Status:
+    """A status whose ``grpc-status-details-bin`` trailer holds a ``google.rpc.Status``
+    with one ``google.rpc.RetryInfo(retry_delay)`` detail (google/rpc/error_details.proto)."""
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(round(retry_delay_s * 1e9))
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception, method: str) -> None:
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("rpc_failed", method=method, exc_info=exc)
         await context.abort(code, f"internal error ({type(exc).__name__}); see the server log")
+    if isinstance(exc, QueueFullError):
+        await context.abort_with_status(retry_status(code, message_for(exc), QUEUE_FULL_RETRY_DELAY_S))
     await context.abort(code, message_for(exc))
 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             return await behavior(request, context)
         except grpc.aio.AbortError:
@@ -87,7 +109,7 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
         # a coroutine that writes with context.write (grpc_health's Watch)
         return _wrap_unary(behavior, method)
 
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
             async for response in behavior(request, context):
                 yield response
@@ -99,7 +121,11 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
     return wrapper
 
 
-def _replace_behavior(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callable) -> grpc.RpcMethodHandler:
+def _replace_behavior(
+    handler: grpc.RpcMethodHandler[Any, Any],
+    unary: Callable[[Callable[..., Any]], Callable[..., Any]],
+    stream: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler like ``handler`` whose unary_unary / unary_stream behavior is wrapped."""
     kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
@@ -108,6 +134,7 @@ def _replace_behavior(handler: grpc.RpcMethodHandler, unary: Callable, stream: C
         return grpc.unary_stream_rpc_method_handler(stream(handler.unary_stream), **kwargs)
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kwargs)
+    assert handler.stream_stream is not None, f"method handler {handler!r} has no behavior"
     return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kwargs)
 
 
@@ -116,9 +143,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         if handler is None:
             return handler
@@ -146,14 +173,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         if handler is None or self.allows(details):
             return handler
 
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>' metadata"
             )

@@ -24,6 +24,7 @@ class FinishedRequest:
 
     request_id: str
     finish_reason: str
+    abort_cause: str | None  # why an aborted request ended (AbortCause value); None otherwise
     num_prompt_tokens: int
     num_completion_tokens: int
     queue_s: float | None

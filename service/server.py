@@ -31,7 +31,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nanoserve.engine import AsyncLLMEngine, EngineConfig
-from nanoserve.service import convert
 from nanoserve.service.allocation_servicer import AllocationServicer
 from nanoserve.service.config import ServerConfig
 from nanoserve.service.generation_servicer import GenerationServicer
@@ -41,22 +40,24 @@ from nanoserve.v1 import allocation_pb2, allocation_pb2_grpc, generation_pb2, ge
 
 log = structlog.get_logger("nanoserve.service")
 
-GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-ALLOCATION_SERVICE = allocation_pb2.DESCRIPTOR.services_by_name["Allocation"].full_name
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+ALLOCATION_SERVICE = allocation_pb2.DESCRIPTOR.services_by_name["AllocationService"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MONITOR_INTERVAL_S = 0.5
 # after the engine has ended every stream, seconds the last messages get to reach clients
 SHUTDOWN_MARGIN_S = 5.0
+# a request message beyond its prompt: sampling parameters, stop strings, chat framing, request id
+REQUEST_OVERHEAD_BYTES = 64 * 1024
 LOADING_PROGRESS_INTERVAL_S = 2.0
 
 
 def health_statuses(engine_ok: bool, log_ok: bool) -> dict[str, int]:
     """Health status by service name ('' = the whole server).
 
-    Generation needs the engine loop; while the log writer retries, the engine
-    keeps generating (its queue gives backpressure only when full). Allocation
-    (events, audit) and the server as a whole need both.
+    GenerationService needs the engine loop; while the log writer retries, the
+    engine keeps generating (its queue gives backpressure only when full).
+    AllocationService (events, audit) and the server as a whole need both.
     """
     return {
         "": SERVING if engine_ok and log_ok else NOT_SERVING,
@@ -92,9 +93,13 @@ class NanoServer:
         if self.config.auth_token:
             interceptors.append(AuthInterceptor(self.config.auth_token))
         interceptors.append(ErrorInterceptor())
-        server = grpc.aio.server(interceptors=interceptors)
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, self.metrics), server)
-        allocation_pb2_grpc.add_AllocationServicer_to_server(AllocationServicer(self.engine), server)
+        server = grpc.aio.server(
+            interceptors=interceptors, options=[("grpc.max_receive_message_length", self.max_request_bytes)]
+        )
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.engine, self.metrics), server
+        )
+        allocation_pb2_grpc.add_AllocationServiceServicer_to_server(AllocationServicer(self.engine), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, ALLOCATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -112,7 +117,15 @@ class NanoServer:
             tls=self.config.tls_cert is not None,
             auth=self.config.auth_token is not None,
             metrics_port=self.metrics_port,
+            max_request_bytes=self.max_request_bytes,
         )
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The configured limit, or the longest prompt the model accepts plus the message overhead."""
+        if self.config.max_request_bytes is not None:
+            return self.config.max_request_bytes
+        return self.engine.model_info.max_prompt_bytes + REQUEST_OVERHEAD_BYTES
 
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self.config.host}:{self.config.port}"
@@ -128,10 +141,8 @@ class NanoServer:
         return port
 
     async def _update_health(self) -> None:
-        event_log = self.engine.engine.event_log
         statuses = health_statuses(
-            engine_ok=self.engine.is_running and not self.engine.errored,
-            log_ok=event_log is None or bool(event_log.healthy),
+            engine_ok=self.engine.is_running and not self.engine.errored, log_ok=self.engine.event_log_healthy
         )
         for service, status in statuses.items():
             await self.health.set(service, status)
@@ -199,7 +210,7 @@ async def start_engine(engine_config: EngineConfig) -> AsyncLLMEngine:
             log.info("model_loading", elapsed_s=round(time.monotonic() - started_s, 1))
     loading.result()
     status = engine.pool_status()
-    info = convert.to_model_info(engine)
+    info = engine.model_info
     log.info(
         "engine_started",
         model=info.model_name,

@@ -1,5 +1,10 @@
 """Fixtures shared by every test package.
 
+``make_tiny_model_dir(model_type)`` writes a Hugging Face folder (config.json +
+model.safetensors + the real SmolLM2 tokenizer + generation_config.json) holding a
+2-layer Llama (or Qwen2 / Qwen3) with random weights and the real vocabulary size,
+written by transformers itself so that loading it exercises our safetensors path.
+
 PostgreSQL tests take ``pg_url``: the server named by NANOSERVE_TEST_PG_URL
 (default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``). Where it cannot
 be reached they skip, unless NANOSERVE_REQUIRE_PG=1 (set by CI), where they fail.
@@ -7,7 +12,10 @@ be reached they skip, unless NANOSERVE_REQUIRE_PG=1 (set by CI), where they fail
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +37,76 @@ def pg_url() -> str:
             pytest.fail(f"PostgreSQL at {url} is required but unreachable: {exc}")
         pytest.skip(f"PostgreSQL at {url} unreachable: {exc}")
     return url
+
+
+TINY_DIMS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.1,
+}
+
+
+@pytest.fixture(scope="session")
+def real_hf_tokenizer():
+    """transformers' tokenizer rebuilt from the default GGUF (slow: build once)."""
+    from transformers import AutoTokenizer
+
+    from nanoserve.engine.weights import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model_dir(tmp_path_factory, real_hf_tokenizer) -> Callable[..., Path]:
+    """``make(model_type="llama", tie_word_embeddings=False, **overrides) -> folder``, cached per arguments."""
+    import torch
+    import transformers
+
+    built: dict[tuple, Path] = {}
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+
+    def make(model_type: str = "llama", tie_word_embeddings: bool = False, **overrides) -> Path:
+        key = (model_type, tie_word_embeddings, json.dumps(overrides, sort_keys=True))
+        if key in built:
+            return built[key]
+        config_class, model_class = classes[model_type]
+        dims = {**TINY_DIMS, **overrides}
+        config = config_class(
+            vocab_size=len(real_hf_tokenizer),
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=1,
+            eos_token_id=2,
+            **dims,
+        )
+        torch.manual_seed(0)
+        model = model_class(config).eval()
+        with torch.no_grad():  # norms start at 1; perturb them so a dropped weight shows
+            for name, param in model.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    param.copy_(
+                        1.0 + 0.2 * torch.randn_like(param) if "norm" in name else 0.1 * torch.randn_like(param)
+                    )
+        folder = tmp_path_factory.mktemp(f"tiny-{model_type}")
+        model.save_pretrained(folder)
+        real_hf_tokenizer.save_pretrained(folder)
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+        built[key] = folder
+        return folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(make_tiny_model_dir) -> Path:
+    """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads, head_dim 16) with SmolLM2's tokenizer."""
+    return make_tiny_model_dir("llama")

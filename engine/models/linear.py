@@ -47,4 +47,5 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None, "an unpacked Linear keeps its plain weight"
         return F.linear(x, self.weight, self.bias)

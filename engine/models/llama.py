@@ -105,7 +105,7 @@ class LlamaDecoderLayer:
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
-        attention: AttentionBackend,
+        attention: AttentionBackend[Any],
         attn_metadata: object,
     ) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] -> same shape."""
@@ -165,7 +165,7 @@ class LlamaForCausalLM:
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
         kv_cache: KVCache,
-        attention: AttentionBackend,
+        attention: AttentionBackend[Any],
         attn_metadata: object,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64; logits_indices: [num_logits] int64.

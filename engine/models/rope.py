@@ -23,7 +23,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     "original_max_position_embeddings"}``. Raises ValueError for other types.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":

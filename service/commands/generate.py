@@ -102,8 +102,8 @@ def build_request(args: argparse.Namespace) -> Any:
 
     request = pb.GenerateRequest(request_id=args.request_id)
     if args.chat or args.system is not None:
-        messages = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
-        messages.append(pb.ChatMessage(role="user", content=args.prompt))
+        messages = [pb.ChatMessage(role=pb.CHAT_ROLE_SYSTEM, content=args.system)] if args.system else []
+        messages.append(pb.ChatMessage(role=pb.CHAT_ROLE_USER, content=args.prompt))
         request.chat.messages.extend(messages)
     else:
         request.prompt = args.prompt
@@ -137,8 +137,29 @@ def _finish_line(finish: Any) -> str:
     t = finish.timings
     return (
         f"[{reason}; {finish.usage.prompt_tokens} prompt + {finish.usage.completion_tokens} completion tokens; "
-        f"ttft {t.ttft_s:.3f} s; total {t.total_s:.3f} s]"
+        f"ttft {_seconds(t, 'ttft')}; total {_seconds(t, 'total_time')}]"
     )
+
+
+def _seconds(timings: Any, field: str) -> str:
+    """A Duration field of ``timings`` as seconds; '-' when unset (the request never got there)."""
+    if not timings.HasField(field):
+        return "-"
+    return f"{getattr(timings, field).ToNanoseconds() / 1e9:.3f} s"
+
+
+def _error_line(exc: Any) -> str:
+    """``error: CODE: details``, and the server's retry hint (google.rpc.RetryInfo) when it sent one."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    line = f"error: {exc.code().name}: {exc.details()}"
+    status = rpc_status.from_call(exc)
+    for detail in status.details if status is not None else ():
+        retry = error_details_pb2.RetryInfo()
+        if detail.Unpack(retry):
+            line += f" (retry after {retry.retry_delay.ToNanoseconds() / 1e9:g} s)"
+    return line
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         if args.wait_ready > 0 and not wait_ready(channel, args.wait_ready):
             print(f"error: {args.server} not SERVING after {args.wait_ready} s", file=sys.stderr)
             return 1
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
         call = stub.Generate(request, timeout=args.timeout, metadata=auth_metadata(args.token))
         printer = _Printer(args.json)
         try:
@@ -160,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 printer.print(response)
         except grpc.RpcError as exc:
             printer.end_line()
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(_error_line(exc), file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             call.cancel()  # the server sees the cancel and aborts the request

@@ -14,7 +14,7 @@ from typing import Any
 
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_UNKNOWN_SERVICE = 0, 1, 2, 3
 # the services a nanoserve server reports health for ('' is the whole server)
-KNOWN_SERVICES = ("", "nanoserve.v1.Generation", "nanoserve.v1.Allocation")
+KNOWN_SERVICES = ("", "nanoserve.v1.GenerationService", "nanoserve.v1.AllocationService")
 
 
 def register(subparsers: Any) -> None:
@@ -31,7 +31,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--service",
         default="",
-        help="service to check: '' (the whole server, default), nanoserve.v1.Generation or nanoserve.v1.Allocation",
+        help=(
+            "service to check: '' (the whole server, default), nanoserve.v1.GenerationService or "
+            "nanoserve.v1.AllocationService"
+        ),
     )
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
     parser.add_argument("--ca-cert", default=None, help="PEM file of the server's CA (implies --tls)")

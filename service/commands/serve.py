@@ -19,7 +19,7 @@ def register(subparsers: Any) -> None:
         help="serve a model over gRPC (default: SmolLM2-135M-Instruct on port 50051)",
         description=(
             "Load the model, open a new epoch of the KV block event log and serve the "
-            "nanoserve.v1 Generation and Allocation services with health and reflection. "
+            "nanoserve.v1 GenerationService and AllocationService with health and reflection. "
             "SIGTERM or SIGINT shuts down gracefully: new calls are refused, streams in "
             "flight get --grace-s seconds to finish, the rest are aborted, the log is "
             "flushed and closed. Each flag also reads the NANOSERVE_* variable named in its help."

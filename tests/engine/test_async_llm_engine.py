@@ -8,19 +8,22 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams, TokensPrompt
+from nanoserve.engine import AbortCause, AsyncLLMEngine, EngineConfig, LLMEngine, SamplingParams, TokensPrompt
 from nanoserve.engine.errors import DuplicateRequestError, EngineDeadError, InvalidRequestError, RequestNotFoundError
 
 PROMPT = TokensPrompt([101, 202, 303, 404, 505])
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
-@pytest.fixture
-async def engine(tiny_model_dir: Path) -> AsyncIterator[AsyncLLMEngine]:
-    config = EngineConfig.from_kwargs(
+def _config(tiny_model_dir: Path) -> EngineConfig:
+    return EngineConfig.from_kwargs(
         model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=256, block_size=4
     )
-    engine = AsyncLLMEngine(config)
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path) -> AsyncIterator[AsyncLLMEngine]:
+    engine = AsyncLLMEngine(_config(tiny_model_dir))
     await engine.start()
     yield engine
     await engine.shutdown(grace_s=0.0)
@@ -159,16 +162,23 @@ async def test_shutdown_lets_short_requests_finish(engine: AsyncLLMEngine) -> No
     assert (rest or [first])[-1].finish_reason == "length"
 
 
-async def test_failed_engine_loop_fails_streams_and_refuses_new_requests(engine: AsyncLLMEngine) -> None:
+async def test_failed_engine_loop_fails_streams_and_refuses_new_requests(tiny_model_dir: Path) -> None:
     def broken_step() -> list:
         raise RuntimeError("device lost")
 
-    engine.engine.step = broken_step  # type: ignore[method-assign]
+    core = LLMEngine(_config(tiny_model_dir))
+    core.step = broken_step  # type: ignore[method-assign]
+    engine = AsyncLLMEngine(core.config, core)
+    await engine.start()
+    stream = engine.add_request("a", PROMPT, LONG)
     with pytest.raises(EngineDeadError) as info:
-        async for _ in engine.generate(PROMPT, LONG, "a"):
+        async for _ in stream:
             pass
     assert "device lost" in str(info.value)
+    final = await stream.finished  # the request still ends once, with its cause
+    assert (final.finish_reason, final.abort_cause) == ("abort", AbortCause.ENGINE_ERROR)
     assert engine.errored
     assert not engine.is_running
     with pytest.raises(EngineDeadError):
         await engine.generate(PROMPT, LONG, "b").__anext__()
+    await engine.shutdown(grace_s=0.0)

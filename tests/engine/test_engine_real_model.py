@@ -32,7 +32,8 @@ def test_greedy_chat_answer_stops_at_eos(engine: LLMEngine) -> None:
         SamplingParams(temperature=0.0, max_tokens=12),
     )
     assert out.text == "The capital of France is Paris."
-    assert (out.finish_reason, out.stop_reason, out.token_ids[-1]) == ("stop", 2, 2)
+    # EOS is the model's own ending, not a stop token the client asked for: no stop_reason
+    assert (out.finish_reason, out.stop_reason, out.token_ids[-1]) == ("stop", None, 2)
 
 
 def test_batched_engine_matches_the_runner_greedy_oracle(engine: LLMEngine, real_runner, greedy) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.engine import LLM, LLMEngine, SamplingParams, TokensPrompt
+from nanoserve.engine import LLM, AbortCause, LLMEngine, SamplingParams, TokensPrompt
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.errors import DuplicateRequestError, InvalidRequestError, QueueFullError, RequestNotFoundError
 
@@ -116,7 +116,7 @@ def test_abort_of_running_request_frees_its_blocks(make_llm: Callable[..., LLM])
     engine.add_request("a", TokensPrompt(list(range(3, 13))), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.pool_status().num_allocated == 3  # 10 prompt tokens in blocks of 4
-    engine.abort("a")
+    engine.abort("a", AbortCause.ABORT_RPC)
     assert engine.pool_status().num_free == 32
     (final,) = engine.step()
     assert (final.request_id, final.finished, final.finish_reason) == ("a", True, "abort")
@@ -129,7 +129,7 @@ def test_abort_of_waiting_request_removes_it(make_llm: Callable[..., LLM]) -> No
     engine.add_request("b", TokensPrompt([5, 6, 7]), GREEDY)
     engine.step()
     assert engine.pool_status().num_waiting == 1
-    engine.abort("b")
+    engine.abort("b", AbortCause.ABORT_RPC)
     status = engine.pool_status()
     assert (status.num_waiting, status.num_running, status.num_allocated) == (0, 1, 1)
     outputs = engine.step()
@@ -138,7 +138,7 @@ def test_abort_of_waiting_request_removes_it(make_llm: Callable[..., LLM]) -> No
 
 def test_abort_of_unknown_request_raises(llm: LLM) -> None:
     with pytest.raises(RequestNotFoundError):
-        llm.engine.abort("nobody")
+        llm.engine.abort("nobody", AbortCause.ABORT_RPC)
 
 
 def test_request_beyond_max_model_len_is_rejected_naming_both_numbers(make_llm: Callable[..., LLM]) -> None:
@@ -166,7 +166,7 @@ def test_max_tokens_none_fills_what_the_pool_and_max_model_len_allow(make_llm: C
 def test_bad_token_id_in_prompt_is_rejected(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as info:
         llm.engine.add_request("a", TokensPrompt([5, 10**9]), GREEDY)
-    assert info.value.field == "prompt_token_ids"
+    assert info.value.field == "prompt_token_ids[1]"
 
 
 def test_duplicate_live_request_id_is_rejected(make_llm: Callable[..., LLM]) -> None:
@@ -324,7 +324,7 @@ def test_abort_is_logged_with_reason_aborted(make_llm: Callable[..., LLM], tmp_p
     llm = make_llm(num_kv_blocks=16, event_log_url=url)
     llm.engine.add_request("a", TokensPrompt([5, 6, 7, 8, 9]), SamplingParams(max_tokens=8, ignore_eos=True))
     llm.engine.step()
-    llm.engine.abort("a")
+    llm.engine.abort("a", AbortCause.ABORT_RPC)
     llm.shutdown()
     frees = [(e.kind, e.block_ids, e.owner, e.reason) for e in read_events(url) if e.kind.startswith("free")]
     assert frees == [("free_all", (0, 1), "a", "aborted")]

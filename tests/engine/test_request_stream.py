@@ -57,9 +57,29 @@ def test_stop_string_inside_a_cjk_run_is_cut_before_it(tokenizer: Tokenizer) -> 
 def test_eos_ends_with_stop_and_adds_no_text(tokenizer: Tokenizer) -> None:
     token_ids = [*tokenizer.encode("Hello"), 2]
     request, outputs = _feed(tokenizer, token_ids, SamplingParams(max_tokens=10))
-    assert (request.finish_reason, request.stop_reason) == ("stop", 2)
+    # the model's own EOS is no stop token the client asked for: stop_reason stays unset
+    assert (request.finish_reason, request.stop_reason) == ("stop", None)
     assert outputs[-1].text == "Hello"
     assert outputs[-1].token_ids == token_ids
+
+
+def test_eos_with_other_stop_token_ids_still_reports_no_stop_token(tokenizer: Tokenizer) -> None:
+    """Issue 8, fault 7: with stop_token_ids [0], an EOS (2) must not look like a stop token."""
+    token_ids = [*tokenizer.encode("Hello"), 2]
+    request, _ = _feed(tokenizer, token_ids, SamplingParams(max_tokens=10, stop_token_ids=[0]))
+    assert (request.finish_reason, request.stop_reason) == ("stop", None)
+
+
+def test_a_stop_token_id_the_client_asked_for_is_reported(tokenizer: Tokenizer) -> None:
+    token_ids = [*tokenizer.encode("Hello"), 0]
+    request, _ = _feed(tokenizer, token_ids, SamplingParams(max_tokens=10, stop_token_ids=[0]))
+    assert (request.finish_reason, request.stop_reason) == ("stop", 0)
+
+
+def test_eos_listed_in_stop_token_ids_is_reported_as_asked(tokenizer: Tokenizer) -> None:
+    token_ids = [*tokenizer.encode("Hello"), 2]
+    request, _ = _feed(tokenizer, token_ids, SamplingParams(max_tokens=10, stop_token_ids=[2]))
+    assert (request.finish_reason, request.stop_reason) == ("stop", 2)
 
 
 def test_ignore_eos_keeps_going(tokenizer: Tokenizer) -> None:

@@ -69,7 +69,7 @@ async def wait_pool_free(served: Served, timeout_s: float = 10.0) -> object:
     from nanoserve.v1 import allocation_pb2 as apb
     from nanoserve.v1 import allocation_pb2_grpc
 
-    stub = allocation_pb2_grpc.AllocationStub(served.channel)
+    stub = allocation_pb2_grpc.AllocationServiceStub(served.channel)
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         status = await stub.GetPoolStatus(apb.GetPoolStatusRequest())
@@ -78,3 +78,21 @@ async def wait_pool_free(served: Served, timeout_s: float = 10.0) -> object:
             return status
         assert asyncio.get_running_loop().time() < deadline, f"pool not free after {timeout_s} s: {status}"
         await asyncio.sleep(0.02)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tiny_served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> AsyncIterator[Served]:
+    """A real server in front of the tiny random model: fast steps, for tests that drive many streams."""
+    from nanoserve.service.config import ServerConfig
+    from nanoserve.service.server import NanoServer, start_engine
+
+    log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('tiny-log')) / 'events.db'}"
+    config = engine_config(
+        log_url, model=str(tiny_model_dir), num_kv_blocks=512, block_size=4, max_num_seqs=8, max_num_waiting=64
+    )
+    engine = await start_engine(config)
+    server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_s=2.0))
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield Served(server, channel, log_url)
+    await server.stop(0.5)

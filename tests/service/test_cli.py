@@ -30,7 +30,10 @@ def test_generate_chat_flags_build_the_request() -> None:
         ]
     )
     request = build_request(args)
-    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert [(m.role, m.content) for m in request.chat.messages] == [
+        (pb.CHAT_ROLE_SYSTEM, "Be brief."),
+        (pb.CHAT_ROLE_USER, "Hi"),
+    ]
     assert request.sampling.max_tokens == 8
     assert request.sampling.HasField("temperature")
     assert request.sampling.temperature == 0.0
@@ -52,7 +55,10 @@ def test_generate_cli_default_max_tokens_is_256() -> None:
 
 def test_generate_system_implies_chat() -> None:
     request = build_request(build_parser().parse_args(["generate", "--system", "Be brief.", "Hi"]))
-    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+    assert [(m.role, m.content) for m in request.chat.messages] == [
+        (pb.CHAT_ROLE_SYSTEM, "Be brief."),
+        (pb.CHAT_ROLE_USER, "Hi"),
+    ]
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "health"])

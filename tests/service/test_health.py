@@ -30,4 +30,7 @@ def test_unhealthy_log_writer_stops_allocation_and_the_server() -> None:
 
 
 def test_service_names_are_the_proto_full_names() -> None:
-    assert (GENERATION_SERVICE, ALLOCATION_SERVICE) == ("nanoserve.v1.Generation", "nanoserve.v1.Allocation")
+    assert (GENERATION_SERVICE, ALLOCATION_SERVICE) == (
+        "nanoserve.v1.GenerationService",
+        "nanoserve.v1.AllocationService",
+    )

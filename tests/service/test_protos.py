@@ -39,10 +39,36 @@ def test_committed_generated_code_matches_protos(tmp_path: Path) -> None:
 def test_services_expose_the_contract_methods() -> None:
     from nanoserve.v1 import allocation_pb2, generation_pb2
 
-    generation = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
-    allocation = allocation_pb2.DESCRIPTOR.services_by_name["Allocation"]
-    assert generation.full_name == "nanoserve.v1.Generation"
+    generation = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+    allocation = allocation_pb2.DESCRIPTOR.services_by_name["AllocationService"]
+    assert (generation.full_name, allocation.full_name) == (
+        "nanoserve.v1.GenerationService",
+        "nanoserve.v1.AllocationService",
+    )
     assert [m.name for m in generation.methods] == ["Generate", "Abort", "Tokenize", "GetModelInfo"]
     assert generation.methods_by_name["Generate"].server_streaming
     assert [m.name for m in allocation.methods] == ["GetPoolStatus", "WatchEvents", "Audit"]
     assert allocation.methods_by_name["WatchEvents"].server_streaming
+
+
+def test_every_method_takes_its_request_and_returns_its_response() -> None:
+    from nanoserve.v1 import allocation_pb2, generation_pb2
+
+    for file in (generation_pb2.DESCRIPTOR, allocation_pb2.DESCRIPTOR):
+        for service in file.services_by_name.values():
+            for method in service.methods:
+                assert (method.input_type.name, method.output_type.name) == (
+                    f"{method.name}Request",
+                    f"{method.name}Response",
+                )
+
+
+def test_every_method_documents_its_status_codes() -> None:
+    """Each rpc's comment in the .proto lists the status codes it returns (or points to the service's list)."""
+    for name in ("generation.proto", "allocation.proto"):
+        text = (GENERATED_DIR / name).read_text()
+        rpcs = [line for line in text.splitlines() if line.strip().startswith("rpc ")]
+        assert rpcs
+        for rpc in rpcs:
+            comment = text[: text.index(rpc)].rsplit("\n\n", 1)[-1].rsplit("{\n", 1)[-1].rsplit(";\n", 1)[-1]
+            assert "Status codes" in comment, f"{name}: {rpc.strip()} has no status codes in its comment"

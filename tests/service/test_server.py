@@ -14,8 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 import structlog
+from google.protobuf.duration_pb2 import Duration
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 
 from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import allocation_pb2_grpc, generation_pb2_grpc
@@ -25,17 +28,17 @@ from .conftest import MAX_NUM_SEQS, MAX_NUM_WAITING, NUM_KV_BLOCKS, Served, wait
 
 pytestmark = [pytest.mark.real_model, pytest.mark.asyncio(loop_scope="module")]
 
-CHAT = [pb.ChatMessage(role="user", content="What is the capital of France?")]
+CHAT = [pb.ChatMessage(role=pb.CHAT_ROLE_USER, content="What is the capital of France?")]
 # SmolLM2-135M-Instruct, float32, greedy, 24 tokens
 EXPECTED_CHAT_TEXT = "The capital of France is Paris."
 
 
-def _generation(served: Served) -> generation_pb2_grpc.GenerationStub:
-    return generation_pb2_grpc.GenerationStub(served.channel)
+def _generation(served: Served) -> generation_pb2_grpc.GenerationServiceStub:
+    return generation_pb2_grpc.GenerationServiceStub(served.channel)
 
 
-def _allocation(served: Served) -> allocation_pb2_grpc.AllocationStub:
-    return allocation_pb2_grpc.AllocationStub(served.channel)
+def _allocation(served: Served) -> allocation_pb2_grpc.AllocationServiceStub:
+    return allocation_pb2_grpc.AllocationServiceStub(served.channel)
 
 
 def _long_request(request_id: str = "") -> pb.GenerateRequest:
@@ -54,7 +57,9 @@ async def _read_rest(call: grpc.aio.UnaryStreamCall) -> list[pb.GenerateResponse
     return responses
 
 
-async def _collect(stub: generation_pb2_grpc.GenerationStub, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+async def _collect(
+    stub: generation_pb2_grpc.GenerationServiceStub, request: pb.GenerateRequest
+) -> list[pb.GenerateResponse]:
     return [response async for response in stub.Generate(request)]
 
 
@@ -70,9 +75,15 @@ async def test_chat_request_streams_the_greedy_text(served: Served) -> None:
     assert [r.HasField("finish") for r in responses] == [False] * (len(responses) - 1) + [True]
     finish = responses[-1].finish
     assert finish.reason == pb.FINISH_REASON_STOP
+    assert not finish.HasField("stop_reason")  # EOS: neither a stop string nor a stop token id
     num_tokens = sum(len(r.token_ids) for r in responses)
     assert finish.usage.completion_tokens == num_tokens
-    assert 0 <= finish.timings.queue_s <= finish.timings.ttft_s <= finish.timings.total_s
+    timings = finish.timings
+    queue_s, ttft_s, total_s = (d.ToNanoseconds() / 1e9 for d in (timings.queue_time, timings.ttft, timings.total_time))
+    assert all(timings.HasField(name) for name in ("queue_time", "ttft", "total_time"))
+    assert 0 <= queue_s <= ttft_s <= total_s
+    info = await _generation(served).GetModelInfo(pb.GetModelInfoRequest())
+    assert responses[-1].token_ids[-1] in info.eos_token_ids  # the model's EOS ended it
 
 
 async def test_server_assigns_a_request_id_when_empty(served: Served) -> None:
@@ -175,8 +186,9 @@ async def test_duplicate_live_request_id_is_already_exists(served: Served) -> No
     [
         (pb.GenerateRequest(), "input: give exactly one of prompt, prompt_token_ids or chat; none was set"),
         (
-            pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="hi")])),
-            "chat.messages[0].role: unknown role 'robot'; known roles: system, user, assistant",
+            pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(content="hi")])),
+            "chat.messages[0].role: must be one of CHAT_ROLE_SYSTEM, CHAT_ROLE_USER, CHAT_ROLE_ASSISTANT, "
+            "got CHAT_ROLE_UNSPECIFIED (unset)",
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(max_tokens=0)),
@@ -184,7 +196,7 @@ async def test_duplicate_live_request_id_is_already_exists(served: Served) -> No
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(temperature=-1.0)),
-            "sampling.temperature: must be >= 0 (0 = greedy), got -1.0",
+            "sampling.temperature: must be finite and >= 0 (0, or below 1e-05: greedy), got -1.0",
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(top_p=0.0)),
@@ -200,12 +212,12 @@ async def test_duplicate_live_request_id_is_already_exists(served: Served) -> No
         ),
         (
             pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParameters(stop=[""])),
-            "sampling.stop[0]: stop strings must not be empty",
+            "sampling.stop[0]: must be a non-empty string, got ''",
         ),
     ],
     ids=[
         "empty-input",
-        "unknown-role",
+        "unset-role",
         "max-tokens",
         "temperature",
         "top-p-zero",
@@ -220,13 +232,17 @@ async def test_bad_request_is_invalid_argument(served: Served, request_: pb.Gene
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
-async def test_prompt_longer_than_max_model_len_is_invalid_argument(served: Served) -> None:
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[42] * 1100))
+async def test_prompt_longer_than_max_model_len_is_invalid_argument_naming_the_prompt(served: Served) -> None:
+    """Issue 8, fault 4: the prompt alone is over the limit, so the message names the prompt."""
+    request = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[42] * 1100), sampling=pb.SamplingParameters(max_tokens=1)
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _collect(_generation(served), request)
     assert (info.value.code(), info.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT,
-        "sampling.max_tokens: prompt (1100 tokens) + max_tokens (16) = 1116 exceeds max_model_len (1024)",
+        "prompt_token_ids.ids: prompt has 1100 tokens; at most 1023 leave room for one generated token "
+        "(max_model_len 1024, KV pool 4096 tokens)",
     )
 
 
@@ -260,12 +276,48 @@ async def test_queue_full_is_resource_exhausted(served: Served) -> None:
         task.cancel()
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"max_num_waiting {MAX_NUM_WAITING}" in info.value.details()
+    status = rpc_status.from_call(info.value)  # type: ignore[arg-type]
+    assert status is not None
+    retry = error_details_pb2.RetryInfo()
+    assert [detail.Unpack(retry) for detail in status.details] == [True]
+    assert retry.retry_delay == Duration(seconds=1)
     await wait_pool_free(served)
+
+
+async def test_a_message_over_the_size_limit_is_refused_by_grpc_and_the_limit_follows_max_model_len(
+    served: Served,
+) -> None:
+    """Issue 8, fault 5: the limit is derived from max_model_len; over it, gRPC's own RESOURCE_EXHAUSTED."""
+    server = served.server
+    info = served.engine.model_info
+    assert server.max_request_bytes == info.max_prompt_bytes + 64 * 1024  # type: ignore[attr-defined]
+    assert info.max_prompt_bytes == 1023 * served.engine.tokenizer.max_token_bytes
+    big = pb.GenerateRequest(prompt="x" * (server.max_request_bytes + 1))  # type: ignore[attr-defined]
+    async with grpc.aio.insecure_channel(
+        f"127.0.0.1:{server.port}",
+        options=[("grpc.max_send_message_length", 16 << 20)],  # type: ignore[attr-defined]
+    ) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info_:
+            await _collect(generation_pb2_grpc.GenerationServiceStub(channel), big)
+    assert info_.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_num_waiting" not in (info_.value.details() or "")
+
+
+async def test_a_prompt_too_long_by_its_length_alone_is_invalid_argument_not_tokenized(served: Served) -> None:
+    text = "x" * 100_000  # under the message limit, over what 1023 tokens can hold
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(_generation(served), pb.GenerateRequest(prompt=text))
+    bound = -(-len(text) // served.engine.tokenizer.max_token_bytes)
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"prompt: 100000 bytes of text are at least {bound} tokens; a prompt may have at most 1023 tokens "
+        "(max_model_len 1024, KV pool 4096 tokens, one token left to generate)",
+    )
 
 
 async def test_health_is_serving_overall_and_per_service(served: Served) -> None:
     stub = health_pb2_grpc.HealthStub(served.channel)
-    for service in ("", "nanoserve.v1.Generation", "nanoserve.v1.Allocation"):
+    for service in ("", "nanoserve.v1.GenerationService", "nanoserve.v1.AllocationService"):
         response = await stub.Check(health_pb2.HealthCheckRequest(service=service))
         assert response.status == health_pb2.HealthCheckResponse.SERVING, service
 
@@ -279,8 +331,8 @@ async def test_reflection_lists_the_services(served: Served) -> None:
     assert names == [
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
-        "nanoserve.v1.Allocation",
-        "nanoserve.v1.Generation",
+        "nanoserve.v1.AllocationService",
+        "nanoserve.v1.GenerationService",
     ]
 
 
@@ -289,6 +341,8 @@ async def test_model_info_describes_smollm2(served: Served) -> None:
     assert (info.max_model_len, info.block_size, info.num_blocks, info.vocab_size) == (1024, 16, NUM_KV_BLOCKS, 49152)
     assert info.dtype == "float32"
     assert info.has_chat_template
+    assert list(info.eos_token_ids) == sorted(served.engine.tokenizer.eos_token_ids)
+    assert list(info.eos_token_ids) == [2]  # SmolLM2's <|im_end|>
 
 
 async def test_tokenize_text_matches_the_engine_tokenizer(served: Served) -> None:
@@ -302,9 +356,9 @@ async def test_watch_events_from_zero_sees_every_event_without_gap(served: Serve
     seen: list[apb.AllocationEvent] = []
 
     async def read_until(last_seq: int) -> None:
-        async for event in watch:
-            seen.append(event)
-            if event.seq >= last_seq:
+        async for response in watch:
+            seen.append(response.event)
+            if response.event.seq >= last_seq:
                 return
 
     stub = _generation(served)
@@ -324,7 +378,28 @@ async def test_watch_events_from_zero_sees_every_event_without_gap(served: Serve
     reader.cancel()
     watch.cancel()
     assert [e.seq for e in seen][: status.last_seq] == list(range(1, status.last_seq + 1))
-    assert seen[0].kind == "pool_init"
+    assert seen[0].kind == apb.EVENT_KIND_POOL_INIT
+    stored = {e.seq: e for e in await _stored_events(served)}
+    for event in seen[: status.last_seq]:  # every event crosses with its kind, reason and times
+        assert apb.EventKind.Name(event.kind) == f"EVENT_KIND_{stored[event.seq].kind.upper()}"
+        reason = stored[event.seq].reason
+        assert apb.FreeReason.Name(event.free_reason) == (
+            f"FREE_REASON_{reason.upper()}" if reason else "FREE_REASON_UNSPECIFIED"
+        )
+        assert event.wall_time.ToNanoseconds() == stored[event.seq].wall_time_ns
+        assert event.monotonic_time.ToNanoseconds() == stored[event.seq].monotonic_ns
+    # this test's six requests ran to max_tokens: their blocks went back as finished
+    assert apb.FREE_REASON_FINISHED in {e.free_reason for e in seen if e.kind == apb.EVENT_KIND_FREE_ALL}
+
+
+async def test_event_log_lag_gauge_falls_to_zero_once_the_log_is_durable(served: Served) -> None:
+    """Issue 8, fault 6: the gauge reads the log's progress from the log, not from a copy taken after a step."""
+    from nanoserve.service.server import MONITOR_INTERVAL_S
+
+    await _collect(_generation(served), pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParameters(max_tokens=3)))
+    await wait_pool_free(served)  # idle, and every event durable
+    await asyncio.sleep(3 * MONITOR_INTERVAL_S)
+    assert _metric(served, "nanoserve_event_log_lag_events") == 0.0
 
 
 async def test_metrics_count_finished_requests(served: Served) -> None:
@@ -355,7 +430,7 @@ async def test_token_check_refuses_calls_without_the_token(served: Served) -> No
     await guarded.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{guarded.port}") as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.GetModelInfo(pb.GetModelInfoRequest())
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -370,7 +445,7 @@ async def test_token_check_refuses_calls_without_the_token(served: Served) -> No
 async def _stored_events(served: Served) -> list:
     from nanoserve.allocator.log_reader import read_events
 
-    event_log = served.engine.engine.event_log
+    event_log = served.engine.event_log
     return await asyncio.to_thread(read_events, served.log_url, event_log.pool_id, event_log.epoch)
 
 
@@ -410,11 +485,11 @@ async def test_tls_serves_a_client_that_trusts_the_certificate(served: Served, t
     try:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         async with grpc.aio.secure_channel(f"127.0.0.1:{secured.port}", credentials) as channel:
-            info = await generation_pb2_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+            info = await generation_pb2_grpc.GenerationServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest())
             assert info.block_size == 16
         async with grpc.aio.insecure_channel(f"127.0.0.1:{secured.port}") as plain:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await generation_pb2_grpc.GenerationStub(plain).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+                await generation_pb2_grpc.GenerationServiceStub(plain).GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await secured.stop(0)
@@ -472,6 +547,7 @@ async def test_generate_cli_json_prints_one_object_per_message(served: Served) -
     assert {m["request_id"] for m in messages} == {"json-1"}
     assert sum(len(m.get("token_ids", [])) for m in messages) == 3
     assert messages[-1]["finish"]["reason"] == "FINISH_REASON_LENGTH"
+    assert messages[-1]["finish"]["timings"]["total_time"].endswith("s")  # a Duration: "0.123456789s"
 
 
 async def test_generate_cli_error_before_any_text_starts_with_error(served: Served) -> None:
@@ -529,7 +605,8 @@ async def test_health_cli_unknown_service_exits_3_naming_the_known_ones(served: 
     assert await _cli("health", "--server", server, "--service", "bogus") == (
         3,
         "",
-        f"{server}: unknown service 'bogus'; known: '', 'nanoserve.v1.Generation', 'nanoserve.v1.Allocation'\n",
+        f"{server}: unknown service 'bogus'; known: '', 'nanoserve.v1.GenerationService', "
+        "'nanoserve.v1.AllocationService'\n",
     )
 
 
@@ -562,9 +639,9 @@ async def test_watch_events_catches_up_from_the_log_after_falling_behind(
     ]
     await asyncio.gather(*(_collect(_generation(served), r) for r in requests))
     end = await wait_pool_free(served)
-    seqs = [(await first).seq]
+    seqs = [(await first).event.seq]
     while seqs[-1] < end.last_seq:
-        seqs.append((await asyncio.wait_for(events.__anext__(), timeout=10)).seq)
+        seqs.append((await asyncio.wait_for(events.__anext__(), timeout=10)).event.seq)
     await events.aclose()
     assert seqs == list(range(start.last_seq + 1, end.last_seq + 1))
     assert len(subscriptions) >= 2  # cut off at least once, resubscribed, caught up from the store
@@ -618,12 +695,12 @@ async def test_abort_rpc_stream_is_counted_and_logged_once_as_abort(served: Serv
     assert (line["finish_reason"], line["cause"]) == ("abort", "abort_rpc")
 
 
-async def test_stream_cancelled_while_waiting_is_logged_with_its_prompt_tokens(served: Served) -> None:
+async def _cancel_while_waiting(served: Served, waiting_request: pb.GenerateRequest) -> dict:
+    """The request_finished line of ``waiting_request``, cancelled while every running slot is busy."""
     stub = _generation(served)
     running = [stub.Generate(_long_request(f"busy-{i}")) for i in range(MAX_NUM_SEQS)]
     for call in running:
         await call.read()
-    waiting_request = _long_request("cancel-waiting")
     with structlog.testing.capture_logs() as logs:
         waiting = stub.Generate(waiting_request)
         while (await _allocation(served).GetPoolStatus(apb.GetPoolStatusRequest())).num_waiting == 0:
@@ -632,6 +709,29 @@ async def test_stream_cancelled_while_waiting_is_logged_with_its_prompt_tokens(s
         for call in running:
             call.cancel()
         await _settle(served)
-    [line] = _finished_lines(logs, "cancel-waiting")
+    [line] = _finished_lines(logs, waiting_request.request_id)
+    return line
+
+
+async def test_stream_cancelled_while_waiting_is_logged_with_its_prompt_tokens(served: Served) -> None:
+    waiting_request = _long_request("cancel-waiting")
+    line = await _cancel_while_waiting(served, waiting_request)
     assert line["prompt_tokens"] == len(served.engine.tokenizer.encode(waiting_request.prompt))
+    assert (line["completion_tokens"], line["ttft_s"], line["cause"]) == (0, None, "cancelled")
+
+
+async def test_token_ids_stream_cancelled_while_waiting_is_counted_and_logged_with_its_prompt_tokens(
+    served: Served,
+) -> None:
+    # found by mypy: the prompt token count of an abandoned stream took len() of the TokenIds message
+    waiting_request = pb.GenerateRequest(
+        request_id="cancel-waiting-ids",
+        prompt_token_ids=pb.TokenIds(ids=[504, 3458, 2030, 1029, 282, 1029, 13, 1029, 28, 827, 28]),
+        sampling=pb.SamplingParameters(max_tokens=400, temperature=0.0, ignore_eos=True),
+    )
+    before = _metric(served, 'nanoserve_requests_total{finish_reason="abort"}')
+    line = await _cancel_while_waiting(served, waiting_request)
+    # the waiting stream and the MAX_NUM_SEQS busy ones, each counted once
+    assert _metric(served, 'nanoserve_requests_total{finish_reason="abort"}') == before + 1 + MAX_NUM_SEQS
+    assert line["prompt_tokens"] == 11
     assert (line["completion_tokens"], line["ttft_s"], line["cause"]) == (0, None, "cancelled")

@@ -92,8 +92,8 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_e
 
     log_url = f"sqlite:///{tmp_path / 'events.db'}"
     first = ServeProcess(log_url)
-    generation = generation_pb2_grpc.GenerationStub(first.channel)
-    epoch = allocation_pb2_grpc.AllocationStub(first.channel).GetPoolStatus(apb.GetPoolStatusRequest()).epoch
+    generation = generation_pb2_grpc.GenerationServiceStub(first.channel)
+    epoch = allocation_pb2_grpc.AllocationServiceStub(first.channel).GetPoolStatus(apb.GetPoolStatusRequest()).epoch
     long_call = generation.Generate(
         pb.GenerateRequest(
             request_id="long",
@@ -133,7 +133,7 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_e
     assert {e.reason for e in frees} == {"aborted"}
 
     second = ServeProcess(log_url)
-    status = allocation_pb2_grpc.AllocationStub(second.channel).GetPoolStatus(apb.GetPoolStatusRequest())
+    status = allocation_pb2_grpc.AllocationServiceStub(second.channel).GetPoolStatus(apb.GetPoolStatusRequest())
     assert status.epoch == epoch + 1
     assert second.terminate() == 0
     second.channel.close()

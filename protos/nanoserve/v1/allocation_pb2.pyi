@@ -1,4 +1,9 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,11 +11,82 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_POOL_INIT: _ClassVar[EventKind]
+    EVENT_KIND_ALLOCATE: _ClassVar[EventKind]
+    EVENT_KIND_ALLOCATE_FOR: _ClassVar[EventKind]
+    EVENT_KIND_FREE: _ClassVar[EventKind]
+    EVENT_KIND_FREE_ALL: _ClassVar[EventKind]
+    EVENT_KIND_SNAPSHOT: _ClassVar[EventKind]
+    EVENT_KIND_POOL_CLOSE: _ClassVar[EventKind]
+
+class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FREE_REASON_UNSPECIFIED: _ClassVar[FreeReason]
+    FREE_REASON_FINISHED: _ClassVar[FreeReason]
+    FREE_REASON_ABORTED: _ClassVar[FreeReason]
+    FREE_REASON_PREEMPTED: _ClassVar[FreeReason]
+
+class AuditRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIT_RULE_UNSPECIFIED: _ClassVar[AuditRule]
+    AUDIT_RULE_MISSING_EVENTS: _ClassVar[AuditRule]
+    AUDIT_RULE_OUT_OF_ORDER: _ClassVar[AuditRule]
+    AUDIT_RULE_HASH_MISMATCH: _ClassVar[AuditRule]
+    AUDIT_RULE_SEQ_MISMATCH: _ClassVar[AuditRule]
+    AUDIT_RULE_BAD_RECORD: _ClassVar[AuditRule]
+    AUDIT_RULE_COLUMN_MISMATCH: _ClassVar[AuditRule]
+    AUDIT_RULE_TORN_BATCH: _ClassVar[AuditRule]
+    AUDIT_RULE_AFTER_CLOSE: _ClassVar[AuditRule]
+    AUDIT_RULE_MISPLACED_INIT: _ClassVar[AuditRule]
+    AUDIT_RULE_UNKNOWN_KIND: _ClassVar[AuditRule]
+    AUDIT_RULE_ALLOCATE_OF_ALLOCATED: _ClassVar[AuditRule]
+    AUDIT_RULE_FOREIGN_BLOCK: _ClassVar[AuditRule]
+    AUDIT_RULE_FREE_OF_FREE_BLOCK: _ClassVar[AuditRule]
+    AUDIT_RULE_OWNER_MISMATCH: _ClassVar[AuditRule]
+    AUDIT_RULE_BAD_SNAPSHOT: _ClassVar[AuditRule]
+    AUDIT_RULE_SNAPSHOT_MISMATCH: _ClassVar[AuditRule]
+    AUDIT_RULE_MISSING_CLOSE: _ClassVar[AuditRule]
+    AUDIT_RULE_LEAKED_BLOCK: _ClassVar[AuditRule]
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_POOL_INIT: EventKind
+EVENT_KIND_ALLOCATE: EventKind
+EVENT_KIND_ALLOCATE_FOR: EventKind
+EVENT_KIND_FREE: EventKind
+EVENT_KIND_FREE_ALL: EventKind
+EVENT_KIND_SNAPSHOT: EventKind
+EVENT_KIND_POOL_CLOSE: EventKind
+FREE_REASON_UNSPECIFIED: FreeReason
+FREE_REASON_FINISHED: FreeReason
+FREE_REASON_ABORTED: FreeReason
+FREE_REASON_PREEMPTED: FreeReason
+AUDIT_RULE_UNSPECIFIED: AuditRule
+AUDIT_RULE_MISSING_EVENTS: AuditRule
+AUDIT_RULE_OUT_OF_ORDER: AuditRule
+AUDIT_RULE_HASH_MISMATCH: AuditRule
+AUDIT_RULE_SEQ_MISMATCH: AuditRule
+AUDIT_RULE_BAD_RECORD: AuditRule
+AUDIT_RULE_COLUMN_MISMATCH: AuditRule
+AUDIT_RULE_TORN_BATCH: AuditRule
+AUDIT_RULE_AFTER_CLOSE: AuditRule
+AUDIT_RULE_MISPLACED_INIT: AuditRule
+AUDIT_RULE_UNKNOWN_KIND: AuditRule
+AUDIT_RULE_ALLOCATE_OF_ALLOCATED: AuditRule
+AUDIT_RULE_FOREIGN_BLOCK: AuditRule
+AUDIT_RULE_FREE_OF_FREE_BLOCK: AuditRule
+AUDIT_RULE_OWNER_MISMATCH: AuditRule
+AUDIT_RULE_BAD_SNAPSHOT: AuditRule
+AUDIT_RULE_SNAPSHOT_MISMATCH: AuditRule
+AUDIT_RULE_MISSING_CLOSE: AuditRule
+AUDIT_RULE_LEAKED_BLOCK: AuditRule
+
 class GetPoolStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class PoolStatus(_message.Message):
+class GetPoolStatusResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "num_blocks", "block_size", "num_free", "num_allocated", "num_running", "num_waiting", "last_seq", "durable_seq")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -40,8 +116,14 @@ class WatchEventsRequest(_message.Message):
     from_seq: int
     def __init__(self, from_seq: _Optional[int] = ...) -> None: ...
 
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: AllocationEvent
+    def __init__(self, event: _Optional[_Union[AllocationEvent, _Mapping]] = ...) -> None: ...
+
 class AllocationEvent(_message.Message):
-    __slots__ = ("seq", "pool_id", "epoch", "kind", "block_ids", "owner", "step", "reason", "wall_time_s", "mono_time_s", "hash")
+    __slots__ = ("seq", "pool_id", "epoch", "kind", "block_ids", "owner", "step", "free_reason", "wall_time", "monotonic_time", "hash")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -49,22 +131,22 @@ class AllocationEvent(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    WALL_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    MONO_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    FREE_REASON_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_FIELD_NUMBER: _ClassVar[int]
+    MONOTONIC_TIME_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     pool_id: str
     epoch: int
-    kind: str
+    kind: EventKind
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     owner: str
     step: int
-    reason: str
-    wall_time_s: float
-    mono_time_s: float
+    free_reason: FreeReason
+    wall_time: _timestamp_pb2.Timestamp
+    monotonic_time: _duration_pb2.Duration
     hash: str
-    def __init__(self, seq: _Optional[int] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kind: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., wall_time_s: _Optional[float] = ..., mono_time_s: _Optional[float] = ..., hash: _Optional[str] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., step: _Optional[int] = ..., free_reason: _Optional[_Union[FreeReason, str]] = ..., wall_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., monotonic_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., hash: _Optional[str] = ...) -> None: ...
 
 class AuditRequest(_message.Message):
     __slots__ = ("epoch",)
@@ -85,10 +167,10 @@ class Violation(_message.Message):
     block_id: int
     owner: str
     message: str
-    rule: str
+    rule: AuditRule
     plot_from_seq: int
     plot_to_seq: int
-    def __init__(self, seq: _Optional[int] = ..., block_id: _Optional[int] = ..., owner: _Optional[str] = ..., message: _Optional[str] = ..., rule: _Optional[str] = ..., plot_from_seq: _Optional[int] = ..., plot_to_seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., block_id: _Optional[int] = ..., owner: _Optional[str] = ..., message: _Optional[str] = ..., rule: _Optional[_Union[AuditRule, str]] = ..., plot_from_seq: _Optional[int] = ..., plot_to_seq: _Optional[int] = ...) -> None: ...
 
 class BlockOwner(_message.Message):
     __slots__ = ("block_id", "owner")
@@ -98,7 +180,7 @@ class BlockOwner(_message.Message):
     owner: str
     def __init__(self, block_id: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
-class AuditReport(_message.Message):
+class AuditResponse(_message.Message):
     __slots__ = ("pool_id", "epoch", "clean", "closed", "num_events", "last_seq", "violations", "held_blocks", "summary")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]

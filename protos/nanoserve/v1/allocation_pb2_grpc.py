@@ -25,8 +25,19 @@ if _version_not_supported:
     )
 
 
-class AllocationStub:
-    """Missing associated documentation comment in .proto file."""
+class AllocationServiceStub:
+    """Status codes every method below can return besides its own:
+    UNAUTHENTICATED     the server runs with --auth-token and the call lacks
+    `authorization: Bearer <token>` metadata, or it is wrong.
+    UNAVAILABLE         the server is shutting down (new calls are refused) or
+    cannot be reached.
+    RESOURCE_EXHAUSTED  the request message is larger than the server accepts
+    (gRPC's own receive limit, 4 MiB by default); no
+    google.rpc.RetryInfo detail: do not retry it.
+    DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
+    INTERNAL            a server bug, or the event log's store failed while
+    being read; the server logs it with its traceback.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,27 +46,42 @@ class AllocationStub:
             channel: A grpc.Channel.
         """
         self.GetPoolStatus = channel.unary_unary(
-                '/nanoserve.v1.Allocation/GetPoolStatus',
+                '/nanoserve.v1.AllocationService/GetPoolStatus',
                 request_serializer=nanoserve_dot_v1_dot_allocation__pb2.GetPoolStatusRequest.SerializeToString,
-                response_deserializer=nanoserve_dot_v1_dot_allocation__pb2.PoolStatus.FromString,
+                response_deserializer=nanoserve_dot_v1_dot_allocation__pb2.GetPoolStatusResponse.FromString,
                 _registered_method=True)
         self.WatchEvents = channel.unary_stream(
-                '/nanoserve.v1.Allocation/WatchEvents',
+                '/nanoserve.v1.AllocationService/WatchEvents',
                 request_serializer=nanoserve_dot_v1_dot_allocation__pb2.WatchEventsRequest.SerializeToString,
-                response_deserializer=nanoserve_dot_v1_dot_allocation__pb2.AllocationEvent.FromString,
+                response_deserializer=nanoserve_dot_v1_dot_allocation__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
         self.Audit = channel.unary_unary(
-                '/nanoserve.v1.Allocation/Audit',
+                '/nanoserve.v1.AllocationService/Audit',
                 request_serializer=nanoserve_dot_v1_dot_allocation__pb2.AuditRequest.SerializeToString,
-                response_deserializer=nanoserve_dot_v1_dot_allocation__pb2.AuditReport.FromString,
+                response_deserializer=nanoserve_dot_v1_dot_allocation__pb2.AuditResponse.FromString,
                 _registered_method=True)
 
 
-class AllocationServicer:
-    """Missing associated documentation comment in .proto file."""
+class AllocationServiceServicer:
+    """Status codes every method below can return besides its own:
+    UNAUTHENTICATED     the server runs with --auth-token and the call lacks
+    `authorization: Bearer <token>` metadata, or it is wrong.
+    UNAVAILABLE         the server is shutting down (new calls are refused) or
+    cannot be reached.
+    RESOURCE_EXHAUSTED  the request message is larger than the server accepts
+    (gRPC's own receive limit, 4 MiB by default); no
+    google.rpc.RetryInfo detail: do not retry it.
+    DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
+    INTERNAL            a server bug, or the event log's store failed while
+    being read; the server logs it with its traceback.
+    """
 
     def GetPoolStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The pool's block counts, the engine's queue, and how far the event log
+        has been written and committed.
+
+        Status codes: only the codes every method can return (above).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -63,47 +89,69 @@ class AllocationServicer:
     def WatchEvents(self, request, context):
         """Streams the current epoch's allocation events with seq >= from_seq: first
         those already stored in the log, then live ones as they commit, with no gap
-        and no duplicate between the two.
+        and no duplicate between the two. Ends (OK) after the epoch's
+        EVENT_KIND_POOL_CLOSE, when the server shuts down.
+
+        Status codes:
+        FAILED_PRECONDITION the server keeps no event log (--event-log-url none).
+        plus the codes every method can return (above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Audit(self, request, context):
-        """The audit report of the current epoch, or of the one given.
+        """Replays an epoch from the log and checks every rule of the allocator: the
+        report of the server's current epoch, or of the one given.
+
+        Status codes:
+        NOT_FOUND           the log holds no such epoch for this server's pool.
+        FAILED_PRECONDITION the server keeps no event log (--event-log-url none).
+        plus the codes every method can return (above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_AllocationServicer_to_server(servicer, server):
+def add_AllocationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetPoolStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPoolStatus,
                     request_deserializer=nanoserve_dot_v1_dot_allocation__pb2.GetPoolStatusRequest.FromString,
-                    response_serializer=nanoserve_dot_v1_dot_allocation__pb2.PoolStatus.SerializeToString,
+                    response_serializer=nanoserve_dot_v1_dot_allocation__pb2.GetPoolStatusResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
                     request_deserializer=nanoserve_dot_v1_dot_allocation__pb2.WatchEventsRequest.FromString,
-                    response_serializer=nanoserve_dot_v1_dot_allocation__pb2.AllocationEvent.SerializeToString,
+                    response_serializer=nanoserve_dot_v1_dot_allocation__pb2.WatchEventsResponse.SerializeToString,
             ),
             'Audit': grpc.unary_unary_rpc_method_handler(
                     servicer.Audit,
                     request_deserializer=nanoserve_dot_v1_dot_allocation__pb2.AuditRequest.FromString,
-                    response_serializer=nanoserve_dot_v1_dot_allocation__pb2.AuditReport.SerializeToString,
+                    response_serializer=nanoserve_dot_v1_dot_allocation__pb2.AuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'nanoserve.v1.Allocation', rpc_method_handlers)
+            'nanoserve.v1.AllocationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('nanoserve.v1.Allocation', rpc_method_handlers)
+    server.add_registered_method_handlers('nanoserve.v1.AllocationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Allocation:
-    """Missing associated documentation comment in .proto file."""
+class AllocationService:
+    """Status codes every method below can return besides its own:
+    UNAUTHENTICATED     the server runs with --auth-token and the call lacks
+    `authorization: Bearer <token>` metadata, or it is wrong.
+    UNAVAILABLE         the server is shutting down (new calls are refused) or
+    cannot be reached.
+    RESOURCE_EXHAUSTED  the request message is larger than the server accepts
+    (gRPC's own receive limit, 4 MiB by default); no
+    google.rpc.RetryInfo detail: do not retry it.
+    DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
+    INTERNAL            a server bug, or the event log's store failed while
+    being read; the server logs it with its traceback.
+    """
 
     @staticmethod
     def GetPoolStatus(request,
@@ -119,9 +167,9 @@ class Allocation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/nanoserve.v1.Allocation/GetPoolStatus',
+            '/nanoserve.v1.AllocationService/GetPoolStatus',
             nanoserve_dot_v1_dot_allocation__pb2.GetPoolStatusRequest.SerializeToString,
-            nanoserve_dot_v1_dot_allocation__pb2.PoolStatus.FromString,
+            nanoserve_dot_v1_dot_allocation__pb2.GetPoolStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,9 +194,9 @@ class Allocation:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/nanoserve.v1.Allocation/WatchEvents',
+            '/nanoserve.v1.AllocationService/WatchEvents',
             nanoserve_dot_v1_dot_allocation__pb2.WatchEventsRequest.SerializeToString,
-            nanoserve_dot_v1_dot_allocation__pb2.AllocationEvent.FromString,
+            nanoserve_dot_v1_dot_allocation__pb2.WatchEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,9 +221,9 @@ class Allocation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/nanoserve.v1.Allocation/Audit',
+            '/nanoserve.v1.AllocationService/Audit',
             nanoserve_dot_v1_dot_allocation__pb2.AuditRequest.SerializeToString,
-            nanoserve_dot_v1_dot_allocation__pb2.AuditReport.FromString,
+            nanoserve_dot_v1_dot_allocation__pb2.AuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -7,12 +10,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ChatRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHAT_ROLE_UNSPECIFIED: _ClassVar[ChatRole]
+    CHAT_ROLE_SYSTEM: _ClassVar[ChatRole]
+    CHAT_ROLE_USER: _ClassVar[ChatRole]
+    CHAT_ROLE_ASSISTANT: _ClassVar[ChatRole]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+CHAT_ROLE_UNSPECIFIED: ChatRole
+CHAT_ROLE_SYSTEM: ChatRole
+CHAT_ROLE_USER: ChatRole
+CHAT_ROLE_ASSISTANT: ChatRole
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -22,9 +36,9 @@ class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
-    role: str
+    role: ChatRole
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    def __init__(self, role: _Optional[_Union[ChatRole, str]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)
@@ -111,14 +125,14 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "ttft_s", "total_s")
-    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
-    TTFT_S_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
-    queue_s: float
-    ttft_s: float
-    total_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+    __slots__ = ("queue_time", "ttft", "total_time")
+    QUEUE_TIME_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    queue_time: _duration_pb2.Duration
+    ttft: _duration_pb2.Duration
+    total_time: _duration_pb2.Duration
+    def __init__(self, queue_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("reason", "stop_string", "stop_token_id", "usage", "timings", "num_preemptions")
@@ -178,8 +192,8 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "dtype", "max_model_len", "block_size", "num_blocks", "vocab_size", "has_chat_template", "device")
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model_name", "dtype", "max_model_len", "block_size", "num_blocks", "vocab_size", "has_chat_template", "device", "eos_token_ids")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +202,7 @@ class ModelInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     dtype: str
     max_model_len: int
@@ -196,4 +211,5 @@ class ModelInfo(_message.Message):
     vocab_size: int
     has_chat_template: bool
     device: str
-    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_name: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., device: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -25,8 +25,19 @@ if _version_not_supported:
     )
 
 
-class GenerationStub:
-    """Missing associated documentation comment in .proto file."""
+class GenerationServiceStub:
+    """Status codes every method below can return besides its own:
+    UNAUTHENTICATED     the server runs with --auth-token and the call lacks
+    `authorization: Bearer <token>` metadata, or it is wrong.
+    UNAVAILABLE         the server is shutting down (new calls are refused) or
+    cannot be reached.
+    RESOURCE_EXHAUSTED  without a google.rpc.RetryInfo detail: the request
+    message is larger than the server accepts (gRPC's own
+    receive limit, 4 MiB by default). Retrying the same
+    message fails the same way: do not retry it.
+    DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
+    INTERNAL            a server bug; the server logs it with its traceback.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,61 +46,107 @@ class GenerationStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/nanoserve.v1.Generation/Generate',
+                '/nanoserve.v1.GenerationService/Generate',
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/nanoserve.v1.Generation/Abort',
+                '/nanoserve.v1.GenerationService/Abort',
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
-                '/nanoserve.v1.Generation/Tokenize',
+                '/nanoserve.v1.GenerationService/Tokenize',
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
-                '/nanoserve.v1.Generation/GetModelInfo',
+                '/nanoserve.v1.GenerationService/GetModelInfo',
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
 
 
-class GenerationServicer:
-    """Missing associated documentation comment in .proto file."""
+class GenerationServiceServicer:
+    """Status codes every method below can return besides its own:
+    UNAUTHENTICATED     the server runs with --auth-token and the call lacks
+    `authorization: Bearer <token>` metadata, or it is wrong.
+    UNAVAILABLE         the server is shutting down (new calls are refused) or
+    cannot be reached.
+    RESOURCE_EXHAUSTED  without a google.rpc.RetryInfo detail: the request
+    message is larger than the server accepts (gRPC's own
+    receive limit, 4 MiB by default). Retrying the same
+    message fails the same way: do not retry it.
+    DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
+    INTERNAL            a server bug; the server logs it with its traceback.
+    """
 
     def Generate(self, request, context):
         """Streams the completion of one request: one message per decoded chunk of
-        text, the last one carrying `finish`. Cancelling the call aborts the
-        request in the engine and frees its KV blocks at once.
+        text, the last one carrying `finish`. Cancelling the call, a disconnect or
+        a passed deadline aborts the request in the engine and frees its KV blocks
+        at once. A request aborted by `Abort` or by the server's shutdown grace
+        ends the stream normally (OK) with `finish.reason` FINISH_REASON_ABORT.
+
+        Status codes:
+        INVALID_ARGUMENT    a field breaks its limit; the message starts with the
+        field's protobuf path and names the limit
+        (`sampling.top_p: must be in (0, 1], got 1.5`): no
+        input or an empty one, an unknown chat role, a token id
+        outside the vocabulary, prompt tokens + max_tokens over
+        the model's context length, request_id over 128
+        characters, chat input to a model without a chat template.
+        ALREADY_EXISTS      `request_id` names a request still live on the server.
+        RESOURCE_EXHAUSTED  with a google.rpc.RetryInfo detail: the waiting queue
+        holds max_num_waiting requests; retry after the
+        detail's retry_delay (backing off on repeats).
+        UNAVAILABLE         also: the engine loop has stopped or failed, before
+        or during the stream (health reports NOT_SERVING).
+        DEADLINE_EXCEEDED   also: the deadline passed mid-stream; the request
+        was aborted and its blocks freed.
+        plus the codes every method can return (above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a live request by id (NOT_FOUND when no live request has it).
+        """Aborts a live request by id; its Generate stream ends with
+        FINISH_REASON_ABORT.
+
+        Status codes:
+        NOT_FOUND           no live request has this `request_id` (it finished,
+        was never sent, or the id is empty).
+        plus the codes every method can return (above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Token ids of a text, or of chat messages rendered with the chat template.
+        """Token ids of a text, or of chat messages rendered with the chat template
+        (with the generation prompt for the assistant's turn).
+
+        Status codes:
+        INVALID_ARGUMENT    no input, an empty text, no chat messages or an
+        unknown chat role; the message starts with the field path.
+        plus the codes every method can return (above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The served model and the shape of its KV cache.
+
+        Status codes: only the codes every method can return (above).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_GenerationServicer_to_server(servicer, server):
+def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -109,18 +166,29 @@ def add_GenerationServicer_to_server(servicer, server):
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'nanoserve.v1.Generation', rpc_method_handlers)
+            'nanoserve.v1.GenerationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('nanoserve.v1.Generation', rpc_method_handlers)
+    server.add_registered_method_handlers('nanoserve.v1.GenerationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Generation:
-    """Missing associated documentation comment in .proto file."""
+class GenerationService:
+    """Status codes every method below can return besides its own:
+    UNAUTHENTICATED     the server runs with --auth-token and the call lacks
+    `authorization: Bearer <token>` metadata, or it is wrong.
+    UNAVAILABLE         the server is shutting down (new calls are refused) or
+    cannot be reached.
+    RESOURCE_EXHAUSTED  without a google.rpc.RetryInfo detail: the request
+    message is larger than the server accepts (gRPC's own
+    receive limit, 4 MiB by default). Retrying the same
+    message fails the same way: do not retry it.
+    DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
+    INTERNAL            a server bug; the server logs it with its traceback.
+    """
 
     @staticmethod
     def Generate(request,
@@ -136,7 +204,7 @@ class Generation:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/nanoserve.v1.Generation/Generate',
+            '/nanoserve.v1.GenerationService/Generate',
             nanoserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             nanoserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
@@ -163,7 +231,7 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/nanoserve.v1.Generation/Abort',
+            '/nanoserve.v1.GenerationService/Abort',
             nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
             nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
@@ -190,7 +258,7 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/nanoserve.v1.Generation/Tokenize',
+            '/nanoserve.v1.GenerationService/Tokenize',
             nanoserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             nanoserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
@@ -217,9 +285,9 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/nanoserve.v1.Generation/GetModelInfo',
+            '/nanoserve.v1.GenerationService/GetModelInfo',
             nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
-            nanoserve_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

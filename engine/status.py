@@ -1,0 +1,56 @@
+"""What the engine reports about itself: its model (fixed at load) and its pool (changing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model and the limits every request is checked against; fixed for the engine's life.
+
+    vocab_size: the model's output vocabulary (rows of its logits), the one bound
+        for every token id a request may carry.
+    max_model_len: longest sequence (prompt + generated tokens), tokens.
+    eos_token_ids: the ids that end generation with finish_reason "stop" and no
+        stop_reason (unless ``ignore_eos``).
+    max_prompt_bytes: the longest prompt text, in UTF-8 bytes, that could still
+        fit in ``max_model_len``: longer texts are refused from their length
+        alone, before tokenization (a server derives its message size limit
+        from it).
+    """
+
+    model_name: str
+    dtype: str
+    device: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    has_chat_template: bool
+    eos_token_ids: tuple[int, ...]
+    max_prompt_bytes: int
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """The KV block pool and queues.
+
+    num_free / num_allocated / num_running / num_waiting belong to the engine
+    thread and are as of its last step (they cannot change while it is idle).
+    last_seq / durable_seq: the event log's last assigned and last committed
+    sequence numbers, read from the log when the status is asked for (the log's
+    writer commits after the step, while the engine is idle); epoch likewise;
+    None where the engine keeps no log.
+    """
+
+    pool_id: str
+    epoch: int | None
+    num_blocks: int
+    block_size: int
+    num_free: int
+    num_allocated: int
+    num_running: int
+    num_waiting: int
+    last_seq: int | None
+    durable_seq: int | None
