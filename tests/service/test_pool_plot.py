@@ -398,7 +398,7 @@ def test_state_svg_lists_block_tables_in_logical_order(url: str, tmp_path: Path)
 
 def test_audit_report_message_carries_the_plot_range(url: str) -> None:
     write_trace(url)
-    message = convert.to_audit_report(audit(url))
+    message = convert.to_audit_response(audit(url))
     assert [(v.seq, v.block_id, v.plot_from_seq, v.plot_to_seq) for v in message.violations] == [
         (8, 0, 7, 8),
         (8, 1, 7, 8),
