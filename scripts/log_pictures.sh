@@ -19,7 +19,7 @@ OMP_NUM_THREADS=1 "$PY" - "$URL" "$WORK/seq" >/dev/null <<'EOF'
 import sys
 
 from nanoserve.allocator import read_events
-from nanoserve.engine import ChatPrompt, LLMEngine, SamplingParams
+from nanoserve.engine import AbortCause, ChatPrompt, LLMEngine, SamplingParams
 from nanoserve.engine.config import EngineConfig
 
 QUESTIONS = [
@@ -40,7 +40,7 @@ while engine.has_unfinished_requests():
     engine.step()
     step += 1
     if step == 60:
-        engine.abort("req-9")  # a client that went away
+        engine.abort("req-9", AbortCause.CANCELLED)  # a client that went away
 engine.shutdown()
 with open(sys.argv[2], "w") as seq_file:  # the seq of the first preemption, for the grid
     seq_file.write(str(next(event.seq for event in read_events(sys.argv[1]) if event.reason == "preempted")))
