@@ -33,8 +33,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, audit
-from nanoserve.allocator.pool_timeline import OPEN, PoolTimeline, read_timeline
+from nanoserve.allocator import BlockAllocator, FreeReason
+from nanoserve.allocator.log import EventLog, audit
+from nanoserve.allocator.log.pool_timeline import OPEN, PoolTimeline, read_timeline
 
 NUM_BLOCKS = 1456
 BLOCK_SIZE = 16
@@ -44,11 +45,10 @@ def write_log(url: str, num_events: int, seed: int = 0) -> None:
     """An epoch of about ``num_events`` events (see the module docstring)."""
     rng = random.Random(seed)
     with EventLog.open(url, pool_id="bench", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as log:
-        pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, event_log=log)
+        pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
         held: list[list[int]] = []
         step = calls = 0
         while log.last_seq < num_events - len(held) - 2:
-            pool.begin_step(step)
             for _ in range(rng.randint(1, 8)):
                 if held and (rng.random() < 0.45 or not pool.can_allocate(4)):
                     draw = rng.random()
@@ -57,12 +57,11 @@ def write_log(url: str, num_events: int, seed: int = 0) -> None:
                 else:
                     held.append(pool.allocate_for(rng.randint(1, 64), f"req-{calls}"))
                 calls += 1
-            pool.end_step()
+            log.append_batch(step, pool.take_events(), pool.snapshot)
             step += 1
-        pool.begin_step(step)
         for block_ids in held:
             pool.free_all(block_ids, FreeReason.FINISHED)
-        pool.end_step()
+        log.append_batch(step, pool.take_events(), pool.snapshot)
 
 
 def cpu_all_s() -> float:

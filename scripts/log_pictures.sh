@@ -18,7 +18,7 @@ URL="sqlite:///$WORK/log.db"
 OMP_NUM_THREADS=1 "$PY" - "$URL" "$WORK/seq" >/dev/null <<'EOF'
 import sys
 
-from nanoserve.allocator import read_events
+from nanoserve.allocator.log import read_events
 from nanoserve.engine import AbortCause, ChatPrompt, LLMEngine, SamplingParams
 from nanoserve.engine.config import EngineConfig
 

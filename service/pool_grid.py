@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from nanoserve.allocator import Event, PoolState
-from nanoserve.allocator.pool_timeline import BlockInterval, PoolTimeline
+from nanoserve.allocator.log.pool_timeline import BlockInterval, PoolTimeline
 from nanoserve.service.figure_file import Picture
 from nanoserve.service.owner_colours import FREE_COLOUR, OwnerColours
 

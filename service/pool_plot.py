@@ -36,7 +36,7 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
 from nanoserve.allocator import Violation
-from nanoserve.allocator.pool_timeline import PoolTimeline
+from nanoserve.allocator.log.pool_timeline import PoolTimeline
 from nanoserve.service.figure_file import Picture
 from nanoserve.service.owner_colours import FREE_COLOUR, OTHER_COLOUR, OwnerColours
 from nanoserve.service.timeline_view import TimelineView, cell_extremes, event_xs

@@ -13,7 +13,7 @@ import bisect
 
 import numpy as np
 
-from nanoserve.allocator.pool_timeline import NO_STEP, OPEN, PoolTimeline
+from nanoserve.allocator.log.pool_timeline import NO_STEP, OPEN, PoolTimeline
 from nanoserve.service.owner_colours import PALETTE, OwnerColours
 
 AXES = ("seq", "step", "time")

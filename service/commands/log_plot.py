@@ -63,8 +63,8 @@ def run_plot(args: argparse.Namespace, url: str) -> int:
 
     Raises ValueError (and LogNotFoundError) for unusable input: the caller prints it and exits 2.
     """
-    from nanoserve.allocator import audit
-    from nanoserve.allocator.pool_timeline import read_timeline
+    from nanoserve.allocator.log import audit
+    from nanoserve.allocator.log.pool_timeline import read_timeline
 
     if args.from_seq < 1 or (args.to_seq is not None and args.to_seq < args.from_seq):
         raise ValueError(f"--from must be >= 1 and --to >= --from, got --from {args.from_seq} --to {args.to_seq}")
@@ -107,8 +107,8 @@ def run_plot(args: argparse.Namespace, url: str) -> int:
 
 def write_state_picture(url: str, state: Any, path: str) -> int:
     """``log state --svg``: the grid of ``state`` (replayed from ``url``) written to ``path``; the exit status."""
-    from nanoserve.allocator import read_events
-    from nanoserve.allocator.pool_timeline import read_timeline
+    from nanoserve.allocator.log import read_events
+    from nanoserve.allocator.log.pool_timeline import read_timeline
 
     draw = _drawing("state")
     if draw is None:

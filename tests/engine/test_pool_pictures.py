@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.allocator import read_events, replay
+from nanoserve.allocator.log import read_events, replay
 from nanoserve.engine import LLM, SamplingParams, TokensPrompt
 from nanoserve.service.cli import main
 from nanoserve.service.owner_colours import FREE_COLOUR

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, audit, replay
-from nanoserve.allocator.pool_timeline import read_timeline
+from nanoserve.allocator import BlockAllocator, BlockEvent, EventKind, FreeReason
+from nanoserve.allocator.log import EventLog, audit, replay
+from nanoserve.allocator.log.pool_timeline import read_timeline
 from nanoserve.service import convert
 from nanoserve.service.cli import main
 from nanoserve.service.owner_colours import FREE_COLOUR
@@ -64,21 +65,17 @@ def write_trace(url: str, close: bool = True) -> EventLog:
     """Seq 1 POOL_INIT; A [0, 1] seq 2, B [2] seq 3, A preempted seq 4, C [1] seq 5, C aborted seq 6,
     A [1, 0] seq 7 (step 3); closed at seq 8 with A and B still holding blocks (leaks), or left open."""
     log = EventLog.open(url, pool_id="p", num_blocks=6, block_size=4)
-    pool = BlockAllocator(6, 4, event_log=log)
-    pool.begin_step(0)
+    pool = BlockAllocator(6, 4)
     pool.allocate_for(8, "A")
     pool.allocate("B")
-    pool.end_step()
-    pool.begin_step(1)
+    log.append_batch(0, pool.take_events(), pool.snapshot)
     pool.free_all([0, 1], FreeReason.PREEMPTED)
     pool.allocate("C")
-    pool.end_step()
-    pool.begin_step(2)
+    log.append_batch(1, pool.take_events(), pool.snapshot)
     pool.free(1, FreeReason.ABORTED)
-    pool.end_step()
-    pool.begin_step(3)
+    log.append_batch(2, pool.take_events(), pool.snapshot)
     pool.allocate_for(8, "A")
-    pool.end_step()
+    log.append_batch(3, pool.take_events(), pool.snapshot)
     if close:
         log.close()
     else:
@@ -145,10 +142,10 @@ def test_leaks_are_marked_at_pool_close(url: str, tmp_path: Path) -> None:
 
 def test_broken_allocator_rules_are_marked_where_they_happened(url: str, tmp_path: Path) -> None:
     log = EventLog.open(url, pool_id="p", num_blocks=4, block_size=4)
-    log.record("allocate_for", (0, 1), "A", None)  # seq 2
-    log.record("free", (1,), "B", "finished")  # seq 3: B frees A's block
-    log.record("free", (1,), "A", "finished")  # seq 4: a double free
-    log.record("free", (0,), "A", "finished")  # seq 5
+    log.append_batch(None, [BlockEvent(EventKind.ALLOCATE_FOR, (0, 1), "A", None)])  # seq 2
+    log.append_batch(None, [BlockEvent(EventKind.FREE, (1,), "B", FreeReason.FINISHED)])  # seq 3: B frees A's block
+    log.append_batch(None, [BlockEvent(EventKind.FREE, (1,), "A", FreeReason.FINISHED)])  # seq 4: a double free
+    log.append_batch(None, [BlockEvent(EventKind.FREE, (0,), "A", FreeReason.FINISHED)])  # seq 5
     log.close()
     out = tmp_path / "rules.svg"
     assert main(["log", "plot", "--url", url, "-o", str(out)]) == 1
@@ -214,7 +211,9 @@ def test_steps_are_refused_when_the_events_carry_none(
     url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with EventLog.open(url, pool_id="p", num_blocks=2, block_size=4) as log:
-        BlockAllocator(2, 4, event_log=log).allocate("A")
+        pool = BlockAllocator(2, 4)
+        pool.allocate("A")
+        log.append_batch(None, pool.take_events(), pool.snapshot)
     assert main(["log", "plot", "--url", url, "--x", "step", "-o", str(tmp_path / "x.svg")]) == 2
     assert "the events carry no scheduler step: use --x seq or --x time" in capsys.readouterr().err
 
@@ -348,13 +347,19 @@ def test_the_command_line_starts_without_matplotlib() -> None:
 
 def test_state_svg_colours_exactly_the_allocated_blocks(url: str, tmp_path: Path) -> None:
     with EventLog.open(url, pool_id="p", num_blocks=10, block_size=4) as log:
-        pool = BlockAllocator(10, 4, event_log=log)
+        pool = BlockAllocator(10, 4)
         pool.allocate_for(12, "A")  # seq 2: 0, 1, 2
+        log.append_batch(None, pool.take_events(), pool.snapshot)
         pool.allocate_for(8, "B")  # seq 3: 3, 4
+        log.append_batch(None, pool.take_events(), pool.snapshot)
         pool.free(1)  # seq 4
+        log.append_batch(None, pool.take_events(), pool.snapshot)
         pool.allocate("C")  # seq 5: 1
+        log.append_batch(None, pool.take_events(), pool.snapshot)
         pool.free_all([3, 4], FreeReason.PREEMPTED)  # seq 6
+        log.append_batch(None, pool.take_events(), pool.snapshot)
         pool.allocate("A")  # seq 7: 4
+        log.append_batch(None, pool.take_events(), pool.snapshot)
     out = tmp_path / "state.svg"
     assert main(["log", "state", "--url", url, "--at", "7", "--svg", str(out)]) == 0
     state = replay(url, until_seq=7)
@@ -384,11 +389,15 @@ def test_state_svg_colours_exactly_the_allocated_blocks(url: str, tmp_path: Path
 
 def test_state_svg_lists_block_tables_in_logical_order(url: str, tmp_path: Path) -> None:
     with EventLog.open(url, pool_id="p", num_blocks=10, block_size=4) as log:
-        pool = BlockAllocator(10, 4, event_log=log)
+        pool = BlockAllocator(10, 4)
         pool.allocate_for(12, "A")  # 0, 1, 2
+        log.append_batch(None, pool.take_events(), pool.snapshot)
         pool.allocate("B")  # 3
+        log.append_batch(None, pool.take_events(), pool.snapshot)
         pool.free(0)
+        log.append_batch(None, pool.take_events(), pool.snapshot)
         pool.allocate("A")  # 0 again, now A's fourth block
+        log.append_batch(None, pool.take_events(), pool.snapshot)
     out = tmp_path / "state.svg"
     assert main(["log", "state", "--url", url, "--at", "5", "--svg", str(out)]) == 0
     texts = [t.text for t in ET.parse(out).getroot().iter(f"{SVG}text")]

@@ -23,8 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import repeat
 
-from nanoserve.allocator.events import Event, EventKind
-from nanoserve.allocator.log_reader import read_events
+from nanoserve.allocator.events import EventKind
+from nanoserve.allocator.log.event import Event
+from nanoserve.allocator.log.log_reader import read_events
 
 __all__ = ["NO_STEP", "NUM_EVENTS_PER_PAGE", "OPEN", "BlockInterval", "PoolTimeline", "plot_range", "read_timeline"]
 
