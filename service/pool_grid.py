@@ -29,7 +29,8 @@ from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from nanoserve.allocator import Event, PoolState
+from nanoserve.allocator import PoolState
+from nanoserve.allocator.log import Event
 from nanoserve.allocator.log.pool_timeline import BlockInterval, PoolTimeline
 from nanoserve.service.figure_file import Picture
 from nanoserve.service.owner_colours import FREE_COLOUR, OwnerColours

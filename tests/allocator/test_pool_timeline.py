@@ -10,11 +10,15 @@ import pytest
 from nanoserve.allocator import BlockAllocator, BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.log import EventLog, audit, replay
 from nanoserve.allocator.log.pool_timeline import BlockInterval, PoolTimeline, plot_range, read_timeline
+from nanoserve.migrations import upgrade
 
 
 @pytest.fixture
 def url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'log.db'}"
+    """A migrated SQLite log."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    return url
 
 
 class _Forged(str):

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from nanoserve.allocator import BlockAllocator, BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.log import EventLog, audit, replay
 from nanoserve.allocator.log.pool_timeline import read_timeline
+from nanoserve.migrations import upgrade
 from nanoserve.service import convert
 from nanoserve.service.cli import main
 from nanoserve.service.owner_colours import FREE_COLOUR
@@ -86,7 +87,10 @@ def write_trace(url: str, close: bool = True) -> EventLog:
 
 @pytest.fixture
 def url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'log.db'}"
+    """A migrated SQLite log."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    return url
 
 
 def test_block_map_has_one_titled_bar_per_held_interval(
