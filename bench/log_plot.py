@@ -36,6 +36,7 @@ from pathlib import Path
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.allocator.log import EventLog, audit
 from nanoserve.allocator.log.pool_timeline import OPEN, PoolTimeline, read_timeline
+from nanoserve.migrations import upgrade
 
 NUM_BLOCKS = 1456
 BLOCK_SIZE = 16
@@ -44,6 +45,7 @@ BLOCK_SIZE = 16
 def write_log(url: str, num_events: int, seed: int = 0) -> None:
     """An epoch of about ``num_events`` events (see the module docstring)."""
     rng = random.Random(seed)
+    upgrade(url)
     with EventLog.open(url, pool_id="bench", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as log:
         pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
         held: list[list[int]] = []

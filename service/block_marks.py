@@ -1,0 +1,187 @@
+"""The marks on a block map: how holdings ended (preempted, aborted), blocks held at the end, broken rules.
+
+Each mark names its request. A preemption or an abort is one mark per block
+at the bar's end, grouped per freeing event and request: in an SVG the
+element ``preempted-K`` / ``aborted-K`` with the tooltip ``llm-6 preempted at
+seq 49 (step 48): blocks 3, 9, 10 freed for recompute``, and on the picture
+the request's name written on its bar, left of the marks. A block still held
+after the last event (a leak at POOL_CLOSE, or held at the last durable event
+of an open or damaged log) is a ◀ in the right margin, past the edge line and
+clear of every bar (``leak-B`` or ``held-B``), its request named on its bar
+too. The marks are white or black with an outline of the other, so they stay
+visible on a bar of any colour, and they grow with the rows.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.lines import Line2D
+
+from nanoserve.allocator import Violation
+from nanoserve.service.plot_frame import PlotFrame
+from nanoserve.service.timeline_view import TimelineView
+
+MAX_TITLED_MARKS = 500  # mark groups drawn one SVG element each (with a tooltip); more: one element for all
+MAX_NAMED_MARKS = 80  # mark groups whose request is also written on the picture
+MIN_NAMED_ROW_PT = 7.0  # rows lower than this (points) are too low to write a name on
+LEAK_COLOUR = "#e7298a"
+VIOLATION_COLOUR = "#ff7f00"
+# free reason -> (marker, face, edge, what happened to the request, what happened to its blocks)
+END_MARKS = {
+    "preempted": ("X", "#ffffff", "#000000", "preempted", "freed for recompute"),
+    "aborted": ("D", "#000000", "#ffffff", "aborted", "freed"),
+}
+
+
+def mark_size_pt(row_pt: float) -> float:
+    """The marks' size (points) on rows ``row_pt`` points high: about half a row, within 3..8."""
+    return float(min(8.0, max(3.0, row_pt * 0.6)))
+
+
+def draw_end_marks(
+    ax: Any, view: TimelineView, titles: dict[str, str], row_pt: float
+) -> tuple[list[Any], dict[int, list[str]]]:
+    """Preempted and aborted ends; returns (legend handles, owner id -> what happened to it, for the legend)."""
+    timeline = view.timeline
+    size = mark_size_pt(row_pt)
+    handles: list[Any] = []
+    facts: dict[int, list[str]] = {}
+    for reason, (marker, face, edge, words, freed) in END_MARKS.items():
+        groups = view.end_groups(reason)
+        if not groups:
+            continue
+        style = {"marker": marker, "s": size**2, "facecolor": face, "edgecolor": edge, "linewidths": 0.9, "zorder": 3}
+        if len(groups) > MAX_TITLED_MARKS:
+            bars = np.concatenate([bars for _, _, bars in groups])
+            ax.scatter(view.x1[bars], view.block[bars], **style)
+        for k, (event, owner_id, bars) in enumerate(groups if len(groups) <= MAX_TITLED_MARKS else ()):
+            mark = ax.scatter(view.x1[bars], view.block[bars], **style)
+            mark.set_gid(f"{reason}-{k}")
+            owner = timeline.owners[owner_id]
+            blocks = ", ".join(str(b) for b in sorted(view.block[bars].tolist()))
+            plural = "s" if len(bars) > 1 else ""
+            step = timeline.step(event)
+            at = f"seq {timeline.seqs[event]:,}" + ("" if step is None else f" (step {step:,})")
+            titles[f"{reason}-{k}"] = f"{owner} {words} at {at}: block{plural} {blocks} {freed}"
+        if len(groups) <= MAX_NAMED_MARKS and row_pt >= MIN_NAMED_ROW_PT:
+            for _, owner_id, bars in groups:
+                _name(ax, timeline.owners[owner_id], float(view.x1[bars[0]]), _middle(view.block[bars]), size)
+        counts: dict[int, int] = {}
+        for _, owner_id, _ in groups:
+            counts[owner_id] = counts.get(owner_id, 0) + 1
+        for owner_id, count in counts.items():
+            facts.setdefault(owner_id, []).append(words if count == 1 else f"{words} ×{count}")
+        num_requests = len(counts)
+        label = f"{words} (its blocks {freed}): {len(groups):,} time{'s' * (len(groups) != 1)}"
+        label += f", {num_requests:,} request{'s' * (num_requests != 1)}"
+        handles.append(_handle(marker, face, edge, label))
+    return handles, facts
+
+
+def draw_held_marks(
+    ax: Any, view: TimelineView, frame: PlotFrame, titles: dict[str, str], row_pt: float, damaged_seq: int | None
+) -> tuple[list[Any], dict[int, list[str]]]:
+    """◀ in the right margin for each block still held after the last event; (legend handles, owner id -> facts)."""
+    holders = view.held_at_end()
+    if not holders:
+        return [], {}
+    timeline = view.timeline
+    closed = timeline.closed_seq is not None and damaged_seq is None
+    last_seq = timeline.seqs[-1]
+    if closed:
+        face, gid, where, verb = LEAK_COLOUR, "leak", f"at POOL_CLOSE (seq {timeline.closed_seq})", "leaked"
+    elif damaged_seq is not None:
+        face, gid, where, verb = "#ffffff", "held", f"at seq {last_seq}, before the damage", "held at the end"
+    else:
+        face, gid, where, verb = "#ffffff", "held", f"at the last durable event (seq {last_seq})", "held at the end"
+    size = mark_size_pt(row_pt)
+    style = {"marker": "<", "s": size**2, "facecolor": face, "edgecolor": "#000000", "linewidths": 0.9, "zorder": 6}
+    num_blocks = sum(len(bars) for _, bars in holders)
+    facts: dict[int, list[str]] = {}
+    for owner_id, bars in holders:
+        owner = timeline.owners[owner_id]
+        blocks = view.block[bars]
+        if num_blocks <= MAX_TITLED_MARKS:
+            for block in blocks.tolist():
+                mark = ax.scatter([frame.held_mark_x], [block], clip_on=False, **style)
+                mark.set_gid(f"{gid}-{block}")
+                suffix = ": leaked" if closed else ""
+                titles[f"{gid}-{block}"] = f"block {block} still held by {owner} {where}{suffix}"
+        if len(holders) <= MAX_NAMED_MARKS and row_pt >= MIN_NAMED_ROW_PT:
+            _name(ax, owner, frame.x_hi, _middle(blocks), size)
+        facts[owner_id] = [f"{verb}: {len(bars)} block{'s' * (len(bars) != 1)}"]
+    if num_blocks > MAX_TITLED_MARKS:
+        blocks = np.concatenate([view.block[bars] for _, bars in holders])
+        ax.scatter(np.full(len(blocks), frame.held_mark_x), blocks, clip_on=False, **style)
+    names = ", ".join(timeline.owners[owner_id] for owner_id, _ in holders[:4]) + (", …" if len(holders) > 4 else "")
+    label = (
+        f"{'leaked' if closed else 'held'}: {num_blocks:,} block{'s' * (num_blocks != 1)} still held {where} by {names}"
+    )
+    return [_handle("<", face, "#000000", _wrap(label))], facts
+
+
+def draw_violations(
+    ax: Any, view: TimelineView, violations: Sequence[Violation], titles: dict[str, str], row_pt: float
+) -> list[Any]:
+    """★ where the audit found a rule broken on a block (a leak is marked by ``draw_held_marks``)."""
+    points = [(view.x_of_seq(v.seq), v) for v in violations if v.block_id is not None and v.rule != "leaked_block"]
+    points = [(x, v) for x, v in points if x is not None]
+    size = mark_size_pt(row_pt) * 1.6
+    for k, (x, violation) in enumerate(points):
+        marker = ax.scatter(
+            [x],
+            [violation.block_id],
+            marker="*",
+            s=size**2,
+            facecolor=VIOLATION_COLOUR,
+            edgecolor="#000000",
+            linewidths=0.7,
+            zorder=4,
+        )
+        marker.set_gid(f"violation-{k}")
+        titles[f"violation-{k}"] = str(violation)
+    if not points:
+        return []
+    return [_handle("*", VIOLATION_COLOUR, "#000000", f"audit violation: {len(points):,}", size=11)]
+
+
+def _middle(blocks: np.ndarray) -> float:
+    """The block in the middle of a group (where its name is written)."""
+    ordered = np.sort(blocks)
+    return float(ordered[len(ordered) // 2])
+
+
+def _name(ax: Any, owner: str, x: float, block: float, size: float) -> None:
+    """The request's name on its bar, ending just left of its mark at (x, block)."""
+    ax.annotate(
+        owner,
+        (x, block),
+        xytext=(-size * 0.6 - 1.5, 0),
+        textcoords="offset points",
+        ha="right",
+        va="center",
+        fontsize=7,
+        zorder=3,
+        bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+    )
+
+
+def _handle(marker: str, face: str, edge: str, label: str, size: float = 8) -> Line2D:
+    return Line2D(
+        [],
+        [],
+        marker=marker,
+        markerfacecolor=face,
+        markeredgecolor=edge,
+        linestyle="none",
+        markersize=size,
+        label=label,
+    )
+
+
+def _wrap(text: str, width: int = 46) -> str:
+    return "\n".join(textwrap.wrap(text, width))
