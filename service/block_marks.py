@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ from nanoserve.service.timeline_view import TimelineView
 MAX_TITLED_MARKS = 500  # mark groups drawn one SVG element each (with a tooltip); more: one element for all
 MAX_NAMED_MARKS = 80  # mark groups whose request is also written on the picture
 MIN_NAMED_ROW_PT = 7.0  # rows lower than this (points) are too low to write a name on
+NAME_FONT_PT = 7.0
+NAME_PT_PER_CHARACTER = 4.4  # about, at NAME_FONT_PT
 LEAK_COLOUR = "#e7298a"
 VIOLATION_COLOUR = "#ff7f00"
 # free reason -> (marker, face, edge, what happened to the request, what happened to its blocks)
@@ -37,17 +40,29 @@ END_MARKS = {
 }
 
 
+@dataclass(frozen=True)
+class MapScale:
+    """The block map's scale in points (1/72 inch): a block's row high, one unit of x wide."""
+
+    row_pt: float
+    x_pt: float
+
+    @property
+    def mark_pt(self) -> float:
+        return mark_size_pt(self.row_pt)
+
+
 def mark_size_pt(row_pt: float) -> float:
-    """The marks' size (points) on rows ``row_pt`` points high: about half a row, within 3..8."""
-    return float(min(8.0, max(3.0, row_pt * 0.6)))
+    """The marks' size (points) on rows ``row_pt`` points high: most of a row, within 4..9."""
+    return float(min(9.0, max(4.0, row_pt * 0.85)))
 
 
 def draw_end_marks(
-    ax: Any, view: TimelineView, titles: dict[str, str], row_pt: float
+    ax: Any, view: TimelineView, titles: dict[str, str], scale: MapScale
 ) -> tuple[list[Any], dict[int, list[str]]]:
     """Preempted and aborted ends; returns (legend handles, owner id -> what happened to it, for the legend)."""
     timeline = view.timeline
-    size = mark_size_pt(row_pt)
+    size = scale.mark_pt
     handles: list[Any] = []
     facts: dict[int, list[str]] = {}
     for reason, (marker, face, edge, words, freed) in END_MARKS.items():
@@ -67,9 +82,9 @@ def draw_end_marks(
             step = timeline.step(event)
             at = f"seq {timeline.seqs[event]:,}" + ("" if step is None else f" (step {step:,})")
             titles[f"{reason}-{k}"] = f"{owner} {words} at {at}: block{plural} {blocks} {freed}"
-        if len(groups) <= MAX_NAMED_MARKS and row_pt >= MIN_NAMED_ROW_PT:
+        if len(groups) <= MAX_NAMED_MARKS and scale.row_pt >= MIN_NAMED_ROW_PT:
             for _, owner_id, bars in groups:
-                _name(ax, timeline.owners[owner_id], float(view.x1[bars[0]]), _middle(view.block[bars]), size)
+                _name(ax, timeline.owners[owner_id], view, bars, view.x1, scale)
         counts: dict[int, int] = {}
         for _, owner_id, _ in groups:
             counts[owner_id] = counts.get(owner_id, 0) + 1
@@ -83,7 +98,7 @@ def draw_end_marks(
 
 
 def draw_held_marks(
-    ax: Any, view: TimelineView, frame: PlotFrame, titles: dict[str, str], row_pt: float, damaged_seq: int | None
+    ax: Any, view: TimelineView, frame: PlotFrame, titles: dict[str, str], scale: MapScale, damaged_seq: int | None
 ) -> tuple[list[Any], dict[int, list[str]]]:
     """◀ in the right margin for each block still held after the last event; (legend handles, owner id -> facts)."""
     holders = view.held_at_end()
@@ -98,7 +113,7 @@ def draw_held_marks(
         face, gid, where, verb = "#ffffff", "held", f"at seq {last_seq}, before the damage", "held at the end"
     else:
         face, gid, where, verb = "#ffffff", "held", f"at the last durable event (seq {last_seq})", "held at the end"
-    size = mark_size_pt(row_pt)
+    size = scale.mark_pt
     style = {"marker": "<", "s": size**2, "facecolor": face, "edgecolor": "#000000", "linewidths": 0.9, "zorder": 6}
     num_blocks = sum(len(bars) for _, bars in holders)
     facts: dict[int, list[str]] = {}
@@ -111,8 +126,8 @@ def draw_held_marks(
                 mark.set_gid(f"{gid}-{block}")
                 suffix = ": leaked" if closed else ""
                 titles[f"{gid}-{block}"] = f"block {block} still held by {owner} {where}{suffix}"
-        if len(holders) <= MAX_NAMED_MARKS and row_pt >= MIN_NAMED_ROW_PT:
-            _name(ax, owner, frame.x_hi, _middle(blocks), size)
+        if len(holders) <= MAX_NAMED_MARKS and scale.row_pt >= MIN_NAMED_ROW_PT:
+            _name(ax, owner, view, bars, np.full(view.num_bars, frame.x_hi), scale)
         facts[owner_id] = [f"{verb}: {len(bars)} block{'s' * (len(bars) != 1)}"]
     if num_blocks > MAX_TITLED_MARKS:
         blocks = np.concatenate([view.block[bars] for _, bars in holders])
@@ -125,12 +140,12 @@ def draw_held_marks(
 
 
 def draw_violations(
-    ax: Any, view: TimelineView, violations: Sequence[Violation], titles: dict[str, str], row_pt: float
+    ax: Any, view: TimelineView, violations: Sequence[Violation], titles: dict[str, str], scale: MapScale
 ) -> list[Any]:
     """★ where the audit found a rule broken on a block (a leak is marked by ``draw_held_marks``)."""
     points = [(view.x_of_seq(v.seq), v) for v in violations if v.block_id is not None and v.rule != "leaked_block"]
     points = [(x, v) for x, v in points if x is not None]
-    size = mark_size_pt(row_pt) * 1.6
+    size = scale.mark_pt * 1.6
     for k, (x, violation) in enumerate(points):
         marker = ax.scatter(
             [x],
@@ -149,22 +164,25 @@ def draw_violations(
     return [_handle("*", VIOLATION_COLOUR, "#000000", f"audit violation: {len(points):,}", size=11)]
 
 
-def _middle(blocks: np.ndarray) -> float:
-    """The block in the middle of a group (where its name is written)."""
-    ordered = np.sort(blocks)
-    return float(ordered[len(ordered) // 2])
+def _name(ax: Any, owner: str, view: TimelineView, bars: np.ndarray, ends: np.ndarray, scale: MapScale) -> None:
+    """The request's name written on the widest of its ``bars``, ending just left of its mark at ``ends[bar]``.
 
-
-def _name(ax: Any, owner: str, x: float, block: float, size: float) -> None:
-    """The request's name on its bar, ending just left of its mark at (x, block)."""
+    Left out when even that bar is too short for the name: written over a
+    neighbour's bar it would name the wrong one (the legend and tooltips still do).
+    """
+    widths = (ends[bars] - view.x0[bars]) * scale.x_pt  # [len(bars)] points
+    widest = int(np.argmax(widths))
+    if widths[widest] < NAME_PT_PER_CHARACTER * len(owner) + scale.mark_pt:
+        return
+    bar = bars[widest]
     ax.annotate(
         owner,
-        (x, block),
-        xytext=(-size * 0.6 - 1.5, 0),
+        (float(ends[bar]), float(view.block[bar])),
+        xytext=(-scale.mark_pt * 0.6 - 1.5, 0),
         textcoords="offset points",
         ha="right",
         va="center",
-        fontsize=7,
+        fontsize=NAME_FONT_PT,
         zorder=3,
         bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
     )

@@ -122,19 +122,20 @@ def _draw_hidden(axes: Sequence[Any], view: TimelineView, frame: PlotFrame, dama
     """Hatch the margins standing for events not drawn, and name them; returns the legend handle (if any)."""
     seqs = view.timeline.seqs
     first_seq, last_seq = seqs[view.first], seqs[view.last]
-    spans = []
+    spans = []  # (from x, to x, x of its name, its name)
     if frame.hidden_before:
-        spans.append((frame.left, frame.x_lo, f"seqs before {first_seq:,}: not drawn"))
+        spans.append((frame.left, frame.x_lo, (frame.left + frame.x_lo) / 2, f"seqs before {first_seq:,}: not drawn"))
     if frame.hidden_after:
         if damaged_seq is not None and view.last == view.timeline.num_events - 1:
-            spans.append((frame.x_hi, frame.right, f"seqs from {damaged_seq:,}: damaged, not drawn"))
+            name = f"seqs from {damaged_seq:,}: damaged, not drawn"
         else:
-            spans.append((frame.x_hi, frame.right, f"seqs after {last_seq:,}: not drawn"))
-    for lo, hi, name in spans:
+            name = f"seqs after {last_seq:,}: not drawn"
+        spans.append((frame.x_hi, frame.right, frame.hidden_after_name_x, name))
+    for lo, hi, name_x, name in spans:
         for ax in axes:
             ax.axvspan(lo, hi, facecolor=HIDDEN_FACE, edgecolor=HIDDEN_HATCH_COLOUR, hatch="///", linewidth=0, zorder=4)
         axes[0].text(
-            (lo + hi) / 2,
+            name_x,
             0.5,
             name,
             transform=blended_transform_factory(axes[0].transData, axes[0].transAxes),
@@ -149,7 +150,9 @@ def _draw_hidden(axes: Sequence[Any], view: TimelineView, frame: PlotFrame, dama
         return []
     label = "events not drawn"
     if frame.hidden_before or (frame.hidden_after and damaged_seq is None):
-        label += f" (outside seqs {first_seq:,}–{last_seq:,}): a bar running into it was taken before or freed after"
+        label += (
+            f" (outside seqs {first_seq:,}–{last_seq:,}): a bar running into it was taken before them, or held past"
+        )
     return [Patch(facecolor="white", edgecolor=HIDDEN_HATCH_COLOUR, hatch="///", label=_wrap(label))]
 
 

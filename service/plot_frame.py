@@ -9,7 +9,7 @@
 
 A margin is wide (``WIDE_MARGIN`` of the range) when it holds something: the
 hatched events not drawn, or the marks of blocks still held after the last
-event; otherwise narrow. Bars cut by the window are drawn into the hatched
+event (both: twice as wide, the marks first); otherwise narrow. Bars cut by the window are drawn into the hatched
 margin, so a bar that ends at the range's edge is one that ended there.
 """
 
@@ -52,10 +52,16 @@ class PlotFrame:
         smallest = 1e-3 if x == "time" else 0.5  # the narrowest margin, in x units
         span = x_hi - x_lo
         left = max(span * (WIDE_MARGIN if hidden_before else NARROW_MARGIN), smallest)
-        right = max(span * (WIDE_MARGIN if hidden_after or held_marks else NARROW_MARGIN), smallest)
+        right_share = WIDE_MARGIN * (int(hidden_after) + int(held_marks)) or NARROW_MARGIN  # both: side by side
+        right = max(span * right_share, smallest)
         return cls(x_lo, x_hi, x_lo - left, x_hi + right, hidden_before, hidden_after, held_marks)
 
     @property
     def held_mark_x(self) -> float:
         """Where the marks of blocks held after the last event stand: in the right margin, clear of the edge line."""
-        return self.x_hi + (self.right - self.x_hi) * 0.5
+        return self.x_hi + (self.right - self.x_hi) * (0.25 if self.hidden_after else 0.5)
+
+    @property
+    def hidden_after_name_x(self) -> float:
+        """Where the name of the events not drawn after the view stands: the right margin, past the held marks."""
+        return self.x_hi + (self.right - self.x_hi) * (0.75 if self.held_marks else 0.5)

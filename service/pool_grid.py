@@ -89,7 +89,8 @@ def draw_pool_grid(state: PoolState, timeline: PoolTimeline, event: Event | None
         f"of {state.block_size} tokens; {len(tables):,} requests hold blocks"
     )
     if "preempted" in without:
-        summary += f", {len(without['preempted']):,} preempted wait to be recomputed"
+        num_waiting = len(without["preempted"])
+        summary += f", {num_waiting:,} preempted {'waits' if num_waiting == 1 else 'wait'} to be recomputed"
     heading = f"pool {state.pool_id!r} · epoch {state.epoch} · the pool after {at}"
     if event is not None:
         heading += f": {describe(event)}"
@@ -243,7 +244,7 @@ def _draw_tables(
         text = f"{owner} ({len(blocks)} block{'s' if len(blocks) != 1 else ''}): " + " → ".join(
             str(block_id) for block_id, _ in blocks
         )
-        for k, line in enumerate(textwrap.wrap(text, 60, subsequent_indent="    ")):
+        for k, line in enumerate(textwrap.wrap(text, 72, subsequent_indent="    ", break_on_hyphens=False)):
             lines.append((table if k == 0 else None, colours[owner] if k == 0 else None, line))
     if len(tables) > MAX_TABLES_SHOWN:
         lines.append((None, None, f"… {len(tables) - MAX_TABLES_SHOWN:,} more requests"))
@@ -258,7 +259,9 @@ def _draw_tables(
             names = [f"{owner} (since seq {seq:,})" if reason == "preempted" else owner for owner, seq in freed]
             text = f"{WITHOUT_BLOCKS[reason]} ({len(freed):,}): " + ", ".join(names[:MAX_NAMES_SHOWN])
             text += f", … {len(names) - MAX_NAMES_SHOWN:,} more" if len(names) > MAX_NAMES_SHOWN else ""
-            lines.extend((None, None, line) for line in textwrap.wrap(text, 60, subsequent_indent="    "))
+            lines.extend(
+                (None, None, line) for line in textwrap.wrap(text, 72, subsequent_indent="    ", break_on_hyphens=False)
+            )
     owners = list(tables)
     for k, (first_of, colour, line) in enumerate(lines):
         weight = "bold" if k == heading else None

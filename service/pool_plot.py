@@ -35,7 +35,7 @@ from matplotlib.ticker import FuncFormatter
 from nanoserve.allocator import Violation
 from nanoserve.allocator.log.pool_timeline import PoolTimeline
 from nanoserve.service.block_map import draw_bars, draw_cells
-from nanoserve.service.block_marks import draw_end_marks, draw_held_marks, draw_violations
+from nanoserve.service.block_marks import MapScale, draw_end_marks, draw_held_marks, draw_violations
 from nanoserve.service.epoch_edges import draw_edges, held_then
 from nanoserve.service.figure_file import Picture
 from nanoserve.service.occupancy_panel import draw_end_counts, draw_occupancy
@@ -46,7 +46,8 @@ from nanoserve.service.timeline_view import TimelineView, event_xs
 MAX_BARS = 10_000  # held intervals in view drawn one bar each; more: an image of cells
 NUM_CELLS = 1_200  # time cells of the image and of the binned occupancy (about one per pixel)
 FIGURE_SIZE_IN = (14.0, 9.5)
-BLOCK_MAP_HEIGHT_IN = 5.2  # about, after the heading, the panels below and the axis labels
+PANELS_HEIGHT_IN = 6.8  # the panels together, about: the figure less its heading and x axis
+BLOCK_MAP_WIDTH_IN = 9.0  # about: the figure less the y axis and the legends
 
 _AXIS_LABELS = {
     "seq": "event seq",
@@ -86,7 +87,10 @@ def plot_timeline(
     figure = Figure(figsize=FIGURE_SIZE_IN, layout="constrained")
     axes = figure.subplots(len(ratios), 1, sharex=True, height_ratios=ratios)
     block_ax, occupancy_ax, running_ax = axes[0], axes[-2], axes[-1]
-    row_pt = BLOCK_MAP_HEIGHT_IN * 72 * 3.0 / sum(ratios) / max(1, timeline.num_blocks) * 1.3
+    scale = MapScale(
+        row_pt=PANELS_HEIGHT_IN * 72 * ratios[0] / sum(ratios) / max(1, timeline.num_blocks),
+        x_pt=BLOCK_MAP_WIDTH_IN * 72 / (frame.right - frame.left),
+    )
     titles: dict[str, str] = {}
     facts: dict[int, list[str]] = {}
     if aggregated:
@@ -95,30 +99,27 @@ def plot_timeline(
             f"{view.num_bars:,} held intervals drawn as {timeline.num_blocks:,} blocks × {NUM_CELLS:,} cells "
             f"(a cell: who held the block at its middle; one cell spans {_cell_span(view, x)})"
         )
-        mark_handles: list[Any] = []
-        draw_end_counts(axes[1], view, NUM_CELLS) if strip else None
+        mark_handles: list[Any] = []  # too many preemptions and aborts to mark: counted per cell below
+        if strip:
+            draw_end_counts(axes[1], view, NUM_CELLS)
     else:
         draw_bars(block_ax, view, colours, frame, titles, damaged_seq)
         cell_handles = []
         blocks_note = f"{view.num_bars:,} held intervals, one bar each"
-        mark_handles, facts = draw_end_marks(block_ax, view, titles, row_pt)
-    held_handles, held_facts = draw_held_marks(block_ax, view, frame, titles, row_pt, damaged_seq)
+        mark_handles, facts = draw_end_marks(block_ax, view, titles, scale)
+    held_handles, held_facts = draw_held_marks(block_ax, view, frame, titles, scale, damaged_seq)
     for owner_id, more in held_facts.items():
         facts.setdefault(owner_id, []).extend(more)
-    mark_handles += held_handles + draw_violations(block_ax, view, violations, titles, row_pt)
+    mark_handles += held_handles + draw_violations(block_ax, view, violations, titles, scale)
     occupancy_note = draw_occupancy(occupancy_ax, running_ax, view, NUM_CELLS, x)
     last_sample_x = float(view.cell_middles(NUM_CELLS)[-1]) if aggregated else None
     edge_handles = draw_edges(axes, view, frame, damaged_seq, titles, last_sample_x)
     _label(block_ax, running_ax, view, frame, x)
+    owner_handles = cell_handles or _owner_handles(timeline, colours, facts)
+    legend_title = "requests" + (" (by blocks held)" if colours.num_others else "")
     if cell_handles:
-        owner_handles, legend_title = (
-            cell_handles,
-            f"{len(set(view.owner.tolist())):,} requests: a cell's colour says\nhow the holding it shows ended",
-        )
-    else:
-        owner_handles, legend_title = (
-            _owner_handles(timeline, colours, facts),
-            "requests" + (" (by blocks held)" if colours.num_others else ""),
+        legend_title = (
+            f"{len(set(view.owner.tolist())):,} requests: a cell's colour says\nhow the holding it shows ended"
         )
     block_ax.legend(
         handles=owner_handles + mark_handles + edge_handles,
@@ -129,11 +130,12 @@ def plot_timeline(
         title_fontsize="small",
     )
     num_events = last - first + 1
-    summary = f"{num_events:,} events: {blocks_note}; occupancy {occupancy_note}"
+    parts = [f"{num_events:,} events: {blocks_note}", f"occupancy {occupancy_note}"]
     if timeline.unknown_kinds:
-        summary += "; not drawn: " + ", ".join(f"{n:,} {kind}" for kind, n in sorted(timeline.unknown_kinds.items()))
+        parts.append("not drawn: " + ", ".join(f"{n:,} {kind}" for kind, n in sorted(timeline.unknown_kinds.items())))
+    summary = "; ".join(parts)
     heading = [_status_line(timeline, damaged_seq), _window_line(timeline, view, x, damaged_seq is not None)]
-    heading += [f"{num_events:,} events: {blocks_note}", f"occupancy {occupancy_note}"] if aggregated else [summary]
+    heading += parts if aggregated else [summary]  # aggregated: a line per part, too long for one
     figure.suptitle("\n".join(heading), fontsize="medium")
     return Picture(figure, titles, summary)
 
