@@ -30,7 +30,7 @@ MAX_TITLED_MARKS = 500  # mark groups drawn one SVG element each (with a tooltip
 MAX_NAMED_MARKS = 80  # mark groups whose request is also written on the picture
 MIN_NAMED_ROW_PT = 7.0  # rows lower than this (points) are too low to write a name on
 NAME_FONT_PT = 7.0
-NAME_PT_PER_CHARACTER = 4.4  # about, at NAME_FONT_PT
+NAME_PT_PER_CHARACTER = 3.8  # about, at NAME_FONT_PT (DejaVu Sans: digits 4.5, l 2.0, - 2.5)
 LEAK_COLOUR = "#e7298a"
 VIOLATION_COLOUR = "#ff7f00"
 # free reason -> (marker, face, edge, what happened to the request, what happened to its blocks)
@@ -58,43 +58,62 @@ def mark_size_pt(row_pt: float) -> float:
 
 
 def draw_end_marks(
-    ax: Any, view: TimelineView, titles: dict[str, str], scale: MapScale
+    ax: Any, view: TimelineView, titles: dict[str, str], scale: MapScale, x: str
 ) -> tuple[list[Any], dict[int, list[str]]]:
     """Preempted and aborted ends; returns (legend handles, owner id -> what happened to it, for the legend)."""
     timeline = view.timeline
-    size = scale.mark_pt
     handles: list[Any] = []
     facts: dict[int, list[str]] = {}
     for reason, (marker, face, edge, words, freed) in END_MARKS.items():
         groups = view.end_groups(reason)
         if not groups:
             continue
-        style = {"marker": marker, "s": size**2, "facecolor": face, "edgecolor": edge, "linewidths": 0.9, "zorder": 3}
+        style = {"marker": marker, "s": scale.mark_pt**2, "facecolor": face, "edgecolor": edge, "linewidths": 0.9}
         if len(groups) > MAX_TITLED_MARKS:
             bars = np.concatenate([bars for _, _, bars in groups])
-            ax.scatter(view.x1[bars], view.block[bars], **style)
+            ax.scatter(view.x1[bars], view.block[bars], zorder=3, **style)
         for k, (event, owner_id, bars) in enumerate(groups if len(groups) <= MAX_TITLED_MARKS else ()):
-            mark = ax.scatter(view.x1[bars], view.block[bars], **style)
+            mark = ax.scatter(view.x1[bars], view.block[bars], zorder=3, **style)
             mark.set_gid(f"{reason}-{k}")
-            owner = timeline.owners[owner_id]
             blocks = ", ".join(str(b) for b in sorted(view.block[bars].tolist()))
-            plural = "s" if len(bars) > 1 else ""
             step = timeline.step(event)
             at = f"seq {timeline.seqs[event]:,}" + ("" if step is None else f" (step {step:,})")
-            titles[f"{reason}-{k}"] = f"{owner} {words} at {at}: block{plural} {blocks} {freed}"
+            titles[f"{reason}-{k}"] = (
+                f"{timeline.owners[owner_id]} {words} at {at}: block{'s' * (len(bars) > 1)} {blocks} {freed}"
+            )
         if len(groups) <= MAX_NAMED_MARKS and scale.row_pt >= MIN_NAMED_ROW_PT:
             for _, owner_id, bars in groups:
                 _name(ax, timeline.owners[owner_id], view, bars, view.x1, scale)
-        counts: dict[int, int] = {}
-        for _, owner_id, _ in groups:
-            counts[owner_id] = counts.get(owner_id, 0) + 1
-        for owner_id, count in counts.items():
-            facts.setdefault(owner_id, []).append(words if count == 1 else f"{words} ×{count}")
-        num_requests = len(counts)
+        said = _ends_said(view, groups, words, x)
+        for owner_id, text in said.items():
+            facts.setdefault(owner_id, []).append(text)
         label = f"{words} (its blocks {freed}): {len(groups):,} time{'s' * (len(groups) != 1)}"
-        label += f", {num_requests:,} request{'s' * (num_requests != 1)}"
+        label += f", {len(said):,} request{'s' * (len(said) != 1)}"
         handles.append(_handle(marker, face, edge, label))
     return handles, facts
+
+
+def _ends_said(view: TimelineView, groups: list[tuple[int, int, np.ndarray]], words: str, x: str) -> dict[int, str]:
+    """owner id -> ``preempted at seq 31``, ``preempted ×3 at steps 9, 30, …``: where to look for its marks."""
+    events: dict[int, list[int]] = {}  # owner id -> its ending events
+    for event, owner_id, _ in groups:
+        events.setdefault(owner_id, []).append(event)
+    said = {}
+    for owner_id, ends in events.items():
+        if x == "time":
+            places = [f"{view.xs[event]:,.2f}" for event in ends]
+            unit, after = "", " s"
+        elif x == "step" and all(view.timeline.step(event) is not None for event in ends):
+            places = [f"{view.timeline.step(event):,}" for event in ends]
+            unit, after = "step", ""
+        else:
+            places = [f"{view.timeline.seqs[event]:,}" for event in ends]
+            unit, after = "seq", ""
+        shown = ", ".join(places[:3]) + (", …" if len(places) > 3 else "")
+        unit += "s " if unit and len(places) > 1 else " " if unit else ""
+        count = f" ×{len(places)}" if len(places) > 1 else ""
+        said[owner_id] = f"{words}{count} at {unit}{shown}{after}"
+    return said
 
 
 def draw_held_marks(
@@ -172,13 +191,13 @@ def _name(ax: Any, owner: str, view: TimelineView, bars: np.ndarray, ends: np.nd
     """
     widths = (ends[bars] - view.x0[bars]) * scale.x_pt  # [len(bars)] points
     widest = int(np.argmax(widths))
-    if widths[widest] < NAME_PT_PER_CHARACTER * len(owner) + scale.mark_pt:
+    if widths[widest] < NAME_PT_PER_CHARACTER * len(owner) + _name_offset_pt(scale):
         return
     bar = bars[widest]
     ax.annotate(
         owner,
         (float(ends[bar]), float(view.block[bar])),
-        xytext=(-scale.mark_pt * 0.6 - 1.5, 0),
+        xytext=(-_name_offset_pt(scale), 0),
         textcoords="offset points",
         ha="right",
         va="center",
@@ -186,6 +205,11 @@ def _name(ax: Any, owner: str, view: TimelineView, bars: np.ndarray, ends: np.nd
         zorder=3,
         bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
     )
+
+
+def _name_offset_pt(scale: MapScale) -> float:
+    """How far left of its mark's centre a name ends: clear of the mark."""
+    return scale.mark_pt * 0.6 + 1.5
 
 
 def _handle(marker: str, face: str, edge: str, label: str, size: float = 8) -> Line2D:

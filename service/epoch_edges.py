@@ -151,7 +151,8 @@ def _draw_hidden(axes: Sequence[Any], view: TimelineView, frame: PlotFrame, dama
     label = "events not drawn"
     if frame.hidden_before or (frame.hidden_after and damaged_seq is None):
         label += (
-            f" (outside seqs {first_seq:,}–{last_seq:,}): a bar running into it was taken before them, or held past"
+            f" (outside seqs {first_seq:,}–{last_seq:,}): a bar running into this margin was taken before "
+            f"seq {first_seq:,} or is held past seq {last_seq:,}"
         )
     return [Patch(facecolor="white", edgecolor=HIDDEN_HATCH_COLOUR, hatch="///", label=_wrap(label))]
 

@@ -106,7 +106,7 @@ def plot_timeline(
         draw_bars(block_ax, view, colours, frame, titles, damaged_seq)
         cell_handles = []
         blocks_note = f"{view.num_bars:,} held intervals, one bar each"
-        mark_handles, facts = draw_end_marks(block_ax, view, titles, scale)
+        mark_handles, facts = draw_end_marks(block_ax, view, titles, scale, x)
     held_handles, held_facts = draw_held_marks(block_ax, view, frame, titles, scale, damaged_seq)
     for owner_id, more in held_facts.items():
         facts.setdefault(owner_id, []).extend(more)

@@ -464,7 +464,7 @@ def test_marks_of_preemptions_and_aborts_name_the_request(url: str, tmp_path: Pa
     }
     texts = svg_texts(out)
     # the legend says what happened to each request, and the request's name is written on its bar by its marks
-    assert {"A · preempted · leaked: 2 blocks", "B · leaked: 1 block", "C · aborted"} <= set(texts)
+    assert {"A · preempted at seq 4 · leaked: 2 blocks", "B · leaked: 1 block", "C · aborted at seq 6"} <= set(texts)
     assert texts.count("A") == 2  # by its preemption and by its leak
     assert texts.count("C") == 1  # by its abort
 
