@@ -32,9 +32,11 @@ def draw_occupancy(ax: Any, running_ax: Any, view: TimelineView, num_cells: int,
     """Allocated and free blocks on ``ax``, running requests on ``running_ax``; returns how they were drawn."""
     timeline = view.timeline
     span = slice(view.first, view.last + 1)
-    xs = view.xs[span]
+    # each value holds from its event's x to the next one's; the last one up to the view's x_stop
+    xs = np.append(view.xs[span], view.x_stop)
     allocated = np.asarray(timeline.num_allocated[span], dtype=np.float64)
     running = np.asarray(timeline.num_holding[span], dtype=np.float64)
+    allocated, running = np.append(allocated, allocated[-1]), np.append(running, running[-1])
     if len(xs) <= MAX_OCCUPANCY_POINTS:
         ax.fill_between(xs, allocated, step="post", color=ALLOCATED_COLOUR, linewidth=0, label="allocated")
         ax.fill_between(xs, allocated, timeline.num_blocks, step="post", color=FREE_FILL_COLOUR, label="free")
@@ -56,8 +58,9 @@ def draw_occupancy(ax: Any, running_ax: Any, view: TimelineView, num_cells: int,
         running_ax.plot(xs, running, drawstyle="steps-post", color=RUNNING_COLOUR, linewidth=1.2)
         note = "event by event"
     else:
-        edges, low, high = cell_extremes(allocated, num_cells)
-        cell_xs = xs[edges]
+        edges, low, high = cell_extremes(allocated[:-1], num_cells)
+        # the last cell is drawn up to x_stop, like every other up to the next cell's start
+        cell_xs, low, high = np.append(xs[edges], xs[-1]), np.append(low, low[-1]), np.append(high, high[-1])
         ax.fill_between(cell_xs, low, step="post", color=ALLOCATED_COLOUR, linewidth=0, label="allocated")
         ax.fill_between(
             cell_xs,
@@ -70,12 +73,13 @@ def draw_occupancy(ax: Any, running_ax: Any, view: TimelineView, num_cells: int,
             label="allocated at some event of the cell",
         )
         ax.fill_between(cell_xs, high, timeline.num_blocks, step="post", color=FREE_FILL_COLOUR, label="free")
-        _, running_low, running_high = cell_extremes(running, num_cells)
+        _, running_low, running_high = cell_extremes(running[:-1], num_cells)
+        running_low, running_high = np.append(running_low, running_low[-1]), np.append(running_high, running_high[-1])
         running_ax.fill_between(
             cell_xs, running_low, running_high, step="post", color=RUNNING_COLOUR, alpha=0.35, linewidth=0
         )
         running_ax.plot(cell_xs, running_high, drawstyle="steps-post", color=RUNNING_COLOUR, linewidth=0.8)
-        note = f"as lowest..highest per cell of {num_cells:,} (about {len(xs) / num_cells:,.0f} events each)"
+        note = f"as lowest..highest per cell of {num_cells:,} (about {(len(xs) - 1) / num_cells:,.0f} events each)"
     ax.set_ylim(0, timeline.num_blocks)
     ax.set_ylabel("blocks")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")

@@ -155,8 +155,9 @@ def _cell_span(view: TimelineView, x: str) -> str:
     events = f"about {(view.last - view.first + 1) / NUM_CELLS:,.0f} events"
     if x == "seq":
         return events
-    unit = "steps" if x == "step" else "s"
-    return f"{(x_hi - x_lo) / NUM_CELLS:,.3g} {unit}, {events}"
+    span = (x_hi - x_lo) / NUM_CELLS
+    unit = ("step" if span == 1 else "steps") if x == "step" else "s"
+    return f"{span:,.3g} {unit}, {events}"
 
 
 def _label(block_ax: Any, bottom_ax: Any, view: TimelineView, frame: PlotFrame, x: str) -> None:

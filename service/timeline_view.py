@@ -84,6 +84,11 @@ class TimelineView:
     (a bar still held after the timeline's last event is cut only when the view
     ends before that event). A bar is in view when its block was held after at
     least one event of the view.
+
+    Event i's state holds over [xs[i], xs[i + 1]); the state after the view's
+    last event holds up to ``x_stop``, one event's width further (the gap to the
+    next event, at most the median gap between events), so what the last event
+    did is drawn with a width, not as a line.
     """
 
     def __init__(self, timeline: PoolTimeline, xs: np.ndarray, first: int, last: int) -> None:
@@ -100,7 +105,13 @@ class TimelineView:
         self.block = np.array(timeline.interval_block_ids, dtype=np.int64)[self.index]
         self.owner = np.array(timeline.interval_owner_ids, dtype=np.int64)[self.index]
         self.reason_code = np.array(timeline.interval_reason_codes, dtype=np.int64)[self.index]
-        self.x0, self.x1 = xs[self.start], xs[self.end]
+        positive = np.diff(xs)[np.diff(xs) > 0]
+        width = float(np.median(positive)) if len(positive) else 1.0
+        gap = float(xs[last + 1] - xs[last]) if last + 1 < len(xs) else 0.0
+        self.x_stop = float(xs[last]) + (min(gap, width) if gap > 0 else width)
+        # a bar freed by event e (<= last) ends at xs[e]; one held past the view's last event, at x_stop
+        self.x0 = xs[self.start]
+        self.x1 = np.where(ends[self.index] > last, self.x_stop, xs[self.end])
         self.cut_before = starts[self.index] < first
         self.cut_after = (ends[self.index] > last) & ~(self.open & (last == num_events - 1))
 
@@ -166,7 +177,8 @@ class TimelineView:
 
     @property
     def x_range(self) -> tuple[float, float]:
-        return float(self.xs[self.first]), float(self.xs[self.last])
+        """From the view's first event to where the state after its last event stops being drawn."""
+        return float(self.xs[self.first]), self.x_stop
 
     def cell_middles(self, num_cells: int) -> np.ndarray:
         """The x of the middle of each of ``num_cells`` equal cells across the view, float64 [num_cells]."""

@@ -265,7 +265,8 @@ def test_a_million_event_epoch_is_drawn_as_cells(url: str, tmp_path: Path, monke
     assert scale_ends == ["0", "0", "1 per cell", "1 per cell"]
     assert len(counts_ax.child_axes) == 2
     by_step = pool_plot.plot_timeline(read_timeline(url), x="step")
-    assert "one cell spans 0.875 steps, about 2 events" in by_step.summary
+    # steps 0..3, the last one drawn a step wide: 4 steps over 4 cells
+    assert "one cell spans 1 step, about 2 events" in by_step.summary
 
 
 def test_empty_epoch_exits_2_without_a_picture(url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -520,18 +521,19 @@ def test_aggregated_close_says_what_the_last_cell_cannot_show(url: str, monkeypa
     monkeypatch.setattr(pool_plot, "NUM_CELLS", 2)
     with EventLog.open(url, pool_id="p", num_blocks=4, block_size=4) as log:
         pool = BlockAllocator(4, 4)
-        for owner in "ABC":  # seqs 2, 3, 4
+        for owner in "ABCD":  # seqs 2, 3, 4, 5
             pool.allocate(owner)
             log.append_batch(None, pool.take_events(), pool.snapshot)
-        for block in (0, 1, 2):  # seqs 5, 6, 7; POOL_CLOSE seq 8
+        for block in (0, 1, 2, 3):  # seqs 6, 7, 8, 9; POOL_CLOSE seq 10
             pool.free(block, FreeReason.FINISHED)
             log.append_batch(None, pool.take_events(), pool.snapshot)
     picture = pool_plot.plot_timeline(read_timeline(url))
     close = picture.titles["close-marker-0"]
-    # cells of 3.5 seqs: the last one's middle is at x 6.25, after seq 6, when C still held block 2
+    # x from seq 1 to 11 (the close drawn one seq wide): cells of 5 seqs, the last one's middle at x 8.5,
+    # after seq 8, when D still held block 3
     assert close == (
-        "POOL_CLOSE, seq 8: no block held then (clean). "
-        "The map's last cell shows the pool at seq 6; 1 blocks held then were freed after it"
+        "POOL_CLOSE, seq 10: no block held then (clean). "
+        "The map's last cell shows the pool at seq 8; 1 blocks held then were freed after it"
     )
 
 
@@ -638,7 +640,8 @@ def test_running_requests_have_their_own_panel(url: str) -> None:
     assert running_ax.get_ylabel() == "running\nrequests"
     picture.figure.canvas.draw()
     assert running_ax.get_position().y1 < occupancy_ax.get_position().y0
-    assert running_ax.lines[0].get_ydata().tolist() == [0, 1, 2, 1, 2, 1, 2, 2]
+    # the last value is drawn up to x_stop: one more point, repeating it
+    assert running_ax.lines[0].get_ydata().tolist() == [0, 1, 2, 1, 2, 1, 2, 2, 2]
 
 
 def test_state_lists_the_preempted_requests_waiting(url: str, tmp_path: Path) -> None:
@@ -662,3 +665,27 @@ def test_state_lists_the_preempted_requests_waiting(url: str, tmp_path: Path) ->
     assert "1 allocated, 5 free of 6 blocks of 4 tokens; 1 requests hold blocks, 2 preempted wait to be recomputed" in (
         words
     )
+
+
+def test_what_the_last_event_did_is_drawn_with_a_width(url: str) -> None:
+    """A fresh reviewer found the last event of an open epoch invisible: its bar had no width and its
+    occupancy step sat under the crash line. The state after the last event is drawn one event wide."""
+    from nanoserve.service import pool_plot
+
+    log = EventLog.open(url, pool_id="p", num_blocks=4, block_size=4)
+    pool = BlockAllocator(4, 4)
+    pool.allocate("A")  # seq 2
+    log.append_batch(None, pool.take_events(), pool.snapshot)
+    pool.allocate_for(8, "B")  # seq 3: the last durable event, then the process "dies"
+    log.append_batch(None, pool.take_events(), pool.snapshot)
+    log.flush()
+    timeline = read_timeline(url)
+    view = TimelineView(timeline, event_xs(timeline, "seq"), 0, timeline.num_events - 1)
+    assert view.x_range == (1.0, 4.0)
+    b_bars = [k for k in range(view.num_bars) if timeline.owners[view.owner[k]] == "B"]
+    assert [(view.x0[k], view.x1[k]) for k in b_bars] == [(3.0, 4.0), (3.0, 4.0)]
+    picture = pool_plot.plot_timeline(timeline)
+    _, occupancy_ax, running_ax = picture.figure.axes
+    assert occupancy_ax.lines[0].get_xydata().tolist()[-2:] == [[3.0, 3.0], [4.0, 3.0]]  # 3 blocks held up to x 4
+    assert running_ax.lines[0].get_ydata().tolist()[-1] == 2
+    log.close()
