@@ -330,6 +330,11 @@ class AsyncLLMEngine:
         _, token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tokenize)
         return token_ids
 
+    async def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer as files (``Tokenizer.export_files``: file name -> content), written out
+        on the tokenizer thread, never on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._core.tokenizer.export_files)
+
     def pool_status(self) -> PoolStatus:
         """The pool and queues as of the engine thread's last step (they change only in a step),
         with the log's progress read from the log now."""

@@ -14,7 +14,7 @@ from typing import Any
 
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_UNKNOWN_SERVICE = 0, 1, 2, 3
 # the services a nanoserve server reports health for ('' is the whole server)
-KNOWN_SERVICES = ("", "nanoserve.v1.GenerationService", "nanoserve.v1.AllocationService")
+KNOWN_SERVICES = ("", "nanoserve.v1.GenerationService", "nanoserve.v1.AllocationService", "vllm.grpc.engine.VllmEngine")
 
 
 def register(subparsers: Any) -> None:
