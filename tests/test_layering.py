@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # package folder -> top-level import names it must never use
 FORBIDDEN = {
-    "allocator": ("torch", "nanoserve.engine", "nanoserve.service", "nanoserve.v1", "grpc"),
-    "engine": ("nanoserve.service", "nanoserve.v1", "grpc", "google.protobuf"),
+    "allocator": ("torch", "nanoserve.engine", "nanoserve.service", "nanoserve.v1", "grpc", "smg_grpc_proto"),
+    "engine": ("nanoserve.service", "nanoserve.v1", "grpc", "google.protobuf", "smg_grpc_proto"),
 }
 
 
