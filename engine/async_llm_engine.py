@@ -176,7 +176,7 @@ class AsyncLLMEngine:
     """Streams per-request outputs to asyncio code while the engine steps on a thread.
 
     The narrow face the service uses: ``add_request`` / ``generate`` /
-    ``abort`` / ``tokenize``, ``model_info``, ``pool_status()``,
+    ``abort`` / ``tokenize`` / ``tokenizer_files``, ``model_info``, ``pool_status()``,
     ``event_log`` and ``health``. Invariant (event loop only): ``_streams``
     holds exactly the streams handed to the engine thread whose final output
     has not arrived, keyed by serial; ``_open`` every stream not yet finished.

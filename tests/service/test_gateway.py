@@ -1,6 +1,6 @@
 """The OpenAI API through smg in front of two nanoserve replicas (``nanoserve gateway``), processes on 127.0.0.1.
 
-The topology is started the way a user starts it, with ``nanoserve gateway``:
+The topology is started the way a user starts it, with ``scripts/gateway.sh`` (``nanoserve gateway``):
 two replicas of the tiny random model (the real SmolLM2 tokenizer) writing one
 PostgreSQL log under their own pool ids, and smg in front with the cache_aware
 policy. The official ``openai`` client talks to smg. One test puts smg in front
@@ -34,6 +34,7 @@ from .conftest import Served
 openai = pytest.importorskip("openai", reason="the openai client comes with nanoserve[dev]")
 
 pytestmark = pytest.mark.postgres
+ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180.0
 GRACE_S = 3.0
 AUDIT_COMMAND = (sys.executable, "-m", "nanoserve.service.cli", "log", "audit")
@@ -110,10 +111,8 @@ def start_gateway(tmp_path: Path, log_url: str, model: Path, pool_id_prefix: str
     output = tmp_path / "gateway.out"
     log_dir = tmp_path / "logs"
     command = [
-        sys.executable,
-        "-m",
-        "nanoserve.service.cli",
-        "gateway",
+        "bash",
+        str(ROOT / "scripts" / "gateway.sh"),
         "--port",
         "0",
         "--prometheus-port",
@@ -146,7 +145,9 @@ def start_gateway(tmp_path: Path, log_url: str, model: Path, pool_id_prefix: str
         "--log-format",
         "json",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the script runs `nanoserve gateway` of the active environment: this test's
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VIRTUAL_ENV": sys.prefix, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     with output.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S + 30
