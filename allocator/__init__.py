@@ -1,43 +1,33 @@
-"""The paged KV cache's block allocator, event-sourced.
+"""The paged KV cache's block allocator: pure bookkeeping that emits its events.
 
-``BlockAllocator`` hands out fixed-size KV blocks; ``BlockTable`` maps one
-sequence's token positions onto them. With an ``EventLog`` attached, every
-change is an event in an append-only, hash-chained log that ``replay`` and
-``audit`` rebuild and check. Pure bookkeeping: no torch, nothing from the engine.
+``BlockAllocator`` hands out fixed-size KV blocks and records every change as
+a ``BlockEvent`` pending until its caller takes it; ``BlockTable`` maps one
+sequence's token positions onto the blocks; ``apply`` is the one transition
+function that both the live pool and replay change a ``PoolState`` with.
+
+No torch, nothing from the engine, and nothing of the event log: the log,
+its replay and audit live in ``nanoserve.allocator.log``, which builds on this
+package (never the reverse), so importing the allocator pulls in neither
+SQLAlchemy nor structlog.
 """
 
-from nanoserve.allocator.audit import AuditReport, audit, audit_all
-from nanoserve.allocator.block_allocator import BlockAllocator, FreeReason, KVCacheExhausted
+from nanoserve.allocator.arithmetic import cdiv
+from nanoserve.allocator.block_allocator import BlockAllocator, KVCacheExhausted
 from nanoserve.allocator.block_table import BlockTable
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL
-from nanoserve.allocator.event_log import EventLog
-from nanoserve.allocator.event_stream import EventStream, EventStreamLagged
-from nanoserve.allocator.events import Event, EventKind
-from nanoserve.allocator.log_reader import EpochInfo, LogNotFoundError, read_events
-from nanoserve.allocator.log_writer import EventLogError, SecondWriterError
+from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.pool_state import PoolState, Violation
-from nanoserve.allocator.replay import replay
+from nanoserve.allocator.transition import TRANSITIONS, apply
 
 __all__ = [
-    "DEFAULT_EVENT_LOG_URL",
-    "AuditReport",
     "BlockAllocator",
     "BlockTable",
-    "EpochInfo",
-    "Event",
+    "BlockEvent",
     "EventKind",
-    "EventLog",
-    "EventLogError",
-    "EventStream",
-    "EventStreamLagged",
     "FreeReason",
     "KVCacheExhausted",
-    "LogNotFoundError",
     "PoolState",
-    "SecondWriterError",
+    "TRANSITIONS",
     "Violation",
-    "audit",
-    "audit_all",
-    "read_events",
-    "replay",
+    "apply",
+    "cdiv",
 ]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nanoserve.allocator.block_allocator import BlockAllocator, FreeReason
+from nanoserve.allocator.arithmetic import cdiv
+from nanoserve.allocator.block_allocator import BlockAllocator
+from nanoserve.allocator.events import FreeReason
 
 
 class BlockTable:
@@ -49,7 +51,7 @@ class BlockTable:
         """New blocks needed to append ``num_tokens`` more tokens (0 when they fit)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        total_blocks = -(-(self._num_tokens + num_tokens) // self._block_size)
+        total_blocks = cdiv(self._num_tokens + num_tokens, self._block_size)
         return max(0, total_blocks - len(self._block_ids))
 
     def can_append(self, num_tokens: int) -> bool:

@@ -1,20 +1,24 @@
-"""Event kinds and the stored event record of the allocator's log.
+"""What the block allocator says happened: ``BlockEvent``, its ``EventKind`` and ``FreeReason``.
 
-Kinds are stored as short strings so that a later migration can add new ones
-(for example reference-counted sharing for prefix caching) without touching
-the existing rows.
+The allocator emits one ``BlockEvent`` per change to the pool and keeps it
+pending until its caller takes it (``BlockAllocator.take_events``); the same
+events, applied by ``nanoserve.allocator.transition.apply``, rebuild the pool.
+Kinds are short strings so that the stored log can gain new ones (prefix
+caching's shared blocks, for example) without touching the existing rows.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 
 class EventKind(str, enum.Enum):
-    """What one log record says happened."""
+    """What one event says happened.
+
+    The block kinds are emitted by the allocator; POOL_INIT, SNAPSHOT and
+    POOL_CLOSE are written by the event log around them.
+    """
 
     POOL_INIT = "pool_init"  # an epoch opens: num_blocks, block_size, model, config
     ALLOCATE = "allocate"  # one block taken by owner
@@ -25,60 +29,30 @@ class EventKind(str, enum.Enum):
     POOL_CLOSE = "pool_close"  # the epoch ended cleanly
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One committed log record, as stored.
+class FreeReason(str, enum.Enum):
+    """Why blocks went back to the pool; carried by free events."""
 
-    block_ids: the blocks the event touched, in the allocator's order.
-    data: the POOL_INIT settings, the SNAPSHOT state or the POOL_CLOSE summary
-        (decoded JSON), None for the other kinds.
-    wall_time_ns / monotonic_ns: ``time.time_ns()`` / ``time.monotonic_ns()``
-        when the allocator made the change.
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    PREEMPTED = "preempted"
+
+
+class BlockEvent(NamedTuple):
+    """One change to the pool, as the allocator made it. Immutable.
+
+    kind: a block kind (ALLOCATE, ALLOCATE_FOR, FREE, FREE_ALL).
+    block_ids: the blocks touched, in the allocator's order: the order they
+        were taken off the free stack, or pushed back onto it.
+    owner: the request id that took the blocks, or held them until now.
+    reason: why blocks were freed; None on allocations and unexplained frees.
+
+    An event carries no sequence number, step or time: the event log stamps
+    those when the engine hands it a step's events (``EventLog.append_batch``).
+    A NamedTuple rather than a frozen dataclass: the allocator makes one per
+    call, and it is built in half the time.
     """
 
-    pool_id: str
-    epoch: int
-    seq: int
-    batch_seq: int
-    kind: str
+    kind: EventKind
     block_ids: tuple[int, ...]
-    owner: str | None
-    step: int | None
-    reason: str | None
-    wall_time_ns: int
-    monotonic_ns: int
-    data: Any
-    hash: bytes
-
-
-def decode_block_ids(text: str) -> tuple[int, ...]:
-    """Stored block ids (``"3,4"``) as a tuple; ValueError on a malformed list."""
-    return tuple(map(int, text.split(","))) if text else ()
-
-
-# kinds whose record tail is JSON data rather than an owner
-DATA_KINDS = frozenset((EventKind.POOL_INIT.value, EventKind.SNAPSHOT.value, EventKind.POOL_CLOSE.value))
-
-
-def parse_event(pool_id: str, epoch: int, seq: int, record: str, hash_: bytes) -> Event:
-    """An ``Event`` from its stored record (see ``event_chain``). ValueError when malformed."""
-    fields = record.split("|", 8)
-    if len(fields) != 9:
-        raise ValueError(f"seq {seq}: record has {len(fields)} fields, expected 9")
-    _, batch_seq, kind, block_ids, step, reason, wall_ns, mono_ns, tail = fields
-    is_data = kind in DATA_KINDS
-    return Event(
-        pool_id=pool_id,
-        epoch=epoch,
-        seq=seq,
-        batch_seq=int(batch_seq),
-        kind=kind,
-        block_ids=decode_block_ids(block_ids),
-        owner=None if is_data else tail,
-        step=int(step) if step else None,
-        reason=reason or None,
-        wall_time_ns=int(wall_ns),
-        monotonic_ns=int(mono_ns),
-        data=json.loads(tail) if is_data else None,
-        hash=bytes(hash_),
-    )
+    owner: str
+    reason: FreeReason | None = None

@@ -36,34 +36,46 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, audit, replay
+from nanoserve.allocator import BlockAllocator, FreeReason
+from nanoserve.allocator.log import EventLog, audit, replay
+from nanoserve.migrations import upgrade
 
-replay_module = importlib.import_module("nanoserve.allocator.replay")  # the module, not the function
+replay_module = importlib.import_module("nanoserve.allocator.log.replay")  # the module, not the function
 
 NUM_BLOCKS = 1024
 BLOCK_SIZE = 16
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
-def drive(pool: BlockAllocator, num_calls: int, seed: int = 0) -> None:
-    """``num_calls`` allocator calls in scheduler steps of 1..8 calls."""
+def drive(pool: BlockAllocator, log: EventLog | None, num_calls: int, seed: int = 0) -> None:
+    """``num_calls`` allocator calls in scheduler steps of 1..8 calls, each step persisted as the engine does."""
     rng = random.Random(seed)
     held: list[list[int]] = []
     step = calls = 0
     while calls < num_calls:
-        pool.begin_step(step)
         for _ in range(rng.randint(1, 8)):
             if held and (rng.random() < 0.45 or not pool.can_allocate(4)):
                 pool.free_all(held.pop(rng.randrange(len(held))), FreeReason.FINISHED)
             else:
                 held.append(pool.allocate_for(rng.randint(1, 64), f"req-{calls}"))
             calls += 1
-        pool.end_step()
+        persist(pool, log, step)
         step += 1
-    pool.begin_step(step)
     for block_ids in held:
         pool.free_all(block_ids, FreeReason.FINISHED)
-    pool.end_step()
+    persist(pool, log, step)
+
+
+def persist(pool: BlockAllocator, log: EventLog | None, step: int) -> None:
+    """The engine's end of a step: take the pool's events, append them as one batch (dropped without a log)."""
+    events = pool.take_events()
+    if log is not None:
+        log.append_batch(step, events, pool.snapshot)
+
+
+def open_log(url: str, **kwargs: object) -> EventLog:
+    upgrade(url)
+    return EventLog.open(url, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, **kwargs)  # type: ignore[arg-type]
 
 
 def timed(work: Callable[[], None]) -> tuple[float, float]:
@@ -87,13 +99,11 @@ def caller_cost(folder: Path, num_calls: int) -> list[tuple[str, float, float]]:
         for attempt in range(3):
             log = None
             if name != "logging off":
-                log = EventLog.open(
-                    f"sqlite:///{folder / f'cost{attempt}.db'}", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
-                )
-            pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, event_log=log)
-            wall, cpu = timed(functools.partial(drive, pool, num_calls))
+                log = open_log(f"sqlite:///{folder / f'cost{attempt}.db'}")
+            pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+            wall, cpu = timed(functools.partial(drive, pool, log, num_calls))
             if log is not None:
-                log.close()
+                log.close(final_state=pool.snapshot())
             best = min(best, (wall, cpu), key=lambda pair: pair[1])
         rows.append((name, best[0] / num_calls * 1e6, best[1] / num_calls * 1e6))
     return rows
@@ -101,17 +111,15 @@ def caller_cost(folder: Path, num_calls: int) -> list[tuple[str, float, float]]:
 
 def writer_rate(url: str, num_calls: int) -> tuple[float, int]:
     """Events per second from the first submit until every event is durable."""
-    log = EventLog.open(
-        url, pool_id=f"bench-{os.getpid()}-{time.time_ns()}", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE
-    )
-    pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, event_log=log)
+    log = open_log(url, pool_id=f"bench-{os.getpid()}-{time.time_ns()}")
+    pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
     first_seq = log.last_seq
     start = time.perf_counter()
-    drive(pool, num_calls)
+    drive(pool, log, num_calls)
     log.flush()
     elapsed = time.perf_counter() - start
     num_events = log.last_seq - first_seq
-    log.close()
+    log.close(final_state=pool.snapshot())
     return num_events / elapsed, num_events
 
 
@@ -234,10 +242,10 @@ def replay_part(folder: Path, args: argparse.Namespace) -> None:
         url, written = args.replay_log, "given"
     else:
         url = f"sqlite:///{folder / 'big.db'}"
-        log = EventLog.open(url, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-        pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, event_log=log)
-        write_s, _ = timed(lambda: drive(pool, args.num_events))
-        log.close()
+        log = open_log(url)
+        pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+        write_s, _ = timed(lambda: drive(pool, log, args.num_events))
+        log.close(final_state=pool.snapshot())
         written = f"written in {write_s:.1f} s"
     num_events = audit(url).num_events
     print(f"3. replay + audit of a {num_events}-event SQLite log ({written}), {args.repeats} runs each")

@@ -26,6 +26,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from nanoserve.allocator import cdiv
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
 from nanoserve.engine.model_runner import ModelRunner
@@ -56,7 +57,7 @@ def timed(fn) -> float:
 
 
 def ours_decode(runner: ModelRunner, batch_size: int, context_len: int, steps: int) -> float:
-    blocks_per_seq = -(-(context_len + steps + 1) // runner.block_size)
+    blocks_per_seq = cdiv(context_len + steps + 1, runner.block_size)
     for cache in runner.kv_cache.key_caches + runner.kv_cache.value_caches:
         cache.normal_()
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch_size)]
@@ -102,7 +103,7 @@ def hf_decode(model: torch.nn.Module, batch_size: int, context_len: int, steps: 
 
 
 def ours_prefill(runner: ModelRunner, batch_size: int, length: int) -> float:
-    blocks_per_seq = -(-length // runner.block_size)
+    blocks_per_seq = cdiv(length, runner.block_size)
     prompt = torch.randint(3, runner.vocab_size, (length,)).tolist()
     slices = [SeqSlice(prompt, 0, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch_size)]
     batch = ForwardBatch.build(slices, runner.block_size, runner.device)
@@ -140,7 +141,7 @@ def main() -> None:
     )
     print(f"{'dtype':<9} {'phase':<8} {'batch':>5} {'nanoserve tok/s':>16} {'transformers tok/s':>19} {'ratio':>6}")
     for dtype_name in args.dtypes.split(","):
-        num_blocks = max_batch * (-(-tokens_per_seq // 16))
+        num_blocks = max_batch * cdiv(tokens_per_seq, 16)
         runner = ModelRunner(EngineConfig.from_kwargs(model=args.model, dtype=dtype_name, num_kv_blocks=num_blocks))
         model = load_transformers(args.model, runner.dtype)
         cells = [

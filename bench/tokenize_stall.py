@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -63,10 +65,10 @@ class Phase:
         )
 
 
-async def _stream(stub: generation_pb2_grpc.GenerationServiceStub, phases: list[Phase], current: list[Phase]) -> None:
+async def _stream(stub: generation_pb2_grpc.GenerationServiceStub, max_tokens: int, current: list[Phase]) -> None:
     request = pb.GenerateRequest(
         prompt="Count from one to one thousand: one, two,",
-        sampling=pb.SamplingParameters(max_tokens=100_000, temperature=0.0, ignore_eos=True),
+        sampling=pb.SamplingParameters(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
     last_s = None
     try:
@@ -89,48 +91,63 @@ async def _health(channel: grpc.aio.Channel, current: list[Phase], interval_s: f
         await asyncio.sleep(interval_s)
 
 
-async def _sender(channel: grpc.aio.Channel, text: str, current: list[Phase], stop: asyncio.Event) -> None:
-    stub = generation_pb2_grpc.GenerationServiceStub(channel)
-    turn = 0
-    while not stop.is_set():
-        try:
-            if turn % 2 == 0:
-                async for _ in stub.Generate(pb.GenerateRequest(prompt=text)):
-                    pass
-            else:
-                await stub.Tokenize(pb.TokenizeRequest(text=text))
-        except grpc.aio.AioRpcError as error:
-            refused = current[0].num_refused
-            refused[error.code().name] = refused.get(error.code().name, 0) + 1
-        turn += 1
+async def _send(address: str, text: str, num_senders: int, duration_s: float) -> dict[str, int]:
+    """``num_senders`` clients sending ``text`` back to back for ``duration_s``; status code -> count."""
+    refused: dict[str, int] = {}
+    deadline = time.monotonic() + duration_s
+    options = [("grpc.max_send_message_length", 16 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
+        async def sender() -> None:
+            turn = 0
+            while time.monotonic() < deadline:
+                try:
+                    if turn % 2 == 0:
+                        async for _ in stub.Generate(pb.GenerateRequest(prompt=text)):
+                            pass
+                    else:
+                        await stub.Tokenize(pb.TokenizeRequest(text=text))
+                except grpc.aio.AioRpcError as error:
+                    refused[error.code().name] = refused.get(error.code().name, 0) + 1
+                turn += 1
+
+        await asyncio.gather(*(sender() for _ in range(num_senders)))
+    return refused
+
+
+def _send_process(address: str, text: str, num_senders: int, duration_s: float) -> dict[str, int]:
+    return asyncio.run(_send(address, text, num_senders, duration_s))
 
 
 async def _run(address: str, args: argparse.Namespace, max_token_bytes: int) -> tuple[list[Phase], int]:
     phases = [Phase("quiet"), Phase("3 MB"), Phase("at limit")]
     current = [phases[0]]
     options = [("grpc.max_send_message_length", 16 << 20)]
-    async with (
-        grpc.aio.insecure_channel(address, options=options) as stream_channel,
-        grpc.aio.insecure_channel(address, options=options) as load_channel,
-    ):
+    async with grpc.aio.insecure_channel(address, options=options) as stream_channel:
         info = await generation_pb2_grpc.GenerationServiceStub(stream_channel).GetModelInfo(pb.GetModelInfoRequest())
         # the longest text the length bound lets through: plain words, so it tokenizes in full
         max_prompt_bytes = (min(info.max_model_len, info.num_blocks * info.block_size) - 1) * max_token_bytes
         limit_text = ("lorem ipsum dolor sit amet " * (max_prompt_bytes // 27 + 1))[:max_prompt_bytes]
-        stream = asyncio.create_task(
-            _stream(generation_pb2_grpc.GenerationServiceStub(stream_channel), phases, current)
-        )
+        stub = generation_pb2_grpc.GenerationServiceStub(stream_channel)
+        stream = asyncio.create_task(_stream(stub, info.max_model_len - 64, current))
         stop_health = asyncio.Event()
         health = asyncio.create_task(_health(stream_channel, current, args.health_interval_s, stop_health))
         await asyncio.sleep(args.phase_s)
-        for phase, text in ((phases[1], "x" * THREE_MB), (phases[2], limit_text)):
-            current[0] = phase
-            stop = asyncio.Event()
-            senders = [asyncio.create_task(_sender(load_channel, text, current, stop)) for _ in range(args.num_senders)]
-            await asyncio.sleep(args.phase_s)
-            stop.set()
-            await asyncio.gather(*senders)
+        # the senders run in a process of their own, so that building 3 MB messages
+        # does not delay this process's reading of the stream it times
+        loop = asyncio.get_running_loop()
+        # spawned, not forked: a forked child of a process with gRPC threads hangs
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as senders:
+            for phase, text in ((phases[1], "x" * THREE_MB), (phases[2], limit_text)):
+                current[0] = phase
+                phase.num_refused = await loop.run_in_executor(
+                    senders, _send_process, address, text, args.num_senders, args.phase_s
+                )
         stop_health.set()
+        if stream.done():  # it ended early: that is a failure of the benchmark, not a figure
+            stream.result()
         stream.cancel()
         await asyncio.gather(health, return_exceptions=True)
     return phases, len(limit_text)

@@ -51,7 +51,7 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.status import ModelInfo, PoolStatus
 
 if TYPE_CHECKING:
-    from nanoserve.allocator.event_log import EventLog
+    from nanoserve.allocator.log import EventLog
     from nanoserve.engine.tokenizer import Tokenizer
 
 _log = structlog.get_logger(__name__)

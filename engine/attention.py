@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
+from nanoserve.allocator import cdiv
 from nanoserve.engine.forward_batch import ForwardBatch
 
 # the per-step metadata type of one backend: what its prepare makes and its forward reads
@@ -141,7 +142,7 @@ class TorchAttentionBackend:
         metadata = TorchAttentionMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
         if decode_seq_ids:
             decode_seq_ids.sort(key=lambda i: batch.context_lens[i])
-            num_blocks = [-(-batch.context_lens[i] // block_size) for i in decode_seq_ids]
+            num_blocks = [cdiv(batch.context_lens[i], block_size) for i in decode_seq_ids]
             start = 0
             for end in bucket_by_num_blocks(num_blocks, MAX_DECODE_BUCKETS, BUCKET_COST_BLOCKS):
                 seq_ids = decode_seq_ids[start:end]
@@ -168,7 +169,7 @@ class TorchAttentionBackend:
                 continue
             context_len = batch.context_lens[i]
             start = context_len - query_len
-            num_context_blocks = -(-context_len // block_size)
+            num_context_blocks = cdiv(context_len, block_size)
             mask = None
             if start > 0:
                 query_positions = torch.arange(start, context_len, device=device)

@@ -91,12 +91,15 @@ class EventLogConfig:
     event_log_url: SQLAlchemy URL (``sqlite:///nanoserve-log.db``,
         ``postgresql+psycopg://...``); ``None`` keeps no log.
     event_log_sync: commit every batch before returning (debugging).
+    event_log_migrate: bring the log's schema to the newest migration before
+        opening it (off: it must be there already, e.g. from ``nanoserve db upgrade``).
     num_events_per_snapshot: a SNAPSHOT record every this many events.
     pool_id: names the pool in the log; one writer per (pool_id, epoch).
     """
 
     event_log_url: str | None = None
     event_log_sync: bool = False
+    event_log_migrate: bool = True
     num_events_per_snapshot: int = 10_000
     pool_id: str = "default"
 

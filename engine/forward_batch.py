@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.allocator import cdiv
+
 
 @dataclass(frozen=True)
 class SeqSlice:
@@ -88,7 +90,7 @@ class ForwardBatch:
             if seq.start_position < 0:
                 raise ValueError(f"seqs[{i}].start_position must be >= 0, got {seq.start_position}")
             context_len = seq.start_position + num_new
-            num_blocks_needed = -(-context_len // block_size)
+            num_blocks_needed = cdiv(context_len, block_size)
             if len(seq.block_ids) < num_blocks_needed:
                 raise ValueError(
                     f"seqs[{i}].block_ids holds {len(seq.block_ids)} blocks, "

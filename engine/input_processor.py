@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from nanoserve.allocator import cdiv
 from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.prompts import ChatPrompt, Prompt, TokensPrompt
 from nanoserve.engine.request import Request
@@ -28,11 +29,10 @@ if TYPE_CHECKING:
 
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID_CHARS = 128
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for non-negative ints: the blocks ``a`` tokens need at ``b`` tokens per block."""
-    return -(-a // b)
+# a text prompt longer than this many characters per allowed token is tokenized a prefix first
+PREFIX_CHARS_PER_TOKEN = 8
+# tokens a prefix may differ by from the same words in the whole text (the cut, merges across it)
+PREFIX_MARGIN_TOKENS = 16
 
 
 class InputProcessor:
@@ -118,6 +118,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             field = text_field
             self._check_text_fits(field, len(prompt.encode("utf-8", "surrogatepass")))
+            if as_prompt:
+                self._check_prefix_fits(field, prompt)
             token_ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         elif isinstance(prompt, TokensPrompt):
@@ -179,6 +181,28 @@ class InputProcessor:
                 f"{num_bytes} bytes of text are at least {min_tokens} tokens; a prompt may have at most "
                 f"{self.max_seq_len - 1} tokens (max_model_len {self.max_model_len}, KV pool {self.pool_tokens} "
                 "tokens, one token left to generate)",
+            )
+
+    def _check_prefix_fits(self, field: str, text: str) -> None:
+        """Refuses a long text whose first part alone is more tokens than a prompt may have.
+
+        A text of ordinary words runs a few characters a token, so a text longer
+        than PREFIX_CHARS_PER_TOKEN characters per allowed token is tokenized a
+        prefix first, cut before a space (so the prefix's words are the text's
+        words): when that prefix alone is more than PREFIX_MARGIN_TOKENS over
+        the limit, the whole text is too, and the rest is never tokenized.
+        """
+        limit = self.max_seq_len - 1
+        cut = text.rfind(" ", 0, PREFIX_CHARS_PER_TOKEN * (limit + PREFIX_MARGIN_TOKENS))
+        if cut <= 0 or len(text) <= PREFIX_CHARS_PER_TOKEN * (limit + PREFIX_MARGIN_TOKENS):
+            return
+        num_prefix_tokens = len(self.tokenizer.encode(text[:cut]))
+        if num_prefix_tokens > limit + PREFIX_MARGIN_TOKENS:
+            raise InvalidRequestError(
+                field,
+                f"prompt has more than {limit} tokens (its first {cut} characters alone are {num_prefix_tokens} "
+                f"tokens); at most {limit} leave room for one generated token (max_model_len {self.max_model_len}, "
+                f"KV pool {self.pool_tokens} tokens)",
             )
 
     def _check_prompt_len(self, num_prompt_tokens: int, field: str = "prompt") -> None:

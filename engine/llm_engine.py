@@ -6,13 +6,12 @@ the model runner are touched only by the thread that calls ``step``
 
 One step::
 
-    allocator.begin_step(step)          every allocate/free below is stamped `step`
     scheduler.schedule()                chunks to compute; may preempt and admit
     runner.forward(ForwardBatch)        logits for the chunks that end a sequence
     sampler(logits)                     one token per such sequence, batched
     request.append_token()              stop / length checks, detokenize
     scheduler.finish()                  free the blocks of finished requests
-    allocator.end_step()                the step's events go to the log as one batch
+    _persist_events(step)               the allocator's events of the step go to the log as one batch
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from nanoserve.engine.status import ModelInfo, PoolStatus
 _log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
-    from nanoserve.allocator.event_log import EventLog
+    from nanoserve.allocator.log import EventLog
     from nanoserve.engine.tokenizer import Tokenizer
 
 
@@ -80,7 +79,7 @@ class LLMEngine:
         )
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.event_log: EventLog | None = self._open_event_log()
-        self.allocator = BlockAllocator(self.num_blocks, self.block_size, self.event_log)
+        self.allocator = BlockAllocator(self.num_blocks, self.block_size)
         self.scheduler = Scheduler(config.scheduler, self.allocator)
         self.sampler = Sampler()
         # request_id -> live (unfinished) request: the one registry of requests, the one
@@ -92,11 +91,16 @@ class LLMEngine:
         self._closed = False
 
     def _open_event_log(self) -> EventLog | None:
+        """Opens a new epoch of the configured log, migrating its schema first (unless event_log_migrate is off)."""
         log_config = self.config.event_log
         if log_config.event_log_url is None:
             return None
-        from nanoserve.allocator.event_log import EventLog
+        from nanoserve.allocator.log import EventLog
 
+        if log_config.event_log_migrate:
+            from nanoserve.migrations import upgrade
+
+            upgrade(log_config.event_log_url)
         return EventLog.open(
             log_config.event_log_url,
             pool_id=log_config.pool_id,
@@ -168,15 +172,32 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self.scheduler.has_unfinished_requests():
             return outputs
-        self._step += 1
-        self.allocator.begin_step(self._step)
+        step = self._begin_step()
         try:
             scheduled = self.scheduler.schedule()
             if scheduled.chunks:
                 outputs.extend(self._execute(scheduled.chunks))
         finally:
-            self.allocator.end_step()
+            self._persist_events(step)
         return outputs
+
+    def _begin_step(self) -> int:
+        """The next step number; every allocator event before it has gone to the log."""
+        assert self.allocator.num_pending_events == 0, (
+            f"{self.allocator.num_pending_events} allocator events were left pending across steps"
+        )
+        self._step += 1
+        return self._step
+
+    def _persist_events(self, step: int) -> None:
+        """Hands the allocator's pending events to the event log as one batch stamped ``step``.
+
+        Every event is taken, so none is left pending across steps; without a
+        log they are dropped. The log takes a snapshot of the pool when one is due.
+        """
+        events = self.allocator.take_events()
+        if self.event_log is not None:
+            self.event_log.append_batch(step, events, self.allocator.snapshot)
 
     def _execute(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -242,12 +263,11 @@ class LLMEngine:
         )
         request.abort(cause)
         # Frees outside a scheduler step get a step of their own in the log.
-        self._step += 1
-        self.allocator.begin_step(self._step)
+        step = self._begin_step()
         try:
             output = self._finish(request, FreeReason.ABORTED, time.monotonic())
         finally:
-            self.allocator.end_step()
+            self._persist_events(step)
         self._pending_outputs.append(output)
 
     # ---- status and shutdown ----------------------------------------------
@@ -275,7 +295,7 @@ class LLMEngine:
             self.abort(request_id, AbortCause.SHUTDOWN)
         self._closed = True
         if self.event_log is not None:
-            self.event_log.close()
+            self.event_log.close(final_state=self.allocator.snapshot())
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,4 +1,8 @@
-"""Alembic environment: URL from the application's config, metadata from the models."""
+"""Alembic environment: URL from the application's config, metadata from the models.
+
+Imports nothing of nanoserve but the schema (``nanoserve.allocator.log.schema``):
+the event log never imports the migrations, and the migrations need only its tables.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,10 @@ import logging.config
 import os
 from typing import Any
 
+import sqlalchemy as sa
 from alembic import context
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL, create_log_engine
-from nanoserve.allocator.schema import Base
+from nanoserve.allocator.log.schema import Base
 
 config = context.config
 # Only the Alembic CLI configures logging; programmatic upgrades leave the app's alone.
@@ -20,12 +24,16 @@ target_metadata = Base.metadata
 
 
 def _url() -> str:
-    return (
+    url = (
         context.get_x_argument(as_dictionary=True).get("url")
         or config.get_main_option("sqlalchemy.url")
         or os.environ.get("NANOSERVE_EVENT_LOG_URL")
-        or DEFAULT_EVENT_LOG_URL
     )
+    if not url:
+        raise RuntimeError(
+            "no database URL: pass -x url=URL or set NANOSERVE_EVENT_LOG_URL (or run nanoserve db upgrade URL)"
+        )
+    return url
 
 
 def _include_name(name: str | None, type_: str, parent_names: object) -> bool:
@@ -50,7 +58,9 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    engine = create_log_engine(_url())
+    url = sa.engine.make_url(_url())
+    # wait for a writer holding the SQLite file, as the log's own connections do
+    engine = sa.create_engine(url, connect_args={"timeout": 10.0} if url.get_backend_name() == "sqlite" else {})
     try:
         with engine.connect() as connection:
             _configure(connection=connection)

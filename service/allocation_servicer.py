@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from nanoserve.allocator import Event, EventKind, EventLog, EventStream, EventStreamLagged, audit, read_events
+from nanoserve.allocator import EventKind
+from nanoserve.allocator.log import Event, EventLog, EventStream, EventStreamLagged, audit, read_events
 from nanoserve.engine import AsyncLLMEngine
 from nanoserve.service import convert
 from nanoserve.service.errors import EventLogDisabledError

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL
+from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
 
 if TYPE_CHECKING:  # the engine package imports torch; `nanoserve --help` should not
     from nanoserve.engine.config import EngineConfig
@@ -196,6 +196,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "event_log_sync", "engine", _bool, False, "commit every event batch before the step returns (debugging; slower)"
+    ),
+    Setting(
+        "event_log_migrate",
+        "engine",
+        _bool,
+        True,
+        "bring the event log's schema to the newest migration at start (--no-event-log-migrate: it must be there "
+        "already, e.g. from nanoserve db upgrade)",
     ),
     Setting("num_events_per_snapshot", "engine", int, 10_000, "write a SNAPSHOT record every this many events"),
     Setting("pool_id", "engine", str, "default", "name of the KV pool in the event log"),

@@ -22,8 +22,7 @@ from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import generation_pb2 as pb
 
 if TYPE_CHECKING:  # the engine proper imports torch; these are only types here
-    from nanoserve.allocator.audit import AuditReport
-    from nanoserve.allocator.events import Event
+    from nanoserve.allocator.log import AuditReport, Event
     from nanoserve.engine import ModelInfo, PoolStatus, RequestOutput
     from nanoserve.engine.outputs import TokenLogprob
 
@@ -76,19 +75,8 @@ AUDIT_RULES: dict[str, apb.AuditRule] = {
     "leaked_block": apb.AUDIT_RULE_LEAKED_BLOCK,
 }
 
-# SamplingParameters fields with presence (optional): unset leaves the engine's default
-OPTIONAL_SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
-)
+# SamplingParameters fields with presence (`optional`): unset leaves the engine's default
+OPTIONAL_SAMPLING_FIELDS = tuple(f.name for f in pb.SamplingParameters.DESCRIPTOR.fields if f.has_presence)
 
 
 # engine input names -> their protobuf paths in GenerateRequest / TokenizeRequest

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL
+from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
 from nanoserve.service.client import open_channel, wait_ready
 
 POLICIES = ("cache_aware", "prefix_hash", "least_load", "power_of_two", "round_robin", "random", "consistent_hashing")

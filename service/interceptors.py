@@ -24,7 +24,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from nanoserve.allocator.log_reader import LogNotFoundError
+from nanoserve.allocator.log import LogNotFoundError
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     EngineDeadError,

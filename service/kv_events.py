@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from nanoserve.allocator.events import Event, EventKind
+from nanoserve.allocator import EventKind
+from nanoserve.allocator.log import Event
 
 KvEventConverter = Callable[[Event], cpb.KvCacheEvent]
 

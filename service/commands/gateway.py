@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL
+from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

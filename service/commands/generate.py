@@ -108,18 +108,7 @@ def build_request(args: argparse.Namespace) -> Any:
     else:
         request.prompt = args.prompt
     sampling = request.sampling
-    for name in (
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "logprobs",
-    ):
+    for name in (f.name for f in pb.SamplingParameters.DESCRIPTOR.fields if f.has_presence):
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
 
-from nanoserve.allocator.events import EventKind
+from nanoserve.allocator import EventKind
 
 EVENT_KINDS = tuple(kind.value for kind in EventKind)
 
@@ -114,7 +114,7 @@ def _add_source(parser: argparse.ArgumentParser, epoch_help: str | None) -> None
 
 
 def _url(args: argparse.Namespace) -> str:
-    from nanoserve.allocator import DEFAULT_EVENT_LOG_URL
+    from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
 
     return args.url or DEFAULT_EVENT_LOG_URL
 
@@ -137,8 +137,8 @@ def _guarded(run: Any) -> Any:
 
 @_guarded
 def run_audit(args: argparse.Namespace) -> int:
-    from nanoserve.allocator import audit, audit_all
-    from nanoserve.allocator.log_reader import connect, list_epochs
+    from nanoserve.allocator.log import audit, audit_all
+    from nanoserve.allocator.log.log_reader import connect, list_epochs
 
     url = _url(args)
     if args.epoch is None and args.pool_id is None:
@@ -154,7 +154,7 @@ def run_audit(args: argparse.Namespace) -> int:
 
 @_guarded
 def run_show(args: argparse.Namespace) -> int:
-    from nanoserve.allocator import read_events
+    from nanoserve.allocator.log import read_events
 
     if args.from_seq < 1 or (args.to_seq is not None and args.to_seq < args.from_seq):
         raise ValueError(f"--from must be >= 1 and --to >= --from, got --from {args.from_seq} --to {args.to_seq}")
@@ -190,7 +190,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 @_guarded
 def run_state(args: argparse.Namespace) -> int:
-    from nanoserve.allocator import replay
+    from nanoserve.allocator.log import replay
 
     if args.at_seq < 1:
         raise ValueError(f"--at must be >= 1, got {args.at_seq}")
@@ -224,7 +224,7 @@ def run_state(args: argparse.Namespace) -> int:
 
 @_guarded
 def run_epochs(args: argparse.Namespace) -> int:
-    from nanoserve.allocator.log_reader import LogNotFoundError, connect, list_epochs
+    from nanoserve.allocator.log.log_reader import LogNotFoundError, connect, list_epochs
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)

@@ -1,4 +1,4 @@
-"""Fixtures for the allocator's log tests: a log URL on SQLite and on PostgreSQL."""
+"""Fixtures for the allocator's log tests: a migrated log URL on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve.migrations import upgrade
+
 # the module, not the function that nanoserve.allocator exports under the same name
-replay_module = importlib.import_module("nanoserve.allocator.replay")
+replay_module = importlib.import_module("nanoserve.allocator.log.replay")
 
 
 @pytest.fixture(params=["sqlite", "sqlite-verifier", pytest.param("postgresql", marks=pytest.mark.postgres)])
@@ -22,9 +24,11 @@ def log_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.
     if request.param == "sqlite-verifier":
         monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
         monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)
-    if request.param.startswith("sqlite"):
-        return f"sqlite:///{tmp_path / 'log.db'}"
-    return request.getfixturevalue("pg_url")
+    url = (
+        f"sqlite:///{tmp_path / 'log.db'}" if request.param.startswith("sqlite") else request.getfixturevalue("pg_url")
+    )
+    upgrade(url)
+    return url
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
 """Stateful property test: the allocator against a plain reference model, and the log against both.
 
 Hypothesis drives random allocate / allocate_for / free / free_all calls
-(exhaustion, double frees and foreign blocks included), inside and outside
-scheduler steps. After every step the live pool must equal the reference model,
-and replaying the log (from its snapshots and from the start) must give exactly
+(exhaustion, double frees and foreign blocks included), and now and then hands
+the pending events to the log as one step's batch, as the engine does. After
+every call the live pool must equal the reference model; once its events are
+taken, applying them to a fresh pool (the one transition function) and
+replaying the log (from its snapshots and from the start) must give exactly
 the live state.
 """
 
@@ -18,7 +20,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, KVCacheExhausted, audit, replay
+from nanoserve.allocator import BlockAllocator, FreeReason, KVCacheExhausted, PoolState, apply
+from nanoserve.allocator.log import EventLog, audit, replay
 from nanoserve.migrations import upgrade
 
 NUM_BLOCKS = 8
@@ -43,14 +46,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         shutil.copy(self.template, self.folder / "log.db")
         self.url = f"sqlite:///{self.folder / 'log.db'}"
-        self.log = EventLog.open(
-            self.url, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_events_per_snapshot=5, upgrade=False
-        )
-        self.pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, event_log=self.log)
+        self.log = EventLog.open(self.url, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_events_per_snapshot=5)
+        self.pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
         self.free_stack = list(range(NUM_BLOCKS - 1, -1, -1))  # reference model: top at the end
         self.owners: dict[int, str] = {}
+        self.rebuilt = PoolState.fresh(NUM_BLOCKS, BLOCK_SIZE)  # every taken event applied, nothing else
         self.step = 0
-        self.in_step = False
 
     @rule(owner=OWNERS)
     def allocate(self, owner: str) -> None:
@@ -96,28 +97,28 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.free_stack.extend(block_ids)
         self.pool.free_all(block_ids, reason)
 
-    @precondition(lambda self: not self.in_step)
     @rule()
-    def begin_step(self) -> None:
-        self.pool.begin_step(self.step)
+    def persist(self) -> None:
+        """The engine's end of a step: every pending event, in order, as one batch."""
+        events = self.pool.take_events()
+        for event in events:
+            apply(self.rebuilt, event)
+        self.log.append_batch(self.step, events, self.pool.snapshot)
         self.step += 1
-        self.in_step = True
-
-    @precondition(lambda self: self.in_step)
-    @rule()
-    def end_step(self) -> None:
-        self.pool.end_step()
-        self.in_step = False
 
     @invariant()
     def pool_matches_model(self) -> None:
         state = self.pool.state()
         assert (list(state.free_block_ids), state.owners) == (self.free_stack, self.owners)
 
+    @precondition(lambda self: self.pool.num_pending_events == 0)
+    @invariant()
+    def taken_events_rebuild_live_state(self) -> None:
+        assert self.rebuilt == self.pool.state()
+
+    @precondition(lambda self: self.pool.num_pending_events == 0)
     @invariant()
     def replay_gives_live_state(self) -> None:
-        if self.in_step:
-            return  # the open step's events are not sealed yet
         assert self.log.flush(timeout_s=10)
         live = self.pool.state()
         from_snapshot = replay(self.url)
@@ -127,8 +128,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            self.pool.end_step()
-            self.log.close()
+            self.persist()
+            self.log.close(final_state=self.pool.snapshot())
             report = audit(self.url)
             assert {v.rule for v in report.violations} <= {"leaked_block"}
             assert report.leaked == dict(sorted(self.owners.items()))

@@ -8,27 +8,36 @@ import subprocess
 import pytest
 import sqlalchemy as sa
 
-from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, LogNotFoundError, audit, audit_all, replay
+from nanoserve.allocator import BlockAllocator, FreeReason
+from nanoserve.allocator.log import EventLog, LogNotFoundError, audit, audit_all, replay
 
-replay_module = importlib.import_module("nanoserve.allocator.replay")  # the module, not the function
+replay_module = importlib.import_module("nanoserve.allocator.log.replay")  # the module, not the function
 
 
 def write_log(url: str, pool_id: str, close: bool = True) -> EventLog:
     """Seq 1 POOL_INIT, 2..9 eight single-event batches, 10..11 one step, 12 POOL_CLOSE."""
     log = EventLog.open(url, pool_id=pool_id, num_blocks=8, block_size=4)
-    pool = BlockAllocator(8, 4, event_log=log)
+    pool = BlockAllocator(8, 4)
+
+    def persist(step: int | None = None) -> None:
+        log.append_batch(step, pool.take_events(), pool.snapshot)
+
     for owner in ("A", "B", "C", "D"):
         pool.allocate_for(8, owner)  # seqs 2..5: A [0, 1], B [2, 3], C [4, 5], D [6, 7]
+        persist()
     pool.free_all([0, 1], FreeReason.FINISHED)  # 6
+    persist()
     pool.free_all([2, 3], FreeReason.ABORTED)  # 7
+    persist()
     pool.allocate("E")  # 8 -> block 3
+    persist()
     pool.free(3)  # 9
-    pool.begin_step(1)
+    persist()
     pool.free_all([4, 5])  # 10
     pool.free_all([6, 7])  # 11
-    pool.end_step()
+    persist(step=1)
     if close:
-        log.close()
+        log.close(final_state=pool.snapshot())
     else:
         log.flush()
     return log
@@ -69,10 +78,11 @@ def test_clean_log_audits_clean(log_url: str, pool_id: str) -> None:
 
 def test_leaked_blocks_at_close_are_named_with_owners(log_url: str, pool_id: str) -> None:
     with EventLog.open(log_url, pool_id=pool_id, num_blocks=4, block_size=4) as log:
-        pool = BlockAllocator(4, 4, event_log=log)
+        pool = BlockAllocator(4, 4)
         pool.allocate_for(8, "A")
         pool.allocate("B")
         pool.free(0)
+        log.append_batch(1, pool.take_events())
     report = audit(log_url, pool_id)
     assert report.leaked == {1: "A", 2: "B"}
     assert [(v.seq, v.rule, v.block_id, v.owner) for v in report.violations] == [
@@ -83,9 +93,11 @@ def test_leaked_blocks_at_close_are_named_with_owners(log_url: str, pool_id: str
 
 def test_crashed_epoch_reports_the_pool_at_the_last_durable_event(log_url: str, pool_id: str) -> None:
     log = EventLog.open(log_url, pool_id=pool_id, num_blocks=4, block_size=4)
-    pool = BlockAllocator(4, 4, event_log=log)
+    pool = BlockAllocator(4, 4)
     pool.allocate_for(8, "A")
+    log.append_batch(1, pool.take_events())
     pool.allocate("B")
+    log.append_batch(2, pool.take_events())
     log.flush()
     log._writer.stop()  # the process dies: no POOL_CLOSE
     report = audit(log_url, pool_id)
@@ -184,7 +196,7 @@ def test_large_epoch_is_verified_in_a_second_process(
 ) -> None:
     if not log_url.startswith("sqlite"):
         pytest.skip("the second process reads SQLite files only")
-    from nanoserve.allocator import chain_verifier
+    from nanoserve.allocator.log import chain_verifier
 
     verdicts = []
     collect = chain_verifier.result
@@ -228,7 +240,7 @@ def report_head(url: str, pool_id: str) -> bytes:
 def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(
     log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nanoserve.allocator import chain_verifier
+    from nanoserve.allocator.log import chain_verifier
 
     monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
     monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)
@@ -241,4 +253,20 @@ def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(
     monkeypatch.setattr(chain_verifier, "result", failed)
     write_log(log_url, pool_id)
     report = audit(log_url, pool_id)
-    assert (report.clean, report.num_events, report.state.free_block_ids) == (True, 12, (0, 1, 2, 3, 4, 5, 6, 7))
+    assert (report.clean, report.num_events, report.state.free_block_ids) == (True, 12, [0, 1, 2, 3, 4, 5, 6, 7])
+
+
+def test_a_snapshot_that_loses_a_block_is_not_replayed_from(log_url: str, pool_id: str) -> None:
+    with EventLog.open(log_url, pool_id=pool_id, num_blocks=4, block_size=4, num_events_per_snapshot=2) as log:
+        pool = BlockAllocator(4, 4)
+        for step, owner in enumerate("AB"):
+            pool.allocate(owner)  # seq 2, 3; SNAPSHOT seq 4
+            log.append_batch(step, pool.take_events(), pool.snapshot)
+        pool.free(1)  # seq 5
+        log.append_batch(2, pool.take_events(), pool.snapshot)
+    edit_record(log_url, pool_id, 4, '"free_block_ids":[3,2]', '"free_block_ids":[3]')
+    from_snapshot = replay(log_url, pool_id, until_seq=5)
+    from_genesis = replay(log_url, pool_id, until_seq=5, from_snapshot=False)
+    assert from_snapshot == from_genesis
+    assert (from_snapshot.free_block_ids, from_snapshot.owners) == ([3, 2, 1], {0: "A"})
+    assert [(v.seq, v.rule) for v in from_snapshot.violations] == [(4, "hash_mismatch"), (4, "snapshot_mismatch")]

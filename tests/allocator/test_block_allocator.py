@@ -1,4 +1,4 @@
-"""BlockAllocator: exact block ids, LIFO reuse, all-or-nothing, clear errors."""
+"""BlockAllocator: exact block ids, LIFO reuse, all-or-nothing, clear errors, and the events it emits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from nanoserve.allocator import BlockAllocator, FreeReason, KVCacheExhausted
+from nanoserve.allocator import BlockAllocator, BlockEvent, EventKind, FreeReason, KVCacheExhausted, PoolState, apply
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_free_reuses_last_freed_block_first(pool: BlockAllocator) -> None:
 def test_free_all_pushes_in_given_order(pool: BlockAllocator) -> None:
     pool.allocate_for(48, "A")
     pool.free_all([2, 0, 1])
-    assert pool.state().free_block_ids == (5, 4, 3, 2, 0, 1)
+    assert pool.state().free_block_ids == [5, 4, 3, 2, 0, 1]
 
 
 def test_allocate_for_exhausted_reserves_nothing(pool: BlockAllocator) -> None:
@@ -137,14 +137,77 @@ def test_bad_reason_is_refused_and_frees_nothing(pool: BlockAllocator) -> None:
     assert pool.owner_of(block_id) == "A"
 
 
-def test_steps_without_event_log_are_tracked(pool: BlockAllocator) -> None:
-    pool.begin_step(0)
+def test_every_change_is_emitted_in_order(pool: BlockAllocator) -> None:
+    pool.allocate_for(40, "A")
+    pool.allocate("B")
+    pool.free(3, FreeReason.PREEMPTED)
+    pool.free_all([2, 0], FreeReason.FINISHED)
+    assert pool.take_events() == [
+        BlockEvent(EventKind.ALLOCATE_FOR, (0, 1, 2), "A"),
+        BlockEvent(EventKind.ALLOCATE, (3,), "B"),
+        BlockEvent(EventKind.FREE, (3,), "B", FreeReason.PREEMPTED),
+        BlockEvent(EventKind.FREE_ALL, (2, 0), "A", FreeReason.FINISHED),
+    ]
+
+
+def test_take_events_drains_the_pending_list(pool: BlockAllocator) -> None:
     pool.allocate("A")
-    pool.end_step()
-    pool.end_step()
-    pool.begin_step(1)
-    with pytest.raises(ValueError, match=r"step 1 is still open; call end_step\(\) before begin_step\(2\)"):
-        pool.begin_step(2)
+    assert pool.num_pending_events == 1
+    assert len(pool.take_events()) == 1
+    assert (pool.num_pending_events, pool.take_events()) == (0, [])
+
+
+def test_free_all_emits_one_event_per_run_of_one_owner(pool: BlockAllocator) -> None:
+    pool.allocate_for(32, "A")
+    pool.allocate("B")
+    pool.take_events()
+    pool.free_all([1, 2, 0])
+    assert pool.take_events() == [
+        BlockEvent(EventKind.FREE_ALL, (1,), "A"),
+        BlockEvent(EventKind.FREE_ALL, (2,), "B"),
+        BlockEvent(EventKind.FREE_ALL, (0,), "A"),
+    ]
+
+
+def test_a_refused_call_emits_nothing(pool: BlockAllocator) -> None:
+    pool.allocate_for(96, "A")
+    pool.take_events()
+    with pytest.raises(KVCacheExhausted):
+        pool.allocate("B")
+    with pytest.raises(ValueError, match="listed twice"):
+        pool.free_all([0, 0])
+    with pytest.raises(ValueError, match="owner must be a non-empty str"):
+        pool.allocate_for(1, "")
+    assert pool.take_events() == []
+
+
+def test_taken_events_applied_to_a_fresh_pool_give_its_state(pool: BlockAllocator) -> None:
+    pool.allocate_for(40, "A")
+    pool.allocate("B")
+    pool.free_all([1, 0])
+    pool.allocate_for(17, "C")
+    pool.free(3)
+    rebuilt = PoolState.fresh(6, 16)
+    for event in pool.take_events():
+        apply(rebuilt, event)
+    assert rebuilt == pool.state()
+    assert (rebuilt.free_block_ids, rebuilt.owners) == ([5, 4, 3], {0: "C", 1: "C", 2: "A"})
+
+
+def test_state_is_a_copy(pool: BlockAllocator) -> None:
+    state = pool.state()
+    state.free_block_ids.pop()
+    state.owners[0] = "X"
+    assert pool.owner_of(0) is None
+    assert pool.allocate("A") == 0
+
+
+def test_snapshot_refuses_while_events_are_pending(pool: BlockAllocator) -> None:
+    pool.allocate("A")
+    with pytest.raises(AssertionError, match="1 events are still pending: take them before a snapshot"):
+        pool.snapshot()
+    pool.take_events()
+    assert pool.snapshot().owners == {0: "A"}
 
 
 def test_exhausted_error_survives_pickling() -> None:

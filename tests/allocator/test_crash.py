@@ -9,30 +9,28 @@ import sys
 import time
 from pathlib import Path
 
-from nanoserve.allocator import audit, read_events
+from nanoserve.allocator.log import audit, read_events
 from nanoserve.migrations import upgrade
 
 # Drives a 64-block pool in scheduler steps as fast as it can and prints
 # durable_seq now and then, until it is killed.
 DRIVER = """
 import random, sys
-from nanoserve.allocator import BlockAllocator, EventLog, FreeReason, KVCacheExhausted
-log = EventLog.open(
-    sys.argv[1], pool_id="crash", num_blocks=64, block_size=16, num_events_per_snapshot=500, upgrade=False
-)
+from nanoserve.allocator import BlockAllocator, FreeReason
+from nanoserve.allocator.log import EventLog
+log = EventLog.open(sys.argv[1], pool_id="crash", num_blocks=64, block_size=16, num_events_per_snapshot=500)
 print("epoch", log.epoch, flush=True)
-pool = BlockAllocator(64, 16, event_log=log)
+pool = BlockAllocator(64, 16)
 rng = random.Random(int(sys.argv[2]))
 held = []
 step = 0
 while True:
-    pool.begin_step(step)
     for _ in range(rng.randint(1, 8)):
         if held and (rng.random() < 0.45 or not pool.can_allocate(4)):
             pool.free_all(held.pop(rng.randrange(len(held))), FreeReason.FINISHED)
         else:
             held.append(pool.allocate_for(rng.randint(1, 64), f"req-{step}"))
-    pool.end_step()
+    log.append_batch(step, pool.take_events(), pool.snapshot)
     step += 1
     if step % 200 == 0:
         print("durable", log.durable_seq, flush=True)

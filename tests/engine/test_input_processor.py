@@ -57,9 +57,31 @@ def test_a_prompt_too_long_by_itself_is_named_as_the_prompt_not_max_tokens(token
 
 
 def test_a_text_prompt_too_long_by_itself_is_named_as_the_prompt(tokenizer: Tokenizer) -> None:
-    error = _error(_processor(tokenizer), "word " * 2000, SamplingParams(max_tokens=1))
+    error = _error(_processor(tokenizer), "word " * 1500, SamplingParams(max_tokens=1))
     assert error.field == "prompt"
-    assert "prompt has 2001 tokens; at most 1023" in str(error)
+    assert "prompt has 1501 tokens; at most 1023" in str(error)
+
+
+def test_a_long_text_is_refused_from_a_prefix_without_tokenizing_the_rest(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the length bound (50,000 bytes may be 1023 tokens of 81 bytes) but ordinary words: the first
+    8 characters per allowed token are already too many tokens, so the rest is never tokenized."""
+    encoded: list[int] = []
+    real_encode = tokenizer.encode
+
+    def counting_encode(text: str, *args: object, **kwargs: object) -> list[int]:
+        encoded.append(len(text))
+        return real_encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", counting_encode)
+    text = "word " * 10_000
+    error = _error(_processor(tokenizer), text)
+    assert encoded == [8309]  # cut before the last space of the first 8 * (1023 + 16) = 8,312 characters
+    assert str(error) == (
+        "prompt: prompt has more than 1023 tokens (its first 8309 characters alone are 1662 tokens); at most "
+        "1023 leave room for one generated token (max_model_len 1024, KV pool 16384 tokens)"
+    )
 
 
 def test_a_prompt_that_fits_makes_max_tokens_the_field_at_fault(tokenizer: Tokenizer) -> None:

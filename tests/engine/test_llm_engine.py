@@ -292,7 +292,7 @@ def test_engine_config_from_flat_names_builds_the_engine(tiny_model_dir: Path) -
 
 
 def test_event_log_of_a_preempting_workload_audits_clean(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
-    from nanoserve.allocator import audit, read_events
+    from nanoserve.allocator.log import audit, read_events
 
     url = f"sqlite:///{tmp_path / 'log.db'}"
     llm = make_llm(num_kv_blocks=24, event_log_url=url)
@@ -318,7 +318,7 @@ def test_event_log_of_a_preempting_workload_audits_clean(make_llm: Callable[...,
 
 
 def test_abort_is_logged_with_reason_aborted(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
-    from nanoserve.allocator import audit, read_events
+    from nanoserve.allocator.log import audit, read_events
 
     url = f"sqlite:///{tmp_path / 'log.db'}"
     llm = make_llm(num_kv_blocks=16, event_log_url=url)
@@ -329,6 +329,48 @@ def test_abort_is_logged_with_reason_aborted(make_llm: Callable[..., LLM], tmp_p
     frees = [(e.kind, e.block_ids, e.owner, e.reason) for e in read_events(url) if e.kind.startswith("free")]
     assert frees == [("free_all", (0, 1), "a", "aborted")]
     assert audit(url).clean
+
+
+def test_each_step_is_one_batch_and_an_abort_between_steps_has_a_step_of_its_own(
+    make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    from nanoserve.allocator.log import read_events
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    engine = make_llm(num_kv_blocks=16, event_log_url=url).engine
+    engine.add_request("a", TokensPrompt([5, 6, 7, 8, 9]), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("b", TokensPrompt([5, 6, 7]), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # step 1: both prefills
+    assert engine.allocator.num_pending_events == 0
+    engine.abort("b", AbortCause.ABORT_RPC)  # step 2, between scheduler steps
+    engine.shutdown()  # step 3: a is aborted too
+    events = read_events(url)
+    assert [(e.seq, e.batch_seq, e.step, e.kind, e.block_ids, e.owner) for e in events[1:-1]] == [
+        (2, 3, 1, "allocate_for", (0, 1), "a"),
+        (3, 3, 1, "allocate_for", (2,), "b"),
+        (4, 4, 2, "free_all", (2,), "b"),
+        (5, 5, 3, "free_all", (0, 1), "a"),
+    ]
+    assert (events[-1].kind, events[-1].data) == ("pool_close", {"num_free": 16, "num_allocated": 0})
+
+
+def test_engine_without_an_event_log_drops_the_allocator_events(make_llm: Callable[..., LLM]) -> None:
+    engine = make_llm(num_kv_blocks=16).engine
+    engine.add_request("a", TokensPrompt([5, 6, 7, 8, 9]), SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert engine.allocator.num_pending_events == 0
+
+
+def test_engine_migrates_the_event_log_unless_told_not_to(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    from nanoserve.allocator.log import LogNotFoundError
+
+    url = f"sqlite:///{tmp_path / 'bare.db'}"
+    with pytest.raises(LogNotFoundError, match="holds no event log schema"):
+        make_llm(event_log_url=url, event_log_migrate=False)
+    llm = make_llm(event_log_url=url)
+    assert llm.engine.pool_status().epoch == 1
+    llm.shutdown()
 
 
 def test_generate_with_one_bad_request_queues_nothing(llm: LLM) -> None:

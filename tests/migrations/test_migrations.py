@@ -42,7 +42,7 @@ def test_script_location_is_the_installed_package() -> None:
 
 
 def test_sqlite_log_uses_wal(tmp_path: Path) -> None:
-    from nanoserve.allocator.database import create_log_engine
+    from nanoserve.allocator.log.database import create_log_engine
 
     url = f"sqlite:///{tmp_path / 'wal.db'}"
     upgrade(url)

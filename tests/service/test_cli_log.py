@@ -7,19 +7,30 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from nanoserve.allocator import BlockAllocator, EventLog, FreeReason
+from nanoserve.allocator import BlockAllocator, FreeReason
+from nanoserve.allocator.log import EventLog
+from nanoserve.migrations import upgrade
 from nanoserve.service.cli import main
+
+
+def persist(pool: BlockAllocator, log: EventLog) -> None:
+    """The pool's pending events as one batch of the log, as the engine appends a step's."""
+    log.append_batch(None, pool.take_events(), pool.snapshot)
 
 
 @pytest.fixture
 def log_url(tmp_path: Path) -> str:
     """A closed epoch: A [0, 1] finished, B [2] still held (a leak)."""
     url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
     with EventLog.open(url, pool_id="p", num_blocks=4, block_size=16) as log:
-        pool = BlockAllocator(4, 16, event_log=log)
+        pool = BlockAllocator(4, 16)
         pool.allocate_for(20, "A")  # seq 2
+        persist(pool, log)
         pool.allocate("B")  # seq 3
+        persist(pool, log)
         pool.free_all([0, 1], FreeReason.FINISHED)  # seq 4
+        persist(pool, log)
     return url
 
 
@@ -45,9 +56,11 @@ def test_audit_with_leak_exits_1_and_names_block_and_owner(log_url: str, capsys:
 
 def test_audit_of_clean_log_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"sqlite:///{tmp_path / 'clean.db'}"
+    upgrade(url)
     with EventLog.open(url, num_blocks=4, block_size=16) as log:
-        pool = BlockAllocator(4, 16, event_log=log)
+        pool = BlockAllocator(4, 16)
         pool.free(pool.allocate("A"))
+        persist(pool, log)
     assert main(["log", "audit", "--url", url]) == 0
     assert "clean" in capsys.readouterr().out
 
@@ -122,24 +135,28 @@ def test_audit_of_an_open_epoch_says_running_or_crashed(log_url: str, capsys: py
 
 def test_state_prints_free_blocks_as_sorted_ranges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"sqlite:///{tmp_path / 'ranges.db'}"
+    upgrade(url)
     with EventLog.open(url, pool_id="p", num_blocks=10, block_size=16) as log:
-        pool = BlockAllocator(10, 16, event_log=log)
+        pool = BlockAllocator(10, 16)
         taken = [pool.allocate(f"r{i}") for i in range(10)]  # seq 2..11
         for block_id in (5, 0, 9, 1, 2, 7):  # seq 12..17
             pool.free(taken[block_id])
         pool.free_all([taken[i] for i in (3, 4, 6, 8)], FreeReason.FINISHED)
+        persist(pool, log)
     assert main(["log", "state", "--url", url, "--at", "17"]) == 0
     assert "free blocks: 0-2, 5, 7, 9" in capsys.readouterr().out.splitlines()
 
 
 def test_state_full_prints_the_free_stack_in_lifo_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"sqlite:///{tmp_path / 'lifo.db'}"
+    upgrade(url)
     with EventLog.open(url, pool_id="p", num_blocks=10, block_size=16) as log:
-        pool = BlockAllocator(10, 16, event_log=log)
+        pool = BlockAllocator(10, 16)
         taken = [pool.allocate(f"r{i}") for i in range(10)]
         for block_id in (5, 0, 9, 1, 2, 7):
             pool.free(taken[block_id])
         pool.free_all([taken[i] for i in (3, 4, 6, 8)], FreeReason.FINISHED)
+        persist(pool, log)
     assert main(["log", "state", "--url", url, "--at", "17", "--full"]) == 0
     assert "free stack (next out first): 7,2,1,9,0,5" in capsys.readouterr().out.splitlines()
 

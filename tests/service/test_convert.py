@@ -10,9 +10,8 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from nanoserve.allocator import Event, EventKind, FreeReason
-from nanoserve.allocator.audit import AuditReport
-from nanoserve.allocator.pool_state import PoolState, Violation
+from nanoserve.allocator import EventKind, FreeReason, PoolState, Violation
+from nanoserve.allocator.log import AuditReport, Event
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from nanoserve.engine.prompts import ChatPrompt, TokensPrompt
 from nanoserve.engine.sampling_params import SamplingParams
@@ -246,11 +245,15 @@ def test_event_kinds_and_free_reasons_cover_the_allocators() -> None:
     assert set(convert.FREE_REASONS) == {reason.value for reason in FreeReason}
 
 
+# the calls that name a broken rule -> which argument: Replayer.violate(seq, rule, ...), transition's report(rule, ...)
+RULE_ARGUMENT = {"violate": 1, "report": 0}
+
+
 def _rules_the_allocator_reports() -> set[str]:
-    """Every rule name the allocator passes to ``violate(seq, rule, ...)``, read from its source:
-    string literals given as the argument, or assigned to the variable given."""
+    """Every rule name the allocator and its log pass to ``violate(seq, rule, ...)`` or ``report(rule, ...)``,
+    read from their source: string literals given as the argument, or assigned to the variable given."""
     rules: set[str] = set()
-    for path in ALLOCATOR_DIR.glob("*.py"):
+    for path in ALLOCATOR_DIR.rglob("*.py"):
         tree = ast.parse(path.read_text())
         assigned = {
             node.targets[0].id: node.value
@@ -260,9 +263,9 @@ def _rules_the_allocator_reports() -> set[str]:
         for node in ast.walk(tree):
             func = getattr(node, "func", None)
             name = getattr(func, "attr", getattr(func, "id", None))
-            if not isinstance(node, ast.Call) or name != "violate" or len(node.args) < 2:
+            if not isinstance(node, ast.Call) or name not in RULE_ARGUMENT or len(node.args) <= RULE_ARGUMENT[name]:
                 continue
-            rule = node.args[1]
+            rule = node.args[RULE_ARGUMENT[name]]
             if isinstance(rule, ast.Name):
                 rule = assigned[rule.id]
             constants = [n.value for n in ast.walk(rule) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
@@ -276,7 +279,7 @@ def test_audit_rules_cover_every_rule_the_allocator_reports() -> None:
 
 
 def _report(violations: list[Violation], closed: bool) -> AuditReport:
-    state = PoolState(num_blocks=4, block_size=16, free_block_ids=(3, 2), owners={0: "r1", 1: "r2"}, last_seq=9)
+    state = PoolState(num_blocks=4, block_size=16, free_block_ids=[3, 2], owners={0: "r1", 1: "r2"}, last_seq=9)
     return AuditReport(
         pool_id="default",
         epoch=2,

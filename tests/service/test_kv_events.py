@@ -6,7 +6,8 @@ from typing import Any
 
 from smg_grpc_proto.generated import common_pb2 as cpb
 
-from nanoserve.allocator import Event, EventKind
+from nanoserve.allocator import EventKind
+from nanoserve.allocator.log import Event
 from nanoserve.service.kv_events import KV_EVENT_CONVERTERS, to_kv_event_batch, to_kv_events
 
 

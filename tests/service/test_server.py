@@ -449,7 +449,7 @@ async def test_token_check_refuses_calls_without_the_token(served: Served) -> No
 
 
 async def _stored_events(served: Served) -> list:
-    from nanoserve.allocator.log_reader import read_events
+    from nanoserve.allocator.log import read_events
 
     event_log = served.engine.event_log
     return await asyncio.to_thread(read_events, served.log_url, event_log.pool_id, event_log.epoch)
@@ -619,7 +619,7 @@ async def test_health_cli_unknown_service_exits_3_naming_the_known_ones(served: 
 async def test_watch_events_catches_up_from_the_log_after_falling_behind(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nanoserve.allocator import EventStream
+    from nanoserve.allocator.log import EventStream
     from nanoserve.service import allocation_servicer
     from nanoserve.service.allocation_servicer import AllocationServicer
 

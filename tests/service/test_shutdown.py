@@ -88,7 +88,7 @@ class ServeProcess:
 
 
 def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_epoch(tmp_path: Path) -> None:
-    from nanoserve.allocator import audit, read_events
+    from nanoserve.allocator.log import audit, read_events
 
     log_url = f"sqlite:///{tmp_path / 'events.db'}"
     first = ServeProcess(log_url)

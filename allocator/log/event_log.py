@@ -1,21 +1,28 @@
 """``EventLog``: the allocator's append-only, hash-chained event log.
 
-Every allocator change becomes one record ``(seq, kind, block_ids, owner, step,
-reason, wall_time_ns, monotonic_ns)``. The sequence number is assigned here, on
-the allocator's thread, in the order the changes happened (never by the
-database, whose sequences leave gaps and reorder under concurrent writers).
-Records of one scheduler step (``begin_step``/``end_step``) are sealed into one
-batch; outside a step every record is a batch of its own. Batches go to a
-background ``LogWriter`` that hashes and group-commits them, so the caller never
-waits on disk (``sync=True`` waits, for debugging).
+The allocator emits events; the engine persists them. Once per scheduler step
+the engine takes the allocator's pending events and appends them here as one
+batch (``append_batch(step, events)``), and each becomes one record ``(seq,
+kind, block_ids, owner, step, reason, wall_time_ns, monotonic_ns)``. Sequence
+numbers are assigned here, on the engine's thread, in the order the events
+were emitted (never by the database, whose sequences leave gaps and reorder
+under concurrent writers). The batch is stamped with the time it is appended:
+every record of a step carries the step's end, and the seq orders them.
+Batches go to a background ``LogWriter`` that encodes, hashes and
+group-commits them, so the caller never waits on disk (``sync=True`` waits,
+for debugging).
 
 Each ``open`` starts a new epoch of the pool with a POOL_INIT record; ``close``
 writes POOL_CLOSE. Every ``num_events_per_snapshot`` events a SNAPSHOT record
-holds the full pool state, so replay can start there.
+holds the full pool state, so replay can start there: the log holds no pool,
+so ``append_batch`` asks the caller for one (``snapshot``) when one is due.
 
-Thread model: ``record``/``begin_step``/``end_step``/``close`` are called from
-the allocator's one thread; ``durable_seq``, ``healthy`` and ``subscribe`` are
-safe from any thread.
+The schema must exist: ``nanoserve.migrations.upgrade(url)`` (``nanoserve db
+upgrade URL``) creates it, and the engine runs it before ``open``.
+
+Thread model: ``append_batch``/``flush``/``close`` are called from one thread
+(the engine's); ``last_seq`` is that thread's; ``durable_seq``, ``healthy``
+and ``subscribe`` are safe from any thread.
 """
 
 from __future__ import annotations
@@ -24,22 +31,23 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.database import DEFAULT_EVENT_LOG_URL, Row, create_log_engine, insert_rows
-from nanoserve.allocator.event_chain import genesis_hash
-from nanoserve.allocator.events import Event, EventKind
-from nanoserve.allocator.log_writer import Batch, EventLogError, LogWriter, Record, SecondWriterError
-from nanoserve.allocator.schema import pool_epochs
-
-if TYPE_CHECKING:
-    from nanoserve.allocator.block_allocator import BlockAllocator
+from nanoserve.allocator.events import BlockEvent, EventKind
+from nanoserve.allocator.log.database import DEFAULT_EVENT_LOG_URL, Row, create_log_engine, insert_rows
+from nanoserve.allocator.log.event import Event
+from nanoserve.allocator.log.event_chain import genesis_hash
+from nanoserve.allocator.log.log_reader import LogNotFoundError
+from nanoserve.allocator.log.log_writer import Batch, EventLogError, LogWriter, SecondWriterError
+from nanoserve.allocator.log.record_codec import snapshot_data
+from nanoserve.allocator.log.schema import pool_epochs
+from nanoserve.allocator.pool_state import PoolState
 
 _time_ns = time.time_ns
 _monotonic_ns = time.monotonic_ns
-_SNAPSHOT = EventKind.SNAPSHOT.value
+_SNAPSHOT = EventKind.SNAPSHOT
 
 
 class EventLog:
@@ -68,10 +76,7 @@ class EventLog:
         self._sync = sync
         self._num_events_per_snapshot = num_events_per_snapshot
         self._seq = writer.durable_seq
-        self._snapshot_seq = self._seq
-        self._step: int | None = None
-        self._batch: Batch = []  # records of the open step, not yet sealed
-        self._allocator: BlockAllocator | None = None
+        self._snapshot_seq = self._seq  # seq of the last SNAPSHOT (or POOL_INIT)
         self._closed = False
 
     @classmethod
@@ -88,16 +93,16 @@ class EventLog:
         num_events_per_snapshot: int = 10_000,
         max_pending_batches: int = 4096,
         epoch: int | None = None,
-        upgrade: bool = True,
     ) -> EventLog:
         """Open a new epoch of ``pool_id`` in the log at ``url`` and write POOL_INIT.
 
         epoch: None takes the pool's newest epoch + 1 (1 for a new pool).
-        upgrade: migrate the database to the newest schema first (Alembic).
         config: JSON-serialisable settings stored in POOL_INIT.
-        Raises SecondWriterError when that epoch already exists (another
-        writer opened it), ValueError on bad arguments, and SQLAlchemy's
-        errors when the database cannot be reached.
+        Raises LogNotFoundError (a ValueError) when the database has no log
+        schema (run ``nanoserve.migrations.upgrade(url)`` first),
+        SecondWriterError when that epoch already exists (another writer
+        opened it), ValueError on bad arguments, and SQLAlchemy's errors when
+        the database cannot be reached.
         """
         _check_open_args(pool_id, num_blocks, block_size, num_events_per_snapshot, max_pending_batches, epoch)
         init_data = {"num_blocks": num_blocks, "block_size": block_size, "model": model, "config": config}
@@ -105,20 +110,17 @@ class EventLog:
             json.dumps(init_data)
         except TypeError as exc:
             raise ValueError(f"config must be JSON-serialisable: {exc}") from exc
-        if upgrade:
-            from nanoserve.migrations import upgrade as upgrade_schema
-
-            upgrade_schema(url)
         engine = create_log_engine(url)
         try:
+            _check_schema(engine, url)
             if epoch is None:
                 epoch = _newest_epoch(engine, pool_id) + 1
             writer = LogWriter(
                 engine, pool_id, epoch, uuid.uuid4().hex, 0, genesis_hash(pool_id, epoch), max_pending_batches
             )
-            init: Record = (1, EventKind.POOL_INIT.value, (), None, None, None, _time_ns(), _monotonic_ns(), init_data)
-            rows, head_hash = writer.seal_first([init])
-            _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init[6])
+            init = Batch(1, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_INIT, init_data)
+            rows, head_hash = writer.seal_first(init)
+            _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns)
         except BaseException:
             engine.dispose()
             raise
@@ -151,105 +153,81 @@ class EventLog:
     def closed(self) -> bool:
         return self._closed
 
-    # -- the allocator's side ----------------------------------------------
-    def attach(self, allocator: BlockAllocator) -> None:
-        """Bind the pool whose changes this log records (called by ``BlockAllocator``).
+    # -- the engine's side -------------------------------------------------
+    def append_batch(
+        self, step: int | None, events: Sequence[BlockEvent], snapshot: Callable[[], PoolState] | None = None
+    ) -> None:
+        """Append ``events`` (in emission order) as one batch stamped with scheduler ``step``.
 
-        ValueError when the pool's shape differs from POOL_INIT's, or a pool is
-        already attached.
+        Seqs ``last_seq + 1, ...`` go to the events in order, and every record
+        gets ``step`` (None: outside any step) and the time of this call. The
+        batch is committed whole or not at all. No events: nothing is written.
+        The log keeps ``events``: hand it a sequence nobody changes afterwards
+        (``BlockAllocator.take_events()`` gives a new list each time).
+
+        snapshot: the pool's state after exactly these events (the allocator's
+        ``snapshot``); called when ``num_events_per_snapshot`` events have
+        passed since the last SNAPSHOT, which then ends the batch. None writes
+        no SNAPSHOT.
+
+        Blocks while ``max_pending_batches`` wait for the writer. Raises
+        EventLogError (SecondWriterError) once the writer failed for good or
+        after ``close``; ValueError on a bad step or a snapshot of another
+        pool's shape. A call that raises appends nothing (``last_seq`` stays).
         """
-        if self._allocator is not None:
-            raise ValueError(f"event log of pool {self.pool_id!r} epoch {self.epoch} already has an allocator")
-        if (allocator.num_blocks, allocator.block_size) != (self.num_blocks, self.block_size):
-            raise ValueError(
-                f"allocator has num_blocks={allocator.num_blocks}, block_size={allocator.block_size}; "
-                f"the log's POOL_INIT says num_blocks={self.num_blocks}, block_size={self.block_size}"
-            )
-        assert allocator.num_allocated == 0, "attach the log before the first allocation"
-        self._allocator = allocator
-
-    def record(self, kind: str, block_ids: tuple[int, ...], owner: str, reason: str | None, last: bool = True) -> None:
-        """Append one event (allocator thread).
-
-        Outside a step the call's events form one batch, sealed at its ``last``
-        event (an allocator call that records several events passes
-        ``last=False`` for all but the final one).
-        """
-        self._seq = seq = self._seq + 1
-        self._batch.append((seq, kind, block_ids, owner, self._step, reason, _time_ns(), _monotonic_ns(), None))
-        if last and self._step is None:
-            self._seal()
-
-    def begin_step(self, step: int) -> None:
-        """Stamp the following events with scheduler step ``step``."""
-        if self._batch:
-            self._seal()
-        self._step = step
-
-    def end_step(self) -> None:
-        """Seal the step's events into one batch for the writer (none if the step changed nothing)."""
-        self._step = None
-        if self._batch:
-            self._seal()
-
-    def _seal(self, may_snapshot: bool = True) -> None:
+        if not events:
+            return
+        if step is not None and (type(step) is not int or step < 0):
+            raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
         if self._closed:
             raise EventLogError(f"event log of pool {self.pool_id!r} epoch {self.epoch} is closed")
-        batch = self._batch
-        self._batch = []
-        if (
-            may_snapshot
-            and self._allocator is not None
-            and self._seq - self._snapshot_seq >= self._num_events_per_snapshot
-        ):
-            self._seq = self._snapshot_seq = self._seq + 1
-            batch.append(
-                (
-                    self._seq,
-                    _SNAPSHOT,
-                    (),
-                    None,
-                    self._step,
-                    None,
-                    _time_ns(),
-                    _monotonic_ns(),
-                    self._allocator.snapshot_data(),
-                )
-            )
+        first_seq = self._seq + 1
+        last_seq = self._seq + len(events)
+        data = None
+        if snapshot is not None and last_seq - self._snapshot_seq >= self._num_events_per_snapshot:
+            state = snapshot()
+            self._check_shape(state)
+            data = snapshot_data(state)
+            last_seq += 1
+        batch = Batch(first_seq, step, _time_ns(), _monotonic_ns(), events, None if data is None else _SNAPSHOT, data)
         self._writer.submit(batch)
+        self._seq = last_seq  # only once the batch is queued: a call that raises appends nothing
+        if data is not None:
+            self._snapshot_seq = last_seq
         if self._sync:
-            self._writer.wait_durable(self._seq)
+            self._writer.wait_durable(last_seq)
+
+    def _check_shape(self, state: PoolState) -> None:
+        if (state.num_blocks, state.block_size) != (self.num_blocks, self.block_size):
+            raise ValueError(
+                f"pool has num_blocks={state.num_blocks}, block_size={state.block_size}; "
+                f"the log's POOL_INIT says num_blocks={self.num_blocks}, block_size={self.block_size}"
+            )
 
     # -- durability and shutdown -------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Seal any open records and wait until they are durable; False on timeout."""
-        if self._batch:
-            self._seal()
+        """Wait until every appended event is durable; False on timeout."""
         return self._writer.wait_durable(self._seq, timeout_s)
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close(self, timeout_s: float | None = None, final_state: PoolState | None = None) -> None:
         """Write POOL_CLOSE, wait for every event to commit, stop the writer.
 
-        Raises EventLogError when the writer failed or did not finish within
-        ``timeout_s``; the epoch then stays open in the log (a crash).
+        final_state: the pool at close (``BlockAllocator.snapshot()``); its
+        counts go into POOL_CLOSE (``{"num_free", "num_allocated"}``), None
+        records none. Raises EventLogError when the writer failed or did not
+        finish within ``timeout_s``; the epoch then stays open in the log (a
+        crash). ValueError (before anything is written) when ``final_state``
+        has another shape than the log's pool.
         """
         if self._closed:
             return
+        summary = None
+        if final_state is not None:
+            self._check_shape(final_state)
+            summary = {"num_free": final_state.num_free, "num_allocated": final_state.num_allocated}
         try:
-            if self._batch:
-                self._seal()
-            allocator = self._allocator
-            summary = (
-                None
-                if allocator is None
-                else {"num_free": allocator.num_free, "num_allocated": allocator.num_allocated}
-            )
-            self._step = None
             self._seq = seq = self._seq + 1
-            self._batch = [
-                (seq, EventKind.POOL_CLOSE.value, (), None, None, None, _time_ns(), _monotonic_ns(), summary)
-            ]
-            self._seal(may_snapshot=False)
+            self._writer.submit(Batch(seq, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_CLOSE, summary))
             if not self._writer.wait_durable(seq, timeout_s):
                 raise EventLogError(
                     f"event log did not commit seq {seq} within {timeout_s} s (durable_seq {self.durable_seq})"
@@ -278,6 +256,12 @@ class EventLog:
         them with ``read_events`` and drop duplicates by seq.
         """
         return self._writer.subscribe(callback)
+
+
+def _check_schema(engine: sa.Engine, url: str) -> None:
+    with engine.connect() as conn:
+        if not sa.inspect(conn).has_table(pool_epochs.name):
+            raise LogNotFoundError(f"{url!r} holds no event log schema (run `nanoserve db upgrade {url}`)")
 
 
 def _check_open_args(

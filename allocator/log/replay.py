@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 import sqlalchemy as sa
 
-from nanoserve.allocator import chain_verifier
-from nanoserve.allocator.log_reader import (
+from nanoserve.allocator.log import chain_verifier
+from nanoserve.allocator.log.log_reader import (
     EVENT_COLUMNS,
     EpochInfo,
     compile_for_driver,
@@ -26,9 +25,10 @@ from nanoserve.allocator.log_reader import (
     rows_query,
     stored_hash,
 )
+from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
+from nanoserve.allocator.log.replayer import Replayer
+from nanoserve.allocator.log.schema import allocator_events
 from nanoserve.allocator.pool_state import PoolState
-from nanoserve.allocator.replayer import Replayer
-from nanoserve.allocator.schema import allocator_events
 
 __all__ = ["replay", "replay_epoch"]
 
@@ -146,13 +146,24 @@ def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replay
     return True
 
 
-def _start(conn: Any, info: EpochInfo, until_seq: int | None, from_snapshot: bool) -> Replayer:
+def _start(conn: sa.Connection, info: EpochInfo, until_seq: int | None, from_snapshot: bool) -> Replayer:
+    """A replayer at the newest SNAPSHOT at or before ``until_seq``, or at genesis.
+
+    A snapshot that cannot be read is not started from: replay then begins at
+    genesis, and reaching the snapshot reports it.
+    """
     snapshot_seq = latest_snapshot_seq(conn, info.pool_id, info.epoch, until_seq) if from_snapshot else None
     if snapshot_seq is None:
         return Replayer(info)
     previous = stored_hash(conn, info.pool_id, info.epoch, snapshot_seq - 1)
     rows = [row for chunk in event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq) for row in chunk]
+    fields = split_record(rows[0][3])
     replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous or b"")
-    replayer.load_snapshot(rows[0][3].split("|", 8)[8])
+    try:
+        if len(fields) != NUM_FIELDS:
+            raise ValueError(f"record has {len(fields)} fields")
+        replayer.load_snapshot(fields[-1])
+    except ValueError:
+        return Replayer(info)
     replayer.apply_rows(rows)
     return replayer

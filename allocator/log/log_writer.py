@@ -1,10 +1,11 @@
-"""The event log's background writer: hash, group-commit, retry, publish.
+"""The event log's background writer: encode, hash, group-commit, retry, publish.
 
-The allocator's thread seals each scheduler step's events into one batch and
-appends it to ``pending`` (a deque: appending is one atomic call, no lock).
-The writer thread takes every ready batch, chains their hashes, and commits
-them in one transaction (group commit), then advances ``durable_seq`` and hands
-the committed events to subscribers.
+The caller's thread (the engine's) hands each step's events over as one
+``Batch`` and appends it to ``pending`` (a deque: appending is one atomic call,
+no lock); it does nothing per event but count seqs. The writer thread takes
+every ready batch, encodes its records (``record_codec``), chains their hashes,
+and commits them in one transaction (group commit), then advances
+``durable_seq`` and hands the committed events to subscribers.
 
 Each commit first moves the epoch row's ``(durable_seq, head_hash)`` from the
 values this writer last wrote to the new ones, guarded by ``writer_id``. A
@@ -15,28 +16,53 @@ already moved and recognises its own batch by the stored hash.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 import structlog
 from sqlalchemy.engine import Engine
 
-from nanoserve.allocator.database import Row, insert_rows
-from nanoserve.allocator.event_chain import DATA_KINDS, chain_hash, encode_record
-from nanoserve.allocator.events import Event, parse_event
-from nanoserve.allocator.schema import allocator_events, pool_epochs
+from nanoserve.allocator.events import BlockEvent, EventKind
+from nanoserve.allocator.log.database import Row, insert_rows
+from nanoserve.allocator.log.event import Event
+from nanoserve.allocator.log.event_chain import chain_hash
+from nanoserve.allocator.log.record_codec import decode_event, encode_block_record, encode_data_record
+from nanoserve.allocator.log.schema import allocator_events, pool_epochs
 
 log = structlog.get_logger(__name__)
 
-# (seq, kind, block_ids, owner, step, reason, wall_time_ns, monotonic_ns, data)
-Record = tuple[int, str, tuple[int, ...], "str | None", "int | None", "str | None", int, int, Any]
-Batch = list[Record]
 Subscriber = Callable[[Sequence[Event]], None]
+
+
+class Batch(NamedTuple):
+    """Records ``first_seq..last_seq`` of one epoch, committed together or not at all.
+
+    events: block events, seqs ``first_seq``, ``first_seq + 1``, ...
+    data_kind, data: one POOL_INIT, SNAPSHOT or POOL_CLOSE record after the
+        events, carrying ``data`` (JSON-serialisable); None for none.
+    Every record of the batch carries ``step`` and the batch's two times.
+    (A NamedTuple: the engine's thread makes one per step, at the cost of a tuple.)
+    """
+
+    first_seq: int
+    step: int | None
+    wall_time_ns: int
+    monotonic_ns: int
+    events: Sequence[BlockEvent] = ()
+    data_kind: EventKind | None = None
+    data: Any = None
+
+    @property
+    def num_records(self) -> int:
+        return len(self.events) + (self.data_kind is not None)
+
+    @property
+    def last_seq(self) -> int:
+        return self.first_seq + self.num_records - 1
 
 
 MAX_EVENTS_PER_COMMIT = 20_000
@@ -53,10 +79,6 @@ class SecondWriterError(EventLogError):
 
 class _GuardMoved(Exception):
     """The epoch row no longer holds what this writer last wrote."""
-
-
-def _encode_data(data: Any) -> str:
-    return json.dumps(data, separators=(",", ":"), sort_keys=True)
 
 
 class LogWriter:
@@ -163,7 +185,7 @@ class LogWriter:
             while self.pending:
                 group = self._take_group()
                 try:
-                    self._commit_with_retry(*self._seal_rows(group))
+                    self._commit_with_retry(*self.seal_rows(group))
                 except EventLogError as exc:
                     self._fail(exc)
                     return
@@ -180,44 +202,42 @@ class LogWriter:
         while pending and num_events < MAX_EVENTS_PER_COMMIT:
             batch = pending.popleft()
             batches.append(batch)
-            num_events += len(batch)
+            num_events += batch.num_records
         with self._progress:
             self._progress.notify_all()
         return batches
 
     def seal_first(self, batch: Batch) -> tuple[list[Row], bytes]:
         """Rows and head hash of the epoch's first batch, committed by ``EventLog.open`` itself."""
-        rows, last_seq, head_hash, _ = self._seal_rows([batch])
+        rows, last_seq, head_hash, _ = self.seal_rows([batch])
         self.durable_seq = last_seq
         return rows, head_hash
 
-    def _seal_rows(self, batches: list[Batch]) -> tuple[list[Row], int, bytes, int | None]:
-        """Rows with their chained hashes; each row's batch_seq is the last seq of its batch."""
-        rows = []
+    def seal_rows(self, batches: list[Batch]) -> tuple[list[Row], int, bytes, int | None]:
+        """Rows with their encoded records and chained hashes; each row's batch_seq is its batch's last seq."""
+        rows: list[Row] = []
         previous = self._head_hash
         pool_id, epoch = self.pool_id, self.epoch
         closed_seq = None
-        expected_seq = self._chained_seq + 1
+        seq = self._chained_seq + 1
         for batch in batches:
-            batch_seq = batch[-1][0]
-            for seq, kind, block_ids, owner, step, reason, wall_ns, mono_ns, data in batch:
-                assert seq == expected_seq, f"seq {seq} sealed where {expected_seq} was due"
-                expected_seq += 1
-                if kind in DATA_KINDS:
-                    tail = _encode_data(data)
-                else:
-                    assert owner is not None, f"seq {seq}: a {kind} event has no owner"
-                    tail = owner
-                record = encode_record(
-                    seq, batch_seq, kind, ",".join(map(str, block_ids)), step, reason, wall_ns, mono_ns, tail
-                )
+            assert batch.first_seq == seq, f"batch from seq {batch.first_seq} sealed where seq {seq} was due"
+            batch_seq, step, wall_ns, mono_ns = batch.last_seq, batch.step, batch.wall_time_ns, batch.monotonic_ns
+            for event in batch.events:
+                record = encode_block_record(seq, batch_seq, event, step, wall_ns, mono_ns)
                 previous = chain_hash(previous, record)
-                if kind == "pool_close":
+                rows.append((pool_id, epoch, seq, event.kind.value, event.owner, record, previous))
+                seq += 1
+            if batch.data_kind is not None:
+                record = encode_data_record(seq, batch_seq, batch.data_kind, batch.data, step, wall_ns, mono_ns)
+                previous = chain_hash(previous, record)
+                if batch.data_kind is EventKind.POOL_CLOSE:
                     closed_seq = seq
-                rows.append((pool_id, epoch, seq, kind, owner, record, previous))
+                rows.append((pool_id, epoch, seq, batch.data_kind.value, None, record, previous))
+                seq += 1
         self._head_hash = previous
-        self._chained_seq = expected_seq - 1
-        return rows, expected_seq - 1, previous, closed_seq
+        self._chained_seq = seq - 1
+        return rows, seq - 1, previous, closed_seq
 
     def _commit_with_retry(self, rows: list[Row], last_seq: int, head_hash: bytes, closed_seq: int | None) -> None:
         attempt = 0
@@ -300,7 +320,7 @@ class LogWriter:
             subscribers = list(self._subscribers)
         if not subscribers:
             return
-        events = [parse_event(pool_id, epoch, seq, record, hash_) for pool_id, epoch, seq, _, _, record, hash_ in rows]
+        events = [decode_event(pool_id, epoch, seq, record, hash_) for pool_id, epoch, seq, _, _, record, hash_ in rows]
         for callback in subscribers:
             try:
                 callback(events)

@@ -7,7 +7,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from nanoserve.allocator.schema import allocator_events
+from nanoserve.allocator.log.schema import allocator_events
 
 # one stored event: (pool_id, epoch, seq, kind, owner, record, hash), in ROW_COLUMNS order
 Row = tuple[str, int, int, str, "str | None", str, bytes]

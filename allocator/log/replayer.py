@@ -1,37 +1,55 @@
 """``Replayer``: rebuild a pool from its log, checking every event against the state.
 
-``Replayer`` walks an epoch's rows in seq order and applies each to a free
-stack and owner map exactly as ``BlockAllocator`` did. On the way it checks
-the log's rules and collects every break as a ``Violation`` (never raising
-half-way): sequence numbers contiguous, hash chain intact, batches whole,
-allocate only free blocks, free only allocated blocks of the named owner,
-POOL_INIT first, nothing after POOL_CLOSE, snapshots equal to the replayed state.
+``Replayer`` walks an epoch's rows in seq order and applies each block event
+to a ``PoolState`` with ``transition.apply``, the function the live allocator
+changes its pool with. On the way it checks the log's rules and collects every
+break as a ``Violation`` (never raising half-way): sequence numbers
+contiguous, hash chain intact, batches whole, records well-formed, allocate
+only free blocks, free only allocated blocks of the named owner, POOL_INIT
+first, nothing after POOL_CLOSE, snapshots equal to the replayed state.
+
+Two loops apply rows: ``apply_rows`` decodes every record into a
+``BlockEvent`` and applies it (the checked path), and ``apply_intact_rows``,
+for rows whose hash chain is verified already, inlines the common case of
+``apply`` (blocks taken from the top of the free stack, blocks freed by their
+owner) because it replays millions of events; anything else it hands to the
+checked path's own code. tests/allocator/test_replay_paths.py proves the two
+equal on random logs, damaged ones included.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from nanoserve.allocator.event_chain import DATA_KINDS, genesis_hash
 from nanoserve.allocator.events import EventKind
-from nanoserve.allocator.log_reader import EpochInfo
+from nanoserve.allocator.log.event_chain import genesis_hash
+from nanoserve.allocator.log.log_reader import EpochInfo
+from nanoserve.allocator.log.record_codec import (
+    BLOCK_KINDS,
+    DATA_KINDS,
+    NUM_FIELDS,
+    REASONS,
+    decode_block_event,
+    decode_snapshot,
+    split_record,
+)
 from nanoserve.allocator.pool_state import PoolState, Violation
+from nanoserve.allocator.transition import apply
 
-_ALLOCATE_KINDS = frozenset((EventKind.ALLOCATE.value, EventKind.ALLOCATE_FOR.value))
-_FREE_KINDS = frozenset((EventKind.FREE.value, EventKind.FREE_ALL.value))
-_BLOCK_KINDS = _ALLOCATE_KINDS | _FREE_KINDS
-_INIT = EventKind.POOL_INIT.value
+# one stored row as replay reads it: (seq, kind, owner, record, hash), EVENT_COLUMNS
+Row = tuple[Any, ...]
+
 _digest = operator.methodcaller("digest")
 # columns of an EVENT_COLUMNS row, taken out of a whole chunk at C speed (zip(*chunk) is ten times slower)
 _seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(3), operator.itemgetter(4)
+_INIT = EventKind.POOL_INIT.value
 _SNAPSHOT = EventKind.SNAPSHOT.value
 _CLOSE = EventKind.POOL_CLOSE.value
 
-# kind -> small int for the replay loop: block kinds <= _FREE_CODE < unknown kinds < data kinds (>= _DATA)
+# kind -> small int for the fast loop: block kinds <= _FREE_CODE < unknown kinds < data kinds (>= _DATA)
 _ALLOCATE_CODE, _FREE_CODE, _UNKNOWN, _SNAPSHOT_CODE, _INIT_CODE, _CLOSE_CODE = range(6)
 _DATA = _SNAPSHOT_CODE
 _KIND_CODES = {
@@ -43,6 +61,9 @@ _KIND_CODES = {
     _INIT: _INIT_CODE,
     _CLOSE: _CLOSE_CODE,
 }
+# A block kind missing here (a new one) takes the checked path in the fast loop too, through ``_apply_record``;
+# one inlined here must be a block kind, applied as ``transition.take`` (allocate codes) or ``release`` (free).
+assert {kind for kind, code in _KIND_CODES.items() if code <= _FREE_CODE} <= set(BLOCK_KINDS)
 
 
 class Replayer:
@@ -50,15 +71,12 @@ class Replayer:
 
     Start from the epoch's genesis (``start_seq=1``) or from a SNAPSHOT row
     (``start_seq`` its seq, ``previous_hash`` the stored hash of the row
-    before it).
+    before it, then ``load_snapshot``).
     """
 
     def __init__(self, info: EpochInfo, start_seq: int = 1, previous_hash: bytes | None = None) -> None:
         self.info = info
-        self.num_blocks = info.num_blocks
-        self.block_size = info.block_size
-        self.free: list[int] = list(range(info.num_blocks - 1, -1, -1))  # stack, top at the end
-        self.owners: dict[int, str] = {}  # block_id -> owner
+        self.pool = PoolState.fresh(info.num_blocks, info.block_size)
         self.violations: list[Violation] = []
         self.expected_seq = start_seq
         self.previous_hash = genesis_hash(info.pool_id, info.epoch) if previous_hash is None else previous_hash
@@ -67,8 +85,9 @@ class Replayer:
         self.closed_seq: int | None = None
         self._start_snapshot_seq = start_seq if start_seq > 1 else None
         self.num_events = 0
+        self._seq = start_seq  # the row being applied, for ``_report``
 
-    def apply_chunks(self, chunks: Iterable[Sequence[tuple[Any, ...]]]) -> None:
+    def apply_chunks(self, chunks: Iterable[Sequence[Row]]) -> None:
         """Check and apply chunks of rows (EVENT_COLUMNS tuples) in seq order.
 
         A chunk whose seqs run on from the last one and whose hashes all
@@ -85,7 +104,7 @@ class Replayer:
             else:
                 self.apply_rows(chunk, verified=True)
 
-    def _chunk_is_intact(self, chunk: Sequence[tuple[Any, ...]]) -> bool:
+    def _chunk_is_intact(self, chunk: Sequence[Row]) -> bool:
         if not chunk:
             return True
         first = self.expected_seq
@@ -97,14 +116,13 @@ class Replayer:
         records = map(str.encode, map(_record_of, chunk))
         return list(map(_digest, map(hashlib.sha256, map(operator.add, previous, records)))) == hashes
 
-    def apply_rows(self, rows: Sequence[tuple[Any, ...]], verified: bool = False) -> None:
+    def apply_rows(self, rows: Sequence[Row], verified: bool = False) -> None:
         """Check and apply rows in seq order; ``verified`` skips the seq and hash checks already done."""
         previous = self.previous_hash
         expected = self.expected_seq
         batch_end = self.batch_end
         violate = self.violate
         sha256 = hashlib.sha256
-        closed_seq = self.closed_seq
         for seq, kind_column, owner_column, record, stored in rows:
             if not verified:
                 if seq != expected:
@@ -123,10 +141,11 @@ class Replayer:
                     )
             expected = seq + 1
             previous = stored
+            fields = split_record(record)
             try:
-                record_seq, batch_text, kind, block_text, _step, _reason, _wall_ns, _mono_ns, tail = record.split(
-                    "|", 8
-                )
+                if len(fields) != NUM_FIELDS:
+                    raise ValueError
+                record_seq, batch_text, kind, block_text, _step, reason_text, _wall_ns, _mono_ns, tail = fields
                 batch_seq = int(batch_text)
                 if not verified and int(record_seq) != seq:
                     violate(seq, "seq_mismatch", f"the record says seq {record_seq}")
@@ -152,60 +171,66 @@ class Replayer:
                     f"batch ending at seq {batch_end} is cut short: batch_seq {batch_seq} starts here",
                 )
                 batch_end = batch_seq
-            if closed_seq is not None:
+            if self.closed_seq is not None:
                 violate(seq, "after_close", f"{kind} after POOL_CLOSE at seq {self.closed_seq}", owner=owner)
-            if kind in _BLOCK_KINDS:
-                try:
-                    block_ids = list(map(int, block_text.split(",")))
-                except ValueError:
-                    violate(seq, "bad_record", f"block_ids {block_text!r} is not a list of block ids", owner=owner)
-                    continue
-                # a block event's tail is its owner (``owner`` is None only for data kinds)
-                if kind in _ALLOCATE_KINDS:
-                    self._allocate(seq, block_ids, tail)
-                else:
-                    self._free(seq, block_ids, tail)
-            elif kind == _SNAPSHOT:
-                self._snapshot(seq, tail)
-            elif kind == _INIT:
-                if seq != 1:
-                    violate(seq, "misplaced_init", "POOL_INIT is not the epoch's first record")
-            elif kind == _CLOSE:
-                self.closed_seq = closed_seq = seq
-            else:
-                violate(seq, "unknown_kind", f"event kind {kind!r} is not known to this replay", owner=owner)
+            self._apply_record(seq, kind, block_text, reason_text, tail)
         self.previous_hash = previous
         self.expected_seq = expected
         self.last_seq = expected - 1
         self.num_events += len(rows)
         self.batch_end = batch_end
 
-    def apply_intact_rows(self, rows: Sequence[tuple[Any, ...]]) -> bool:
+    def _apply_record(self, seq: int, kind: str, block_text: str, reason_text: str, tail: str) -> None:
+        """Apply one record's event to the pool (the checked path's step; the fast loop's fallback)."""
+        if kind in BLOCK_KINDS:
+            try:
+                event = decode_block_event(kind, block_text, reason_text, tail)
+            except ValueError as exc:
+                self.violate(seq, "bad_record", str(exc), owner=tail)
+                return
+            self._seq = seq
+            apply(self.pool, event, self._report)
+        elif kind == _SNAPSHOT:
+            self._snapshot(seq, tail)
+        elif kind == _INIT:
+            if seq != 1:
+                self.violate(seq, "misplaced_init", "POOL_INIT is not the epoch's first record")
+        elif kind == _CLOSE:
+            self.closed_seq = seq
+        else:
+            owner = None if kind in DATA_KINDS else tail
+            self.violate(seq, "unknown_kind", f"event kind {kind!r} is not known to this replay", owner=owner)
+
+    def apply_intact_rows(self, rows: Sequence[Row]) -> bool:
         """Apply rows (EVENT_COLUMNS; the hash unused) whose hash chain is verified already.
 
-        Makes every check of ``apply_rows(rows, verified=True)`` (columns,
-        batches, close, the state rules) with the state machine inlined: this
-        is the loop that replays millions of events. Returns False, leaving
-        the replayer half-updated, at the first seq out of line; the caller
-        then replays from the start with ``apply_chunks``, which names it.
-        Needs ``invariant_holds()`` (a block on top of the free stack is then
-        free and in the pool).
+        Gives what ``apply_rows(rows, verified=True)`` gives (state, violations,
+        batch and close tracking), with the common case of ``apply`` inlined:
+        this is the loop that replays millions of events. Any other record
+        (blocks off the stack's top, a malformed one, a snapshot) goes through
+        ``_apply_record`` as in the checked path. Returns False, leaving the
+        replayer half-updated, at the first seq out of line; the caller then
+        replays from the start with ``apply_chunks``, which names it. Needs
+        ``invariant_holds()`` (a block on top of the free stack is then free
+        and in the pool).
         """
         expected = self.expected_seq
         batch_end = self.batch_end
         batch_end_text = str(batch_end)
-        closed_seq = self.closed_seq
-        free, owners = self.free, self.owners
+        free, owners = self.pool.free_block_ids, self.pool.owners
         pop_owner, push_free = owners.pop, free.append
         violate = self.violate
-        num_blocks = self.num_blocks
+        apply_record = self._apply_record
+        num_blocks = self.pool.num_blocks
         kind_codes = _KIND_CODES
+        reasons = REASONS
+        closed_seq = self.closed_seq
         for seq, kind_column, owner_column, record, _ in rows:
             if seq != expected:
                 return False
             expected = seq + 1
             try:
-                _, batch_text, kind, block_text, _, _, _, _, tail = record.split("|", 8)
+                _, batch_text, kind, block_text, _, reason_text, _, _, tail = record.split("|", 8)
                 if seq > batch_end or batch_text != batch_end_text:
                     batch_seq = int(batch_text)
             except ValueError:
@@ -235,38 +260,32 @@ class Replayer:
                 batch_end_text = batch_text
             if closed_seq is not None:
                 violate(seq, "after_close", f"{kind} after POOL_CLOSE at seq {closed_seq}", owner=owner)
-            if code <= _FREE_CODE:
-                try:
-                    block_ids = list(map(int, block_text.split(",")))
-                except ValueError:
-                    violate(seq, "bad_record", f"block_ids {block_text!r} is not a list of block ids", owner=owner)
-                    continue
-                if code == _FREE_CODE:
-                    for block_id in block_ids:
-                        holder = pop_owner(block_id, None)
-                        if holder == owner:
-                            push_free(block_id)
-                        elif holder is None:
-                            rule = "free_of_free_block" if 0 <= block_id < num_blocks else "foreign_block"
-                            violate(seq, rule, "block is not allocated", block_id, owner)
-                        else:
-                            violate(seq, "owner_mismatch", f"block is held by {holder!r}", block_id, owner)
-                            push_free(block_id)
-                elif free[-len(block_ids) :] == block_ids[::-1]:  # the allocator pops from the top
-                    del free[-len(block_ids) :]
-                    for block_id in block_ids:
-                        owners[block_id] = tail  # a block event's tail is its owner
-                else:
-                    self._allocate(seq, block_ids, tail)
-            elif code == _SNAPSHOT_CODE:
-                self._snapshot(seq, tail)
-            elif code == _INIT_CODE:
-                if seq != 1:
-                    violate(seq, "misplaced_init", "POOL_INIT is not the epoch's first record")
-            elif code == _CLOSE_CODE:
-                self.closed_seq = closed_seq = seq
+            if code > _FREE_CODE or reason_text not in reasons:
+                apply_record(seq, kind, block_text, reason_text, tail)
+                closed_seq = self.closed_seq  # POOL_CLOSE sets it; only a data record can
+                continue
+            try:
+                block_ids = list(map(int, block_text.split(",")))
+            except ValueError:
+                apply_record(seq, kind, block_text, reason_text, tail)
+                continue
+            if code == _FREE_CODE:  # transition.release, inlined
+                for block_id in block_ids:
+                    holder = pop_owner(block_id, None)
+                    if holder == tail:
+                        push_free(block_id)
+                    elif holder is None:
+                        rule = "free_of_free_block" if 0 <= block_id < num_blocks else "foreign_block"
+                        violate(seq, rule, "block is not allocated", block_id, tail)
+                    else:
+                        violate(seq, "owner_mismatch", f"block is held by {holder!r}", block_id, tail)
+                        push_free(block_id)
+            elif free[-len(block_ids) :] == block_ids[::-1]:  # transition.take from the top, inlined
+                del free[-len(block_ids) :]
+                for block_id in block_ids:
+                    owners[block_id] = tail
             else:
-                violate(seq, "unknown_kind", f"event kind {kind!r} is not known to this replay", owner=owner)
+                apply_record(seq, kind, block_text, reason_text, tail)
         self.expected_seq = expected
         self.last_seq = expected - 1
         self.num_events += len(rows)
@@ -275,11 +294,11 @@ class Replayer:
 
     def invariant_holds(self) -> bool:
         """The free stack holds distinct pool blocks, none of them owned (true unless a snapshot says otherwise)."""
-        free = set(self.free)
+        free = set(self.pool.free_block_ids)
         return (
-            len(free) == len(self.free)
-            and free.isdisjoint(self.owners)
-            and all(type(block_id) is int and 0 <= block_id < self.num_blocks for block_id in free)
+            len(free) == len(self.pool.free_block_ids)
+            and free.isdisjoint(self.pool.owners)
+            and all(type(block_id) is int and 0 <= block_id < self.pool.num_blocks for block_id in free)
         )
 
     def finish(self) -> None:
@@ -303,65 +322,42 @@ class Replayer:
             )
 
     def state(self) -> PoolState:
-        return PoolState(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            free_block_ids=tuple(self.free),
-            owners=dict(self.owners),
-            last_seq=self.last_seq,
-            pool_id=self.info.pool_id,
-            epoch=self.info.epoch,
-            violations=list(self.violations),
-        )
+        """A copy of the replayed pool, stamped with where it came from and what broke on the way."""
+        state = self.pool.copy()
+        state.last_seq = self.last_seq
+        state.pool_id = self.info.pool_id
+        state.epoch = self.info.epoch
+        state.violations = list(self.violations)
+        return state
 
-    def load_snapshot(self, data: str) -> None:
-        """Take the state stored in a SNAPSHOT record as the current one."""
-        free, owners = _decode_snapshot(data)
-        self.free = free
-        self.owners = owners
+    def load_snapshot(self, tail: str) -> None:
+        """Take the state stored in a SNAPSHOT record's tail as the current one.
 
-    def _allocate(self, seq: int, block_ids: list[int], owner: str) -> None:
-        free, owners = self.free, self.owners
-        for block_id in block_ids:
-            holder = owners.get(block_id)
-            if holder is not None:
-                self.violate(seq, "allocate_of_allocated", f"block is held by {holder!r}", block_id, owner)
-            elif not 0 <= block_id < self.num_blocks:
-                self.violate(seq, "foreign_block", f"block is not in the pool of {self.num_blocks}", block_id, owner)
-            else:
-                if free[-1] == block_id:
-                    free.pop()
-                else:
-                    free.remove(block_id)
-                owners[block_id] = owner
+        ValueError when it is unreadable or breaks the ``PoolState`` invariant
+        (every block of the pool free or owned by a named owner, exactly once):
+        replay then starts at genesis instead, and reaching the snapshot reports it.
+        """
+        pool = decode_snapshot(tail, self.pool.num_blocks, self.pool.block_size)
+        if sorted([*pool.free_block_ids, *pool.owners]) != list(range(pool.num_blocks)) or not all(
+            type(owner) is str and owner for owner in pool.owners.values()
+        ):
+            raise ValueError("the snapshot does not hold every block of the pool exactly once")
+        self.pool = pool
 
-    def _free(self, seq: int, block_ids: list[int], owner: str) -> None:
-        free, owners = self.free, self.owners
-        for block_id in block_ids:
-            holder = owners.pop(block_id, None)
-            if holder is None:
-                rule = "free_of_free_block" if 0 <= block_id < self.num_blocks else "foreign_block"
-                self.violate(seq, rule, "block is not allocated", block_id, owner)
-                continue
-            if holder != owner:
-                self.violate(seq, "owner_mismatch", f"block is held by {holder!r}", block_id, owner)
-            free.append(block_id)
-
-    def _snapshot(self, seq: int, data: str | None) -> None:
+    def _snapshot(self, seq: int, tail: str) -> None:
         if seq == self._start_snapshot_seq:
             return  # the snapshot this replay started from
         try:
-            free, owners = _decode_snapshot(data or "")
-        except (ValueError, KeyError, TypeError) as exc:
+            snapshot = decode_snapshot(tail, self.pool.num_blocks, self.pool.block_size)
+        except ValueError as exc:
             self.violate(seq, "bad_snapshot", f"snapshot data unreadable: {exc}")
             return
-        if free != self.free or owners != self.owners:
+        if snapshot != self.pool:
             self.violate(seq, "snapshot_mismatch", "snapshot differs from the replayed state")
+
+    def _report(self, rule: str, message: str, block_id: int | None, owner: str | None) -> None:
+        """``transition.apply``'s report: a Violation at the row being applied."""
+        self.violations.append(Violation(self._seq, rule, message, block_id, owner))
 
     def violate(self, seq: int, rule: str, message: str, block_id: int | None = None, owner: str | None = None) -> None:
         self.violations.append(Violation(seq=seq, rule=rule, message=message, block_id=block_id, owner=owner))
-
-
-def _decode_snapshot(data: str) -> tuple[list[int], dict[int, str]]:
-    decoded = json.loads(data)
-    return list(decoded["free_block_ids"]), {int(block): owner for block, owner in decoded["owners"].items()}

@@ -17,9 +17,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.database import create_log_engine
-from nanoserve.allocator.events import Event, parse_event
-from nanoserve.allocator.schema import allocator_events, pool_epochs
+from nanoserve.allocator.log.database import create_log_engine
+from nanoserve.allocator.log.event import Event
+from nanoserve.allocator.log.record_codec import decode_event
+from nanoserve.allocator.log.schema import allocator_events, pool_epochs
 
 # columns replay reads, in this order
 EVENT_COLUMNS = (
@@ -214,7 +215,7 @@ def stored_hash(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> byte
 def to_event(pool_id: str, epoch: int, row: tuple[Any, ...]) -> Event:
     """An ``Event`` from one EVENT_COLUMNS row. ValueError when its record is malformed."""
     seq, _kind, _owner, record, hash_ = row
-    return parse_event(pool_id, epoch, seq, record, hash_)
+    return decode_event(pool_id, epoch, seq, record, hash_)
 
 
 def read_events(

@@ -19,10 +19,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from nanoserve.allocator.events import Event, EventKind
+from nanoserve.allocator.events import EventKind
+from nanoserve.allocator.log.event import Event
 
 if TYPE_CHECKING:
-    from nanoserve.allocator.event_log import EventLog
+    from nanoserve.allocator.log.event_log import EventLog
 
 _CLOSE = EventKind.POOL_CLOSE.value
 

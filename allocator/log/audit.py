@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.log_reader import EpochInfo, LogNotFoundError, connect, list_epochs, resolve_epoch
+from nanoserve.allocator.log.log_reader import EpochInfo, LogNotFoundError, connect, list_epochs, resolve_epoch
+from nanoserve.allocator.log.replay import replay_epoch
+from nanoserve.allocator.log.replayer import Replayer
 from nanoserve.allocator.pool_state import PoolState, Violation
-from nanoserve.allocator.replay import replay_epoch
-from nanoserve.allocator.replayer import Replayer
 
 
 @dataclass
@@ -76,7 +76,7 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
     closed = closed_seq is not None
     leaked: dict[int, str] = {}
     if closed_seq is not None:
-        leaked = dict(sorted(replayer.owners.items()))
+        leaked = dict(sorted(replayer.pool.owners.items()))
         for block_id, owner in leaked.items():
             replayer.violate(closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner)
     state = replayer.state()

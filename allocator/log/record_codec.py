@@ -1,0 +1,133 @@
+"""The stored form of an event, both ways: every record is encoded and decoded here.
+
+An event is stored as one line of text, its *record*::
+
+    seq|batch_seq|kind|block_ids|step|reason|wall_time_ns|monotonic_ns|tail
+
+``block_ids`` is comma-separated; ``step`` and ``reason`` are empty when
+None; ``tail`` is the owner for block events and canonical JSON ``data``
+(sorted keys, no spaces) for POOL_INIT, SNAPSHOT and POOL_CLOSE. The tail is
+last, so it may hold any character. The record is what the hash chain covers
+(``event_chain``), so its encoding never changes for a kind once written.
+
+Readers get an ``Event`` (``decode_event``); replay splits the text itself
+(``split_record``) and turns block records into the allocator's
+``BlockEvent`` (``decode_block_event``) to apply them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
+from nanoserve.allocator.log.event import Event
+from nanoserve.allocator.pool_state import PoolState
+from nanoserve.allocator.transition import TRANSITIONS
+
+NUM_FIELDS = 9
+# kinds whose record tail is JSON data rather than an owner
+DATA_KINDS = frozenset((EventKind.POOL_INIT.value, EventKind.SNAPSHOT.value, EventKind.POOL_CLOSE.value))
+# kinds that change blocks: stored text -> the EventKind that ``transition.apply`` knows
+BLOCK_KINDS = {kind.value: kind for kind in TRANSITIONS}
+# stored reason text -> FreeReason; "" is None
+REASONS: dict[str, FreeReason | None] = {"": None, **{reason.value: reason for reason in FreeReason}}
+
+
+def encode_block_record(
+    seq: int, batch_seq: int, event: BlockEvent, step: int | None, wall_time_ns: int, monotonic_ns: int
+) -> str:
+    """A block event as its stored line (see the module docstring)."""
+    reason = event.reason
+    return (
+        f"{seq}|{batch_seq}|{event.kind.value}|{','.join(map(str, event.block_ids))}|{'' if step is None else step}"
+        f"|{'' if reason is None else reason.value}|{wall_time_ns}|{monotonic_ns}|{event.owner}"
+    )
+
+
+def encode_data_record(
+    seq: int, batch_seq: int, kind: EventKind, data: Any, step: int | None, wall_time_ns: int, monotonic_ns: int
+) -> str:
+    """A POOL_INIT, SNAPSHOT or POOL_CLOSE record carrying ``data`` (JSON-serialisable)."""
+    assert kind.value in DATA_KINDS, f"{kind} carries no data"
+    step_text = "" if step is None else step
+    return f"{seq}|{batch_seq}|{kind.value}||{step_text}||{wall_time_ns}|{monotonic_ns}|{encode_data(data)}"
+
+
+def encode_data(data: Any) -> str:
+    """Canonical JSON: sorted keys, no spaces. TypeError when ``data`` is not JSON-serialisable."""
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+
+def split_record(record: str) -> list[str]:
+    """The nine fields of a record as text; fewer when the record is malformed."""
+    return record.split("|", NUM_FIELDS - 1)
+
+
+def record_owner(kind: str, tail: str) -> str | None:
+    """The owner a record names: its tail, except for the data kinds."""
+    return None if kind in DATA_KINDS else tail
+
+
+def decode_block_ids(text: str) -> tuple[int, ...]:
+    """Stored block ids (``"3,4"``) as a tuple; ``""`` is none. ValueError on a malformed list."""
+    return tuple(map(int, text.split(","))) if text else ()
+
+
+def decode_block_event(kind: str, block_text: str, reason_text: str, owner: str) -> BlockEvent:
+    """The ``BlockEvent`` of a block record's fields (``kind`` one of BLOCK_KINDS).
+
+    ValueError, with a message naming the field, when the block ids are not a
+    non-empty list of integers or the reason is not a ``FreeReason``.
+    """
+    try:
+        block_ids = tuple(map(int, block_text.split(",")))
+    except ValueError:
+        raise ValueError(f"block_ids {block_text!r} is not a list of block ids") from None
+    if reason_text not in REASONS:
+        raise ValueError(f"reason {reason_text!r} is not a FreeReason")
+    return BlockEvent(BLOCK_KINDS[kind], block_ids, owner, REASONS[reason_text])
+
+
+def decode_event(pool_id: str, epoch: int, seq: int, record: str, hash_: bytes) -> Event:
+    """An ``Event`` from its stored record. ValueError when the record is malformed."""
+    fields = split_record(record)
+    if len(fields) != NUM_FIELDS:
+        raise ValueError(f"seq {seq}: record has {len(fields)} fields, expected {NUM_FIELDS}")
+    _, batch_seq, kind, block_ids, step, reason, wall_ns, mono_ns, tail = fields
+    is_data = kind in DATA_KINDS
+    return Event(
+        pool_id=pool_id,
+        epoch=epoch,
+        seq=seq,
+        batch_seq=int(batch_seq),
+        kind=kind,
+        block_ids=decode_block_ids(block_ids),
+        owner=None if is_data else tail,
+        step=int(step) if step else None,
+        reason=reason or None,
+        wall_time_ns=int(wall_ns),
+        monotonic_ns=int(mono_ns),
+        data=json.loads(tail) if is_data else None,
+        hash=bytes(hash_),
+    )
+
+
+def snapshot_data(state: PoolState) -> dict[str, Any]:
+    """The data of a SNAPSHOT record: the free stack (bottom to top) and the owner map.
+
+    Refers to ``state``'s stack and map (no copy): pass a state nothing changes
+    any more, such as ``BlockAllocator.snapshot()``.
+    """
+    return {"free_block_ids": state.free_block_ids, "owners": state.owners}
+
+
+def decode_snapshot(tail: str, num_blocks: int, block_size: int) -> PoolState:
+    """The pool a SNAPSHOT record's tail holds. ValueError when it is unreadable."""
+    try:
+        data = json.loads(tail)
+        free_block_ids = list(data["free_block_ids"])
+        owners = {int(block_id): owner for block_id, owner in data["owners"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
+    return PoolState(num_blocks, block_size, free_block_ids, owners)

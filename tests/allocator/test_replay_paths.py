@@ -1,0 +1,247 @@
+"""The fast replay loop is the checked one, proved on random logs (Hypothesis).
+
+``Replayer.apply_intact_rows`` inlines the transition function for speed (it
+replays million-event epochs); ``Replayer.apply_rows`` decodes each record and
+applies it with ``transition.apply``. On random valid workloads and on random
+damage (edited fields, columns, deleted, swapped and duplicated rows, records
+after POOL_CLOSE, a stale snapshot) the fast loop must give the checked loop's
+state and violations exactly, or hand the rows over (seqs out of line). The
+logs are built in memory by the log writer's own encoder, without a database.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoserve.allocator import BlockAllocator, EventKind, FreeReason, KVCacheExhausted, PoolState
+from nanoserve.allocator.log.event_chain import chain_hash, genesis_hash
+from nanoserve.allocator.log.log_reader import EpochInfo
+from nanoserve.allocator.log.log_writer import Batch, LogWriter
+from nanoserve.allocator.log.record_codec import snapshot_data, split_record
+from nanoserve.allocator.log.replayer import Replayer
+
+NUM_BLOCKS = 8
+BLOCK_SIZE = 4
+OWNERS = ("A", "B", "C")
+Row = tuple[Any, ...]  # (seq, kind, owner, record, hash): what replay reads
+
+OPERATIONS = st.one_of(
+    st.tuples(st.just("allocate"), st.sampled_from(OWNERS)),
+    st.tuples(st.just("allocate_for"), st.integers(1, 4 * BLOCK_SIZE), st.sampled_from(OWNERS)),
+    st.tuples(st.just("release"), st.sampled_from(OWNERS), st.sampled_from([None, *FreeReason])),
+    st.tuples(st.just("free"), st.integers(0, NUM_BLOCKS - 1)),
+    st.tuples(st.just("step"), st.booleans()),  # end of a step; with a SNAPSHOT or not
+)
+
+
+@dataclass
+class Log:
+    rows: list[Row]
+    info: EpochInfo
+    pool: PoolState  # the live pool after the last event
+
+
+def write_log(operations: list[tuple[Any, ...]], close: bool) -> Log:
+    """Drive a pool as the engine does and encode its batches with the log writer (no database)."""
+    pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
+    writer = LogWriter(None, "p", 1, "writer", 0, genesis_hash("p", 1), 16)  # type: ignore[arg-type]
+    init = {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "model": None, "config": None}
+    stored, _ = writer.seal_first(Batch(1, None, 1, 1, (), EventKind.POOL_INIT, init))
+    batches: list[Batch] = []
+    seq = 1
+    for step, operation in enumerate([*operations, ("step", False)]):
+        name = operation[0]
+        try:
+            if name == "allocate":
+                pool.allocate(operation[1])
+            elif name == "allocate_for":
+                pool.allocate_for(operation[1], operation[2])
+            elif name == "release":
+                pool.free_all(pool.state().blocks_by_owner().get(operation[1], [])[::-1], operation[2])
+            elif name == "free":
+                pool.free(operation[1], FreeReason.PREEMPTED)
+        except (KVCacheExhausted, ValueError):
+            continue  # refused: the pool emitted nothing
+        if name == "step" and pool.num_pending_events:
+            events = pool.take_events()
+            snapshot = snapshot_data(pool.snapshot()) if operation[1] else None
+            batch = Batch(seq + 1, step, 2 * step, step, events, EventKind.SNAPSHOT if snapshot else None, snapshot)
+            batches.append(batch)
+            seq = batch.last_seq
+    if close:
+        batches.append(Batch(seq + 1, None, 0, 0, (), EventKind.POOL_CLOSE, {"num_free": pool.num_free}))
+    rows, last_seq, head_hash, closed_seq = writer.seal_rows(batches)
+    stored += rows
+    info = EpochInfo("p", 1, NUM_BLOCKS, BLOCK_SIZE, None, 0, last_seq if rows else 1, head_hash, closed_seq)
+    return Log(
+        [(seq, kind, owner, record, hash_) for _, _, seq, kind, owner, record, hash_ in stored], info, pool.state()
+    )
+
+
+NUMBERS = ("", "x", "-1", "0", "1", "2", "3", "7", "8", "9", "99", " 2", "1_0")
+BLOCK_LISTS = (*NUMBERS, "0,1", "1,0", "8,0", "0,0", "3,", "2,3,4")
+KINDS = ("allocate", "allocate_for", "free", "free_all", "snapshot", "pool_init", "pool_close", "bogus", "")
+REASONS = ("", "finished", "preempted", "aborted", "abortec", "x")
+TAILS = ("A", "B", "C", "", "{}", '{"free_block_ids":[],"owners":{}}', "null")
+# a damaged record field: (index, what it may read); block_ids (3) the most often, replay reads it for every event
+FIELD_EDITS = (
+    (0, NUMBERS), (1, NUMBERS), (2, KINDS), (3, BLOCK_LISTS), (3, BLOCK_LISTS), (3, BLOCK_LISTS), (4, NUMBERS),
+    (5, REASONS), (5, REASONS), (6, NUMBERS), (8, TAILS), (8, TAILS),
+)  # fmt: skip
+DAMAGES = (
+    "field",
+    "field",
+    "field",
+    "field",
+    "field",
+    "cut",
+    "kind_column",
+    "owner_column",
+    "delete",
+    "swap",
+    "duplicate",
+)
+
+
+def damage(rows: list[Row], seed: int) -> list[Row]:
+    """``rows`` with 1..3 random edits; hashes are left alone (the verified loops do not read them).
+
+    The edits are drawn from ``random.Random(seed)``: uniform over rows, where
+    Hypothesis's own integers favour the first and last ones.
+    """
+    rng = random.Random(seed)
+    rows = list(rows)
+    for _ in range(rng.randint(1, 3)):
+        index = rng.randrange(len(rows))
+        seq, kind, owner, record, hash_ = rows[index]
+        what = rng.choice(DAMAGES)
+        if what == "field":
+            fields = split_record(record)
+            field, texts = rng.choice(FIELD_EDITS)
+            fields[min(field, len(fields) - 1)] = rng.choice(texts)
+            rows[index] = (seq, kind, owner, "|".join(fields), hash_)
+        elif what == "cut":
+            rows[index] = (seq, kind, owner, "|".join(split_record(record)[: rng.randint(0, 8)]), hash_)
+        elif what == "kind_column":
+            rows[index] = (seq, rng.choice(KINDS), owner, record, hash_)
+        elif what == "owner_column":
+            rows[index] = (seq, kind, rng.choice([None, *OWNERS]), record, hash_)
+        elif what == "delete" and len(rows) > 1:
+            del rows[index]
+        elif what == "swap":
+            other = rng.randrange(len(rows))
+            rows[index], rows[other] = rows[other], rows[index]
+        elif what == "duplicate":
+            rows.insert(index, rows[index])
+    return rows
+
+
+def renumber(rows: list[Row]) -> list[Row]:
+    """Stored seqs 1, 2, 3, ... again (the damage stays in the records): the rows are then in line."""
+    return [(seq, *row[1:]) for seq, row in enumerate(rows, 1)]
+
+
+def chunked(rows: list[Row], seed: int) -> list[list[Row]]:
+    rng = random.Random(seed)
+    chunks, start = [], 0
+    while start < len(rows):
+        size = rng.randint(1, 7)
+        chunks.append(rows[start : start + size])
+        start += size
+    return chunks
+
+
+def outcome(replayer: Replayer) -> tuple[Any, ...]:
+    state = replayer.state()
+    return (
+        state.free_block_ids,
+        state.owners,
+        replayer.violations,
+        replayer.last_seq,
+        replayer.batch_end,
+        replayer.closed_seq,
+        replayer.num_events,
+    )
+
+
+WORKLOADS = st.lists(OPERATIONS, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations=WORKLOADS, close=st.booleans(), seed=st.integers(0, 2**16))
+def test_fast_and_checked_loops_rebuild_a_valid_log_exactly(
+    operations: list[tuple[Any, ...]], close: bool, seed: int
+) -> None:
+    log = write_log(operations, close)
+    checked = Replayer(log.info)
+    checked.apply_rows(log.rows)
+    checked.finish()
+    fast = Replayer(log.info)
+    fast.apply_chunks(chunked(log.rows, seed))
+    fast.finish()
+    assert outcome(fast) == outcome(checked)
+    assert checked.violations == []
+    assert checked.state() == log.pool
+    assert checked.closed_seq == log.info.closed_seq
+
+
+@settings(max_examples=1000, deadline=None)
+@given(operations=WORKLOADS, close=st.booleans(), in_line=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_fast_loop_gives_the_checked_loops_result_on_damaged_rows_or_hands_over(
+    operations: list[tuple[Any, ...]], close: bool, in_line: bool, seed: int
+) -> None:
+    log = write_log(operations, close)
+    rows = damage(log.rows, seed)
+    if in_line:
+        rows = renumber(rows)
+    checked = Replayer(log.info)
+    fast = Replayer(log.info)
+    handed_over = False
+    for chunk in chunked(rows, seed):
+        checked.apply_rows(chunk, verified=True)
+        if not handed_over:
+            handed_over = not fast.apply_intact_rows(chunk)
+    if handed_over:
+        assert [row[0] for row in rows] != list(range(1, len(rows) + 1))
+    else:
+        assert outcome(fast) == outcome(checked)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations=WORKLOADS, close=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_chunked_replay_names_damage_as_the_row_by_row_checks_do(
+    operations: list[tuple[Any, ...]], close: bool, seed: int
+) -> None:
+    log = write_log(operations, close)
+    rows = damage(log.rows, seed)
+    checked = Replayer(log.info)
+    checked.apply_rows(rows)
+    checked.finish()
+    fast = Replayer(log.info)
+    fast.apply_chunks(chunked(rows, seed))
+    fast.finish()
+    assert outcome(fast) == outcome(checked)
+
+
+def test_a_damaged_block_list_is_named_alike_by_both_loops() -> None:
+    log = write_log([("allocate_for", 8, "A"), ("step", False), ("release", "A", None), ("step", True)], close=True)
+    fields = split_record(log.rows[2][3])
+    assert fields[2:4] == ["free_all", "1,0"]
+    fields[3] = "1,x"
+    previous = log.rows[1][4]
+    record = "|".join(fields)
+    rows = [*log.rows[:2], (3, "free_all", "A", record, chain_hash(previous, record)), *log.rows[3:]]
+    expected = (3, "bad_record", "block_ids '1,x' is not a list of block ids", None, "A")
+    checked = Replayer(log.info)
+    checked.apply_rows(rows, verified=True)
+    fast = Replayer(log.info)
+    assert fast.apply_intact_rows(rows)
+    for replayer in (checked, fast):
+        violation = replayer.violations[0]
+        assert (violation.seq, violation.rule, violation.message, violation.block_id, violation.owner) == expected
+        assert replayer.violations[1].rule == "snapshot_mismatch"  # the blocks were never freed
