@@ -8,8 +8,11 @@ smg with ``--policy cache_aware`` in front), then for each concurrency C in
     (the workload's prompt token ids), spread round-robin over the two replicas
     by the client itself;
   * gateway: C streams of the official ``openai`` client (chat completions,
-    SSE, ``include_usage``) through smg, which renders the chat template,
-    tokenizes, routes, and detokenizes.
+    SSE, ``include_usage``; events read raw and decoded with ``json.loads``)
+    through smg, which renders the chat template, tokenizes, routes, and
+    detokenizes; once with ``cache_aware`` (the topology's smg) and once with
+    ``round_robin`` (a second smg on the same replicas), so the gateway's own
+    cost and its policy's placement show apart.
 
 Both run bench/workload.py's chat requests (greedy, ignore_eos, max_tokens from
 the workload). Printed: output tokens per second, TTFT p50/p99 (client clock),
@@ -17,7 +20,7 @@ gateway / direct throughput (target: >= 0.90 at 64 streams), and how smg spread
 the gateway's requests over the replicas.
 
 Then a shared-prefix workload (``--num-prefixes`` long system prompts, each
-asked ``--questions-per-prefix`` questions, interleaved) through smg with
+asked ``--questions-per-prefix`` questions, in a shuffled order) through smg with
 cache_aware and, in the same run, a second smg with round_robin on the same
 replicas: a prefix hit is a request sent to a replica that had already been
 sent its system prompt (the first request of a prefix on each replica is a
@@ -125,7 +128,12 @@ async def run_direct(addresses: list[str], workload: list[WorkloadRequest], conc
 async def run_gateway(
     base_url: str, model: str, workload: list[WorkloadRequest], concurrency: int, ignore_eos: bool = True
 ) -> Run:
-    """The workload's chats through smg's OpenAI API, streamed, with the official client."""
+    """The workload's chats through smg's OpenAI API, streamed (SSE), with the official client.
+
+    The client's raw streaming response is read line by line and each event decoded with
+    ``json.loads``: building a pydantic object per token in this process would charge the
+    gateway side for client work that competes with the replicas for the same cores.
+    """
     import openai
 
     # the client's default pool (1,000 connections) holds every stream
@@ -134,7 +142,9 @@ async def run_gateway(
     async def send(_: int, request: WorkloadRequest, run: Run) -> None:
         sent_s = time.perf_counter()
         first_s = None
-        stream = await client.chat.completions.create(
+        num_tokens = 0
+        request_id = ""
+        async with client.chat.completions.with_streaming_response.create(
             model=model,
             messages=request.messages,  # type: ignore[arg-type]
             max_tokens=request.max_tokens,
@@ -142,15 +152,17 @@ async def run_gateway(
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"ignore_eos": ignore_eos},
-        )
-        num_tokens = 0
-        request_id = ""
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and first_s is None:
-                first_s = time.perf_counter()
-            if chunk.usage is not None:
-                num_tokens = chunk.usage.completion_tokens
-            request_id = chunk.id
+        ) as response:
+            async for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue  # blank separators and the final "data: [DONE]"
+                event = json.loads(line[len("data: ") :])
+                request_id = event["id"]
+                choices = event.get("choices")
+                if first_s is None and choices and choices[0]["delta"].get("content"):
+                    first_s = time.perf_counter()
+                if event.get("usage"):
+                    num_tokens = event["usage"]["completion_tokens"]
         if ignore_eos:
             assert num_tokens == request.max_tokens, f"expected {request.max_tokens} tokens, got {num_tokens}"
         run.num_tokens += num_tokens
@@ -176,7 +188,8 @@ def replica_of(log_dir: Path, pool_ids: list[str]) -> dict[str, str]:
 
 
 def shared_prefix_workload(tokenizer: Any, num_prefixes: int, questions: int, seed: int) -> list[WorkloadRequest]:
-    """Interleaved requests: each of ``num_prefixes`` system prompts (~300 tokens) asked ``questions`` questions."""
+    """Each of ``num_prefixes`` system prompts (~300 tokens) asked ``questions`` questions, in a shuffled order
+    (a fixed rotation would hand each prefix to one replica under round_robin by accident)."""
     rng = random.Random(seed)
     systems = [
         f"You are assistant #{index}. " + " ".join(rng.choice(WORDS) for _ in range(300))
@@ -190,6 +203,7 @@ def shared_prefix_workload(tokenizer: Any, num_prefixes: int, questions: int, se
                 {"role": "user", "content": f"Question {question}: " + " ".join(rng.choice(WORDS) for _ in range(8))},
             ]
             workload.append(WorkloadRequest(messages, tokenizer.apply_chat_template(messages), 8))
+    rng.shuffle(workload)
     return workload
 
 
@@ -345,7 +359,7 @@ def _print_throughput(rows: list[Any], pool_ids: list[str]) -> None:
 def _print_prefix_hits(rows: list[Any], pool_ids: list[str], args: argparse.Namespace) -> None:
     print(
         f"\nshared prefixes: {args.num_prefixes} system prompts x {args.questions_per_prefix} questions, "
-        "interleaved, 4 streams; a hit = sent to a replica that had been sent its system prompt"
+        "shuffled, 4 streams; a hit = sent to a replica that had been sent its system prompt"
     )
     print(f"{'policy':<12} {'requests':>8} {'hits':>6} {'best':>6}   requests per replica")
     best = args.num_prefixes * (args.questions_per_prefix - 1)
