@@ -101,9 +101,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> AsyncIterator[cpb.GetTokenizerChunk]:
         """The loaded tokenizer's files (``AsyncLLMEngine.tokenizer_files``, the GGUF's chat template
         included) as one zip in chunks, its SHA-256 on the last: the gateway needs no model files."""
-        if self._tokenizer_zip is None:
-            self._tokenizer_zip = asyncio.ensure_future(self._build_tokenizer_zip())
-        for chunk in vllm_convert.to_tokenizer_chunks(await asyncio.shield(self._tokenizer_zip)):
+        building = self._tokenizer_zip
+        # built once and kept (the tokenizer never changes); built again after a failure
+        if building is None or (building.done() and (building.cancelled() or building.exception() is not None)):
+            self._tokenizer_zip = building = asyncio.ensure_future(self._build_tokenizer_zip())
+        for chunk in vllm_convert.to_tokenizer_chunks(await asyncio.shield(building)):
             yield chunk
 
     async def _build_tokenizer_zip(self) -> bytes:
