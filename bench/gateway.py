@@ -180,10 +180,12 @@ def replica_of(log_dir: Path, pool_ids: list[str]) -> dict[str, str]:
     served: dict[str, str] = {}
     for pool_id in pool_ids:
         for line in (log_dir / f"{pool_id}.log").read_text().splitlines():
-            if line.startswith("{"):
-                entry = json.loads(line)
-                if entry.get("event") == "request_finished":
-                    served[entry["request_id"]] = pool_id
+            try:  # the replica may be writing the last line right now
+                entry = json.loads(line) if line.startswith("{") else {}
+            except ValueError:
+                continue
+            if entry.get("event") == "request_finished":
+                served[entry["request_id"]] = pool_id
     return served
 
 

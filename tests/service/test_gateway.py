@@ -76,10 +76,12 @@ class Gateway:
         """The replica's ``request_finished`` log lines, by request id."""
         lines = {}
         for text in (self.log_dir / f"{replica['pool_id']}.log").read_text().splitlines():
-            if text.startswith("{"):
-                entry = json.loads(text)
-                if entry.get("event") == "request_finished":
-                    lines[entry["request_id"]] = entry
+            try:  # the replica may be writing the last line right now
+                entry = json.loads(text) if text.startswith("{") else {}
+            except ValueError:
+                continue
+            if entry.get("event") == "request_finished":
+                lines[entry["request_id"]] = entry
         return lines
 
     def wait_all_free(self, timeout_s: float = 15.0) -> None:
