@@ -32,8 +32,8 @@ def register(subparsers: Any) -> None:
         "--service",
         default="",
         help=(
-            "service to check: '' (the whole server, default), nanoserve.v1.GenerationService or "
-            "nanoserve.v1.AllocationService"
+            "service to check: '' (the whole server, default), nanoserve.v1.GenerationService, "
+            "nanoserve.v1.AllocationService or vllm.grpc.engine.VllmEngine"
         ),
     )
     parser.add_argument("--tls", action="store_true", help="connect with TLS")

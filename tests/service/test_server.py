@@ -612,7 +612,7 @@ async def test_health_cli_unknown_service_exits_3_naming_the_known_ones(served: 
         3,
         "",
         f"{server}: unknown service 'bogus'; known: '', 'nanoserve.v1.GenerationService', "
-        "'nanoserve.v1.AllocationService'\n",
+        "'nanoserve.v1.AllocationService', 'vllm.grpc.engine.VllmEngine'\n",
     )
 
 
