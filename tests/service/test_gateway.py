@@ -84,6 +84,15 @@ class Gateway:
                 lines[entry["request_id"]] = entry
         return lines
 
+    def tails(self, num_chars: int = 3000) -> str:
+        """The end of the launcher's output and of each process's log, for a failure message."""
+        parts = [f"== nanoserve gateway\n{self.output.read_text()[-num_chars:]}"]
+        for name in ["smg", *(replica["pool_id"] for replica in self.replicas)]:
+            path = self.log_dir / f"{name}.log"
+            if path.exists():
+                parts.append(f"== {name}\n{path.read_text()[-num_chars:]}")
+        return "\n".join(parts)
+
     def wait_all_free(self, timeout_s: float = 15.0) -> None:
         """Until every replica that runs has every block free, nothing running or waiting, the log durable."""
         deadline = time.monotonic() + timeout_s
@@ -315,7 +324,7 @@ def test_sigterm_to_one_replica_drains_or_fails_its_streams_clearly_and_the_othe
             assert "retry on another replica" in outcome[1]
     assert len(outcomes) == len(streams)
     statuses = gateway.stop()["exit_statuses"]
-    assert statuses == {"smg": 0, victim["pool_id"]: 0, survivor["pool_id"]: 0}
+    assert statuses == {"smg": 0, victim["pool_id"]: 0, survivor["pool_id"]: 0}, gateway.tails()
     for replica in gateway.replicas:
         audit = subprocess.run(
             [*AUDIT_COMMAND, "--url", gateway.log_url, "--pool", replica["pool_id"]],
