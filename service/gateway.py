@@ -252,10 +252,10 @@ class Topology:
         statuses: dict[str, int | None] = {}
         if self.gateway is not None:
             statuses["smg"] = _terminate(self.gateway, timeout_s)
-        for replica in self.replicas:
+        for replica in self.replicas:  # all at once: they drain side by side
             _signal(replica.process, signal.SIGTERM)
         for replica in self.replicas:
-            statuses[replica.pool_id] = _terminate(replica.process, timeout_s)
+            statuses[replica.pool_id] = _wait_or_kill(replica.process, timeout_s)
         for log_file in self._log_files:
             log_file.close()
         self._log_files.clear()
@@ -324,6 +324,15 @@ def _signal(process: subprocess.Popen[bytes], signum: signal.Signals) -> None:
 def _terminate(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
     """SIGTERM, wait up to ``timeout_s``, then SIGKILL; the exit status, or None when it was killed."""
     _signal(process, signal.SIGTERM)
+    return _wait_or_kill(process, timeout_s)
+
+
+def _wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """Waits up to ``timeout_s`` for a process already told to stop, then SIGKILLs it.
+
+    One SIGTERM only: a server takes its second SIGTERM or SIGINT as "stop now"
+    (its handlers are gone once its graceful shutdown began), cutting that shutdown short.
+    """
     try:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

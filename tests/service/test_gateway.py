@@ -75,14 +75,17 @@ class Gateway:
     def finished(self, replica: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The replica's ``request_finished`` log lines, by request id."""
         lines = {}
-        for text in (self.log_dir / f"{replica['pool_id']}.log").read_text().splitlines():
-            try:  # the replica may be writing the last line right now
-                entry = json.loads(text) if text.startswith("{") else {}
-            except ValueError:
-                continue
+        for entry in _json_lines((self.log_dir / f"{replica['pool_id']}.log").read_text()):
             if entry.get("event") == "request_finished":
                 lines[entry["request_id"]] = entry
         return lines
+
+    def wait_for_line(self, expected: dict[str, Any], timeout_s: float = 30.0) -> None:
+        """Until ``nanoserve gateway`` prints ``expected`` (one JSON line)."""
+        deadline = time.monotonic() + timeout_s
+        while expected not in _json_lines(self.output.read_text()):
+            assert time.monotonic() < deadline, f"no {expected} line:\n{self.tails()}"
+            time.sleep(0.1)
 
     def tails(self, num_chars: int = 3000) -> str:
         """The end of the launcher's output and of each process's log, for a failure message."""
@@ -113,9 +116,21 @@ class Gateway:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=GRACE_S + 60)
-        lines = [json.loads(line) for line in self.output.read_text().splitlines() if line.startswith("{")]
-        stopped = [line for line in lines if line.get("event") == "gateway_stopped"]
+        stopped = [line for line in _json_lines(self.output.read_text()) if line.get("event") == "gateway_stopped"]
         return stopped[-1] if stopped else {}
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON object lines of a process's output; a line still being written is left out."""
+    lines = []
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line) if line.startswith("{") else None
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            lines.append(entry)
+    return lines
 
 
 def start_gateway(tmp_path: Path, log_url: str, model: Path, pool_id_prefix: str, num_kv_blocks: int = 512) -> Gateway:
@@ -163,9 +178,9 @@ def start_gateway(tmp_path: Path, log_url: str, model: Path, pool_id_prefix: str
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S + 30
     while True:
-        for line in output.read_text().splitlines():
-            if line.startswith('{"event": "gateway_ready"'):
-                return Gateway(process, json.loads(line), log_dir, log_url, output)
+        for line in _json_lines(output.read_text()):
+            if line.get("event") == "gateway_ready":
+                return Gateway(process, line, log_dir, log_url, output)
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise AssertionError(f"nanoserve gateway did not get ready:\n{output.read_text()[-4000:]}")
@@ -323,6 +338,7 @@ def test_sigterm_to_one_replica_drains_or_fails_its_streams_clearly_and_the_othe
             assert "the server shut down before request" in outcome[1]
             assert "retry on another replica" in outcome[1]
     assert len(outcomes) == len(streams)
+    gateway.wait_for_line({"event": "process_exited", "name": victim["pool_id"]})  # drained and gone
     statuses = gateway.stop()["exit_statuses"]
     assert statuses == {"smg": 0, victim["pool_id"]: 0, survivor["pool_id"]: 0}, gateway.tails()
     for replica in gateway.replicas:
