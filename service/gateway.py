@@ -18,9 +18,11 @@ audited on its own (``nanoserve log audit --pool replica-0``).
 ``Topology`` starts them (replicas first, each waited for until its health is
 SERVING, then the gateway, waited for until every replica is registered and
 healthy) and stops them (the gateway first, so no request reaches a replica
-that is going away; then every replica with SIGTERM: streams drain for the
-grace, epochs close). ``nanoserve gateway`` is its command line; the tests
-drive it the same way.
+that is going away; then every replica with one SIGTERM: streams drain for the
+grace, epochs close). Each process runs in a session of its own, so a terminal's
+Ctrl-C reaches only the launcher; a launcher killed with SIGKILL leaves them
+running. ``nanoserve gateway`` is its command line; the tests drive it the same
+way.
 """
 
 from __future__ import annotations
@@ -295,7 +297,11 @@ class Topology:
             output = (self.config.log_dir / log_name).open("ab")
             self._log_files.append(output)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None, env=env)
+        # a session of its own: Ctrl-C in a terminal reaches this process alone, which then stops the
+        # gateway and the replicas in order (a replica signalled twice would cut its drain short)
+        return subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT if output else None, env=env, start_new_session=True
+        )
 
     def _check_alive(self, process: subprocess.Popen[bytes], name: str, log_name: str) -> None:
         if process.poll() is not None:
