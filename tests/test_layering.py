@@ -35,6 +35,7 @@ LAYERS = {
             "nanoserve.v1",
             "grpc",
             "smg_grpc_proto",
+            "matplotlib",
         ),
     ),
     "allocator.log": (
@@ -47,6 +48,7 @@ LAYERS = {
             "nanoserve.v1",
             "grpc",
             "smg_grpc_proto",
+            "matplotlib",
         ),
     ),
     "engine": (
