@@ -25,7 +25,8 @@ COPY engine/ engine/
 COPY service/ service/
 COPY migrations/ migrations/
 COPY protos/ protos/
-RUN pip install . && useradd --create-home --uid 10001 nanoserve
+# [gateway]: the smg gateway, for the OpenAI API in front of replicas (docker-compose.yml, profile gateway)
+RUN pip install ".[gateway]" && useradd --create-home --uid 10001 nanoserve
 
 USER nanoserve
 WORKDIR /home/nanoserve

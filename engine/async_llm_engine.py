@@ -176,7 +176,7 @@ class AsyncLLMEngine:
     """Streams per-request outputs to asyncio code while the engine steps on a thread.
 
     The narrow face the service uses: ``add_request`` / ``generate`` /
-    ``abort`` / ``tokenize``, ``model_info``, ``pool_status()``,
+    ``abort`` / ``tokenize`` / ``tokenizer_files``, ``model_info``, ``pool_status()``,
     ``event_log`` and ``health``. Invariant (event loop only): ``_streams``
     holds exactly the streams handed to the engine thread whose final output
     has not arrived, keyed by serial; ``_open`` every stream not yet finished.
@@ -329,6 +329,11 @@ class AsyncLLMEngine:
         tokenize = functools.partial(self._core.input_processor.tokenize, prompt, text_field="text", as_prompt=False)
         _, token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tokenize)
         return token_ids
+
+    async def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer as files (``Tokenizer.export_files``: file name -> content), written out
+        on the tokenizer thread, never on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._core.tokenizer.export_files)
 
     def pool_status(self) -> PoolStatus:
         """The pool and queues as of the engine thread's last step (they change only in a step),

@@ -53,7 +53,7 @@ class InputProcessor:
         self.block_size = model_info.block_size
         self.pool_tokens = model_info.num_blocks * model_info.block_size
         # the longest sequence a request may reach: its prompt leaves room for one generated token
-        self.max_seq_len = min(self.max_model_len, self.pool_tokens)
+        self.max_seq_len = model_info.max_seq_len
 
     def process(
         self,

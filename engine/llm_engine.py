@@ -75,6 +75,7 @@ class LLMEngine:
             eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)),
             max_prompt_bytes=(min(self.max_model_len, self.num_blocks * self.block_size) - 1)
             * self.tokenizer.max_token_bytes,
+            bos_token_id=self.tokenizer.bos_token_id,
         )
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.event_log: EventLog | None = self._open_event_log()

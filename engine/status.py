@@ -18,6 +18,7 @@ class ModelInfo:
         fit in ``max_model_len``: longer texts are refused from their length
         alone, before tokenization (a server derives its message size limit
         from it).
+    bos_token_id: the tokenizer's BOS id; None where it defines none.
     """
 
     model_name: str
@@ -30,6 +31,17 @@ class ModelInfo:
     has_chat_template: bool
     eos_token_ids: tuple[int, ...]
     max_prompt_bytes: int
+    bos_token_id: int | None = None
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence a request may reach, tokens: max_model_len, or the whole pool if smaller."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt, tokens: it leaves room for one generated token."""
+        return self.max_seq_len - 1
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,34 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The id of the tokenizer's BOS token; None where it defines none."""
+        bos = self._tok.bos_token_id
+        return None if bos is None else int(bos)
+
+    def export_files(self) -> dict[str, bytes]:
+        """The files another program needs to rebuild this tokenizer, file name -> content.
+
+        Whatever the model came as (a GGUF's metadata or a Hugging Face folder), the
+        loaded tokenizer is written out in the Hugging Face layout by transformers'
+        ``save_pretrained``: ``tokenizer.json`` (vocabulary, merges, added tokens),
+        ``tokenizer_config.json`` (special tokens) and the chat template (in
+        ``chat_template.jinja`` or inside ``tokenizer_config.json``, as the installed
+        transformers writes it); plus ``generation_config.json`` whose
+        ``eos_token_id`` lists ``eos_token_ids``, so a client stops where the engine
+        does. Takes tens of milliseconds (the vocabulary is serialized): call it off
+        the event loop. Raises OSError when the temporary folder cannot be written.
+        """
+        with tempfile.TemporaryDirectory(prefix="nanoserve-tokenizer-") as folder:
+            self._tok.save_pretrained(folder)
+            files = {path.name: path.read_bytes() for path in sorted(Path(folder).iterdir()) if path.is_file()}
+        generation_config: dict[str, object] = {"eos_token_id": sorted(self.eos_token_ids)}
+        if self.bos_token_id is not None:
+            generation_config["bos_token_id"] = self.bos_token_id
+        files["generation_config.json"] = json.dumps(generation_config, indent=2).encode()
+        return files
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Text -> token ids; ``add_special_tokens`` adds BOS where the tokenizer defines one."""

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 # sub-command module names under nanoserve.service.commands, in --help order
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
-COMMANDS: tuple[str, ...] = ("serve", "generate", "health", "log", "db")
+COMMANDS: tuple[str, ...] = ("serve", "generate", "health", "log", "db", "gateway")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,3 +5,8 @@ from __future__ import annotations
 
 class EventLogDisabledError(RuntimeError):
     """The server keeps no event log, so there are no events to watch or audit (-> FAILED_PRECONDITION)."""
+
+
+class UnimplementedError(RuntimeError):
+    """An RPC of a contract nanoserve speaks that it does not serve (-> UNIMPLEMENTED); the
+    message says what is missing."""

@@ -32,8 +32,8 @@ from nanoserve.engine.errors import (
     QueueFullError,
     RequestNotFoundError,
 )
-from nanoserve.service.convert import proto_field
-from nanoserve.service.errors import EventLogDisabledError
+from nanoserve.service import convert, vllm_convert
+from nanoserve.service.errors import EventLogDisabledError, UnimplementedError
 
 log = structlog.get_logger("nanoserve.service")
 
@@ -48,6 +48,11 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
     (LogNotFoundError, grpc.StatusCode.NOT_FOUND),  # Audit of an epoch the log does not hold
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
+    (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
+)
+# method prefix -> how that contract spells the engine's field names; the rest are nanoserve.v1's
+FIELD_PATHS: tuple[tuple[str, Callable[[str], str]], ...] = (
+    ("/vllm.grpc.engine.VllmEngine/", vllm_convert.proto_field),
 )
 # The retry delay a full waiting queue advises (google.rpc.RetryInfo). A request leaves the
 # queue when a running one finishes, a matter of the seconds one completion takes; the server
@@ -63,13 +68,22 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def message_for(exc: BaseException) -> str:
+def message_for(exc: BaseException, method: str = "") -> str:
+    """The status message: an InvalidRequestError's engine field becomes the protobuf path of the
+    contract ``method`` (``/package.Service/Method``) belongs to."""
     if isinstance(exc, InvalidRequestError):  # the engine names its own fields; the client knows the protobuf paths
-        return f"{proto_field(exc.field)}: {str(exc).removeprefix(exc.field + ': ')}"
+        return f"{_field_path(exc.field, method)}: {str(exc).removeprefix(exc.field + ': ')}"
     # KeyError's str() wraps its message in quotes
     if isinstance(exc, KeyError) and exc.args:
         return str(exc.args[0])
     return str(exc) or type(exc).__name__
+
+
+def _field_path(engine_field: str, method: str) -> str:
+    for prefix, field_path in FIELD_PATHS:
+        if method.startswith(prefix):
+            return field_path(engine_field)
+    return convert.proto_field(engine_field)
 
 
 def retry_status(code: grpc.StatusCode, message: str, retry_delay_s: float) -> grpc.Status:
@@ -88,8 +102,8 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception, me
         log.error("rpc_failed", method=method, exc_info=exc)
         await context.abort(code, f"internal error ({type(exc).__name__}); see the server log")
     if isinstance(exc, QueueFullError):
-        await context.abort_with_status(retry_status(code, message_for(exc), QUEUE_FULL_RETRY_DELAY_S))
-    await context.abort(code, message_for(exc))
+        await context.abort_with_status(retry_status(code, message_for(exc, method), QUEUE_FULL_RETRY_DELAY_S))
+    await context.abort(code, message_for(exc, method))
 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:

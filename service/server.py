@@ -29,6 +29,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from nanoserve.engine import AsyncLLMEngine, EngineConfig
 from nanoserve.service.allocation_servicer import AllocationServicer
@@ -36,6 +37,9 @@ from nanoserve.service.config import ServerConfig
 from nanoserve.service.generation_servicer import GenerationServicer
 from nanoserve.service.interceptors import AuthInterceptor, ErrorInterceptor
 from nanoserve.service.metrics import ServerMetrics
+from nanoserve.service.request_streamer import RequestStreamer
+from nanoserve.service.vllm_engine_servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
+from nanoserve.service.vllm_engine_servicer import VllmEngineServicer
 from nanoserve.v1 import allocation_pb2, allocation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 log = structlog.get_logger("nanoserve.service")
@@ -57,12 +61,14 @@ def health_statuses(engine_ok: bool, log_ok: bool) -> dict[str, int]:
 
     GenerationService needs the engine loop; while the log writer retries, the
     engine keeps generating (its queue gives backpressure only when full).
-    AllocationService (events, audit) and the server as a whole need both.
+    AllocationService (events, audit) and the server as a whole need both;
+    vLLM's engine service (generation for a gateway) needs the engine.
     """
     return {
         "": SERVING if engine_ok and log_ok else NOT_SERVING,
         GENERATION_SERVICE: SERVING if engine_ok else NOT_SERVING,
         ALLOCATION_SERVICE: SERVING if engine_ok and log_ok else NOT_SERVING,
+        VLLM_ENGINE_SERVICE: SERVING if engine_ok else NOT_SERVING,
     }
 
 
@@ -96,13 +102,22 @@ class NanoServer:
         server = grpc.aio.server(
             interceptors=interceptors, options=[("grpc.max_receive_message_length", self.max_request_bytes)]
         )
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.engine, self.metrics), server
-        )
+        streamer = RequestStreamer(self.engine, self.metrics)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.engine, streamer), server)
         allocation_pb2_grpc.add_AllocationServiceServicer_to_server(AllocationServicer(self.engine), server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+            VllmEngineServicer(self.engine, streamer, started_s=time.monotonic()), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (GENERATION_SERVICE, ALLOCATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (
+                GENERATION_SERVICE,
+                ALLOCATION_SERVICE,
+                VLLM_ENGINE_SERVICE,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
+            server,
         )
         self.port = self._bind(server)
         await server.start()

@@ -34,6 +34,7 @@ LAYERS = {
             "nanoserve.migrations",
             "nanoserve.v1",
             "grpc",
+            "smg_grpc_proto",
             "matplotlib",
         ),
     ),
@@ -46,12 +47,13 @@ LAYERS = {
             "nanoserve.migrations",
             "nanoserve.v1",
             "grpc",
+            "smg_grpc_proto",
             "matplotlib",
         ),
     ),
     "engine": (
         sorted((ROOT / "engine").rglob("*.py")),
-        ("nanoserve.service", "nanoserve.v1", "grpc", "google.protobuf"),
+        ("nanoserve.service", "nanoserve.v1", "grpc", "google.protobuf", "smg_grpc_proto"),
     ),
 }
 # the only nanoserve modules the migrations may import (besides their own package)

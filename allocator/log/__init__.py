@@ -14,6 +14,7 @@ from nanoserve.allocator.log.event_log import EventLog
 from nanoserve.allocator.log.event_stream import EventStream, EventStreamLagged
 from nanoserve.allocator.log.log_reader import EpochInfo, LogNotFoundError, read_events
 from nanoserve.allocator.log.log_writer import EventLogError, SecondWriterError
+from nanoserve.allocator.log.pool_lock import PoolLock
 from nanoserve.allocator.log.replay import replay
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "EventStream",
     "EventStreamLagged",
     "LogNotFoundError",
+    "PoolLock",
     "SecondWriterError",
     "audit",
     "audit_all",

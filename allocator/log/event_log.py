@@ -41,6 +41,7 @@ from nanoserve.allocator.log.event import Event
 from nanoserve.allocator.log.event_chain import genesis_hash
 from nanoserve.allocator.log.log_reader import LogNotFoundError
 from nanoserve.allocator.log.log_writer import Batch, EventLogError, LogWriter, SecondWriterError
+from nanoserve.allocator.log.pool_lock import PoolLock
 from nanoserve.allocator.log.record_codec import snapshot_data
 from nanoserve.allocator.log.schema import pool_epochs
 from nanoserve.allocator.pool_state import PoolState
@@ -67,10 +68,12 @@ class EventLog:
         block_size: int,
         sync: bool,
         num_events_per_snapshot: int,
+        pool_lock: PoolLock,
     ) -> None:
         self.url = url
         self._engine = engine
         self._writer = writer
+        self._pool_lock = pool_lock  # held from open to close: no other live writer of this pool
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._sync = sync
@@ -96,13 +99,17 @@ class EventLog:
     ) -> EventLog:
         """Open a new epoch of ``pool_id`` in the log at ``url`` and write POOL_INIT.
 
+        The pool's lock (``PoolLock``: a PostgreSQL advisory lock, a file lock
+        beside a SQLite database) is taken first and held until ``close``, so
+        two live servers never write one pool, whatever epoch they would pick.
+
         epoch: None takes the pool's newest epoch + 1 (1 for a new pool).
         config: JSON-serialisable settings stored in POOL_INIT.
         Raises LogNotFoundError (a ValueError) when the database has no log
         schema (run ``nanoserve.migrations.upgrade(url)`` first),
-        SecondWriterError when that epoch already exists (another writer
-        opened it), ValueError on bad arguments, and SQLAlchemy's errors when
-        the database cannot be reached.
+        SecondWriterError when another live writer holds the pool, or when
+        that epoch already exists (another writer opened it), ValueError on bad
+        arguments, and SQLAlchemy's errors when the database cannot be reached.
         """
         _check_open_args(pool_id, num_blocks, block_size, num_events_per_snapshot, max_pending_batches, epoch)
         init_data = {"num_blocks": num_blocks, "block_size": block_size, "model": model, "config": config}
@@ -111,8 +118,10 @@ class EventLog:
         except TypeError as exc:
             raise ValueError(f"config must be JSON-serialisable: {exc}") from exc
         engine = create_log_engine(url)
+        pool_lock: PoolLock | None = None
         try:
             _check_schema(engine, url)
+            pool_lock = PoolLock.acquire(engine, pool_id)
             if epoch is None:
                 epoch = _newest_epoch(engine, pool_id) + 1
             writer = LogWriter(
@@ -122,10 +131,12 @@ class EventLog:
             rows, head_hash = writer.seal_first(init)
             _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns)
         except BaseException:
+            if pool_lock is not None:
+                pool_lock.release()
             engine.dispose()
             raise
         writer.start()
-        return cls(url, engine, writer, num_blocks, block_size, sync, num_events_per_snapshot)
+        return cls(url, engine, writer, num_blocks, block_size, sync, num_events_per_snapshot, pool_lock)
 
     # -- identity and progress ---------------------------------------------
     @property
@@ -235,7 +246,10 @@ class EventLog:
         finally:
             self._closed = True
             self._writer.stop(timeout_s)
-            self._engine.dispose()
+            try:
+                self._pool_lock.release()  # the epoch is over, closed or not: the pool is free for the next server
+            finally:
+                self._engine.dispose()
         if self._writer.error is not None:
             raise self._writer.error
 

@@ -14,7 +14,7 @@ from typing import Any
 
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_UNKNOWN_SERVICE = 0, 1, 2, 3
 # the services a nanoserve server reports health for ('' is the whole server)
-KNOWN_SERVICES = ("", "nanoserve.v1.GenerationService", "nanoserve.v1.AllocationService")
+KNOWN_SERVICES = ("", "nanoserve.v1.GenerationService", "nanoserve.v1.AllocationService", "vllm.grpc.engine.VllmEngine")
 
 
 def register(subparsers: Any) -> None:
@@ -32,8 +32,8 @@ def register(subparsers: Any) -> None:
         "--service",
         default="",
         help=(
-            "service to check: '' (the whole server, default), nanoserve.v1.GenerationService or "
-            "nanoserve.v1.AllocationService"
+            "service to check: '' (the whole server, default), nanoserve.v1.GenerationService, "
+            "nanoserve.v1.AllocationService or vllm.grpc.engine.VllmEngine"
         ),
     )
     parser.add_argument("--tls", action="store_true", help="connect with TLS")

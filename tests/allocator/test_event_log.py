@@ -127,10 +127,23 @@ def test_each_open_starts_a_new_epoch(log_url: str, pool_id: str) -> None:
 
 
 def test_second_writer_on_the_same_epoch_is_refused(log_url: str, pool_id: str) -> None:
+    """Even with the pool free (its writer gone), an epoch that exists is never written twice."""
+    with open_log(log_url, pool_id):
+        pass
+    with pytest.raises(SecondWriterError, match=f"pool '{pool_id}' epoch 1 already has a writer"):
+        open_log(log_url, pool_id, epoch=1)
+
+
+def test_a_second_live_writer_of_the_pool_is_refused_naming_the_pool(log_url: str, pool_id: str) -> None:
     with open_log(log_url, pool_id) as log:
-        with pytest.raises(SecondWriterError, match=f"pool '{pool_id}' epoch 1 already has a writer"):
-            open_log(log_url, pool_id, epoch=1)
+        for epoch in (None, 1, 7):  # whatever epoch it would pick
+            with pytest.raises(SecondWriterError, match=f"pool '{pool_id}' is being written by another live server"):
+                open_log(log_url, pool_id, epoch=epoch)
         assert log.healthy
+        with open_log(log_url, f"{pool_id}-other") as other:  # another pool of the same log is free
+            assert other.epoch == 1
+    with open_log(log_url, pool_id) as next_log:  # closing frees the pool
+        assert next_log.epoch == 2
 
 
 def test_writer_stops_when_another_writer_takes_the_epoch(log_url: str, pool_id: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nanoserve.engine.tokenizer import Tokenizer
@@ -96,3 +98,37 @@ def test_vocab_size_and_name(tokenizer, tiny_model_dir):
 def test_gguf_tokenizer_stops_at_im_end(real_runner):
     assert real_runner.tokenizer.eos_token_ids == {2}
     assert real_runner.tokenizer.convert_ids_to_tokens([2]) == ["<|im_end|>"]
+
+
+def test_bos_token_id_is_the_tokenizers(tokenizer):
+    assert tokenizer.bos_token_id == 1
+
+
+def _write(files: dict[str, bytes], folder):
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    return folder
+
+
+def test_exported_files_rebuild_the_same_tokenizer(tokenizer, tmp_path):
+    files = tokenizer.export_files()
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(files)
+    assert json.loads(files["generation_config.json"]) == {"eos_token_id": [0, 2], "bos_token_id": 1}
+    rebuilt = Tokenizer.from_path(_write(files, tmp_path))
+    text = "Le café coûte 3 € à Zürich ; 東京は日本の首都です。"
+    assert rebuilt.encode(text) == tokenizer.encode(text)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert rebuilt.apply_chat_template(messages) == CAPITAL_OF_FRANCE_IDS
+    assert rebuilt.eos_token_ids == tokenizer.eos_token_ids
+
+
+@pytest.mark.real_model
+def test_a_gguf_tokenizer_exports_its_chat_template(real_runner, tmp_path):
+    """The GGUF carries the template in its metadata; the exported files carry it on."""
+    files = real_runner.tokenizer.export_files()
+    template = files.get("chat_template.jinja", b"") + files["tokenizer_config.json"]
+    assert b"<|im_start|>" in template
+    rebuilt = Tokenizer.from_path(_write(files, tmp_path))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert rebuilt.apply_chat_template(messages) == real_runner.tokenizer.apply_chat_template(messages)
+    assert rebuilt.eos_token_ids == {2}

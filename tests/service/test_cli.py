@@ -76,9 +76,9 @@ def test_help_describes_every_flag(command: str, capsys: pytest.CaptureFixture[s
 
 def test_health_cli_knows_every_service_the_server_reports() -> None:
     from nanoserve.service.commands.health import KNOWN_SERVICES
-    from nanoserve.service.server import ALLOCATION_SERVICE, GENERATION_SERVICE
+    from nanoserve.service.server import health_statuses
 
-    assert KNOWN_SERVICES == ("", GENERATION_SERVICE, ALLOCATION_SERVICE)
+    assert tuple(health_statuses(engine_ok=True, log_ok=True)) == KNOWN_SERVICES
 
 
 @pytest.mark.parametrize("command", ["log", "db"])
@@ -89,3 +89,32 @@ def test_every_sub_action_has_a_description_and_help_on_every_flag(command: str)
         assert action_parser.description, f"{command} {name} has no description"
         for action in action_parser._actions:
             assert action.help, f"{command} {name} {action.option_strings} has no help"
+
+
+@pytest.mark.postgres
+def test_serve_refuses_a_pool_another_live_server_writes(pg_url: str, tiny_model_dir, tmp_path) -> None:
+    """Replicas share one log under their own pool ids: a second server on a taken pool id exits 3, saying why."""
+    import subprocess
+    import sys
+    import uuid
+
+    from nanoserve.allocator.log import EventLog
+    from nanoserve.migrations import upgrade
+
+    pool_id = f"cli-{uuid.uuid4().hex[:12]}"
+    upgrade(pg_url)
+    with EventLog.open(pg_url, pool_id=pool_id, num_blocks=4, block_size=16):  # the live server already there
+        command = [sys.executable, "-m", "nanoserve.service.cli", "serve", "--model", str(tiny_model_dir)]
+        command += ["--event-log-url", pg_url, "--pool-id", pool_id, "--port", "0", "--metrics-port", "off"]
+        command += ["--num-kv-blocks", "64", "--dtype", "float32"]
+        second = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert second.returncode == 3, second.stderr[-2000:]
+    last_line = second.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"nanoserve serve: error: pool {pool_id!r} is being written by another live server")
+    assert "give this server another pool id (--pool-id / NANOSERVE_POOL_ID)" in last_line
+    assert "Traceback" not in second.stderr

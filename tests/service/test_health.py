@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from nanoserve.service.server import ALLOCATION_SERVICE, GENERATION_SERVICE, NOT_SERVING, SERVING, health_statuses
+from nanoserve.service.server import (
+    ALLOCATION_SERVICE,
+    GENERATION_SERVICE,
+    NOT_SERVING,
+    SERVING,
+    VLLM_ENGINE_SERVICE,
+    health_statuses,
+)
 
 
 def test_all_serving_when_engine_and_log_are_up() -> None:
@@ -10,6 +17,7 @@ def test_all_serving_when_engine_and_log_are_up() -> None:
         "": SERVING,
         GENERATION_SERVICE: SERVING,
         ALLOCATION_SERVICE: SERVING,
+        VLLM_ENGINE_SERVICE: SERVING,
     }
 
 
@@ -18,6 +26,7 @@ def test_dead_engine_loop_stops_every_service() -> None:
         "": NOT_SERVING,
         GENERATION_SERVICE: NOT_SERVING,
         ALLOCATION_SERVICE: NOT_SERVING,
+        VLLM_ENGINE_SERVICE: NOT_SERVING,
     }
 
 
@@ -26,11 +35,13 @@ def test_unhealthy_log_writer_stops_allocation_and_the_server() -> None:
         "": NOT_SERVING,
         GENERATION_SERVICE: SERVING,
         ALLOCATION_SERVICE: NOT_SERVING,
+        VLLM_ENGINE_SERVICE: SERVING,
     }
 
 
 def test_service_names_are_the_proto_full_names() -> None:
-    assert (GENERATION_SERVICE, ALLOCATION_SERVICE) == (
+    assert (GENERATION_SERVICE, ALLOCATION_SERVICE, VLLM_ENGINE_SERVICE) == (
         "nanoserve.v1.GenerationService",
         "nanoserve.v1.AllocationService",
+        "vllm.grpc.engine.VllmEngine",
     )

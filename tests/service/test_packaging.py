@@ -96,3 +96,30 @@ def test_pyproject_metadata_applies_without_setuptools_warnings(monkeypatch: pyt
         distribution = apply_configuration(Distribution(), ROOT / "pyproject.toml")
     assert distribution.metadata.license_expression == "Apache-2.0"
     assert [str(w.message) for w in caught] == []
+
+
+def test_gateway_profile_puts_smg_in_front_of_two_replicas_sharing_the_postgres_log() -> None:
+    services = _compose()["services"]
+    url = "postgresql+psycopg://nanoserve:nanoserve@postgres:5432/nanoserve"
+    replicas = ("replica-0", "replica-1")
+    for name in replicas:
+        replica = services[name]
+        assert replica["profiles"] == ["gateway"]
+        assert replica["command"] == ["serve"]
+        assert replica["environment"]["NANOSERVE_EVENT_LOG_URL"] == url
+        assert replica["environment"]["NANOSERVE_POOL_ID"] == name  # its own pool in the shared log
+        assert replica["depends_on"] == {"migrate": {"condition": "service_completed_successfully"}}
+    smg = services["smg"]
+    assert smg["profiles"] == ["gateway"]
+    assert smg["entrypoint"] == ["smg"]
+    command = smg["command"]
+    assert command[:3] == ["launch", "--backend", "vllm"]
+    workers = command[command.index("--worker-urls") + 1 : command.index("--policy")]
+    assert workers == [f"grpc://{name}:50051" for name in replicas]
+    assert command[command.index("--policy") + 1] == "cache_aware"
+    assert smg["depends_on"] == {name: {"condition": "service_healthy"} for name in replicas}
+    assert "profiles" not in services["nanoserve"]  # `docker compose up` still starts the one server alone
+
+
+def test_the_image_carries_the_gateway() -> None:
+    assert 'RUN pip install ".[gateway]"' in (ROOT / "Dockerfile").read_text()

@@ -317,7 +317,12 @@ async def test_a_prompt_too_long_by_its_length_alone_is_invalid_argument_not_tok
 
 async def test_health_is_serving_overall_and_per_service(served: Served) -> None:
     stub = health_pb2_grpc.HealthStub(served.channel)
-    for service in ("", "nanoserve.v1.GenerationService", "nanoserve.v1.AllocationService"):
+    for service in (
+        "",
+        "nanoserve.v1.GenerationService",
+        "nanoserve.v1.AllocationService",
+        "vllm.grpc.engine.VllmEngine",
+    ):
         response = await stub.Check(health_pb2.HealthCheckRequest(service=service))
         assert response.status == health_pb2.HealthCheckResponse.SERVING, service
 
@@ -333,6 +338,7 @@ async def test_reflection_lists_the_services(served: Served) -> None:
         "grpc.reflection.v1alpha.ServerReflection",
         "nanoserve.v1.AllocationService",
         "nanoserve.v1.GenerationService",
+        "vllm.grpc.engine.VllmEngine",
     ]
 
 
@@ -606,7 +612,7 @@ async def test_health_cli_unknown_service_exits_3_naming_the_known_ones(served: 
         3,
         "",
         f"{server}: unknown service 'bogus'; known: '', 'nanoserve.v1.GenerationService', "
-        "'nanoserve.v1.AllocationService'\n",
+        "'nanoserve.v1.AllocationService', 'vllm.grpc.engine.VllmEngine'\n",
     )
 
 

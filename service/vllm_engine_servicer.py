@@ -1,0 +1,142 @@
+"""``vllm.grpc.engine.VllmEngine``: vLLM's engine contract over the same ``AsyncLLMEngine``.
+
+What lets the Shepherd Model Gateway (``smg``) put its OpenAI API and router in
+front of nanoserve replicas: it tokenizes and applies the chat template itself,
+sends token ids, and detokenizes and applies stop strings to the token ids we
+stream back. Each method converts (``vllm_convert``), makes one engine call and
+converts back; ``Generate`` takes the same path as ``nanoserve.v1``'s
+(``RequestStreamer``: aborted when the gateway drops the call, recorded once).
+Errors are domain errors, mapped to status codes by ``ErrorInterceptor``; an
+``InvalidRequestError`` names the field by its path in this contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import grpc
+from smg_grpc_proto.generated import common_pb2 as cpb
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+from nanoserve.engine import AsyncLLMEngine
+from nanoserve.engine.errors import RequestNotFoundError
+from nanoserve.service import vllm_convert
+from nanoserve.service.errors import UnimplementedError
+from nanoserve.service.request_streamer import RequestStreamer
+
+API = "vllm.grpc.engine"
+SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# the prefix cache (issue 10) is what FlushCache flushes and what SubscribeKvEvents reports
+NO_PREFIX_CACHE = "nanoserve has no prefix cache yet (issue 10: prefix caching)"
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """vLLM's engine RPCs; what nanoserve does not do is UNIMPLEMENTED with a message saying so.
+
+    started_s: when the server started, ``time.monotonic()`` seconds (GetServerInfo's uptime).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, streamer: RequestStreamer, started_s: float) -> None:
+        self._engine = engine
+        self._streamer = streamer
+        self._started_s = started_s
+        self._max_num_seqs = engine.config.scheduler.max_num_seqs
+        self._tokenizer_zip: asyncio.Task[bytes] | None = None  # built on first use; the tokenizer never changes
+
+    async def Generate(self, request: vpb.GenerateRequest, context: Context) -> AsyncIterator[vpb.GenerateResponse]:
+        """Streamed: a chunk per step that released token ids, then ``complete``; otherwise
+        ``complete`` alone, with every token id (and logprob)."""
+        prompt = vllm_convert.to_prompt(request)
+        params = vllm_convert.to_sampling_params(request.sampling_params)
+        request_id = request.request_id or uuid.uuid4().hex
+        async for output in self._streamer.outputs(request_id, prompt, params, context, API):
+            if request.stream and output.delta_token_ids:
+                yield vllm_convert.to_chunk(output)
+            if output.finished:
+                yield vllm_convert.to_complete(output, with_logprobs=not request.stream)
+
+    async def Abort(self, request: vpb.AbortRequest, context: Context) -> vpb.AbortResponse:
+        """Aborts each live request named; an id no live request has is skipped, as in vLLM (the
+        gateway aborts a call it drops, which may have ended in the meantime)."""
+        verdicts = await asyncio.gather(
+            *(self._engine.abort(request_id) for request_id in request.request_ids), return_exceptions=True
+        )
+        for verdict in verdicts:
+            if isinstance(verdict, BaseException) and not isinstance(verdict, RequestNotFoundError):
+                raise verdict
+        return vpb.AbortResponse()
+
+    async def HealthCheck(self, request: vpb.HealthCheckRequest, context: Context) -> vpb.HealthCheckResponse:
+        if self._engine.errored:
+            return vpb.HealthCheckResponse(healthy=False, message="the engine loop failed; see the server log")
+        if not self._engine.is_running:
+            return vpb.HealthCheckResponse(healthy=False, message="the engine is not running")
+        return vpb.HealthCheckResponse(healthy=True, message="serving")
+
+    async def GetModelInfo(self, request: vpb.GetModelInfoRequest, context: Context) -> vpb.GetModelInfoResponse:
+        return vllm_convert.to_model_info(self._engine.model_info)
+
+    async def GetServerInfo(self, request: vpb.GetServerInfoRequest, context: Context) -> vpb.GetServerInfoResponse:
+        return vllm_convert.to_server_info(
+            self._engine.model_info,
+            self._engine.pool_status(),
+            uptime_s=time.monotonic() - self._started_s,
+            max_num_seqs=self._max_num_seqs,
+        )
+
+    async def GetLoads(self, request: vpb.GetLoadsRequest, context: Context) -> vpb.GetLoadsResponse:
+        """The queues and KV usage as of the engine's last step, read from the engine when asked."""
+        return vllm_convert.to_loads(request, self._engine.pool_status(), self._max_num_seqs, _nanoserve_version())
+
+    async def GetTokenizer(
+        self, request: cpb.GetTokenizerRequest, context: Context
+    ) -> AsyncIterator[cpb.GetTokenizerChunk]:
+        """The loaded tokenizer's files (``AsyncLLMEngine.tokenizer_files``, the GGUF's chat template
+        included) as one zip in chunks, its SHA-256 on the last: the gateway needs no model files."""
+        building = self._tokenizer_zip
+        # built once and kept (the tokenizer never changes); built again after a failure
+        if building is None or (building.done() and (building.cancelled() or building.exception() is not None)):
+            self._tokenizer_zip = building = asyncio.ensure_future(self._build_tokenizer_zip())
+        for chunk in vllm_convert.to_tokenizer_chunks(await asyncio.shield(building)):
+            yield chunk
+
+    async def _build_tokenizer_zip(self) -> bytes:
+        files = await self._engine.tokenizer_files()
+        return await asyncio.to_thread(vllm_convert.tokenizer_zip, files)
+
+    async def FlushCache(self, request: cpb.FlushCacheRequest, context: Context) -> cpb.FlushCacheResponse:
+        raise UnimplementedError(f"FlushCache: {NO_PREFIX_CACHE}; there is no cached KV to flush")
+
+    async def SubscribeKvEvents(
+        self, request: cpb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[cpb.KvEventBatch]:
+        raise UnimplementedError(
+            f"SubscribeKvEvents: {NO_PREFIX_CACHE}; KV blocks hold one request's tokens and are freed when it "
+            "ends, so there are no cached blocks to report (the allocation events are on "
+            "nanoserve.v1.AllocationService/WatchEvents)"
+        )
+        yield cpb.KvEventBatch()  # unreachable: makes this an async generator, as a server-streaming method is
+
+    async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
+        raise UnimplementedError("Embed: nanoserve serves generation only; it computes no embeddings")
+
+    async def StartProfile(self, request: cpb.StartProfileRequest, context: Context) -> cpb.ProfileResponse:
+        raise UnimplementedError("StartProfile: nanoserve has no profiler to start; use py-spy or torch.profiler")
+
+    async def StopProfile(self, request: cpb.StopProfileRequest, context: Context) -> cpb.ProfileResponse:
+        raise UnimplementedError("StopProfile: nanoserve has no profiler to stop")
+
+
+def _nanoserve_version() -> str:
+    try:
+        return version("nanoserve")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return ""
