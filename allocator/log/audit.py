@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.log.log_reader import EpochInfo, LogNotFoundError, connect, list_epochs, resolve_epoch
+from nanoserve.allocator.log.errors import LogNotFoundError
+from nanoserve.allocator.log.log_reader import EpochInfo, connect, list_epochs, resolve_epoch
 from nanoserve.allocator.log.replay import replay_epoch
 from nanoserve.allocator.log.replayer import Replayer
 from nanoserve.allocator.pool_state import PoolState, Violation
