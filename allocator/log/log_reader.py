@@ -22,6 +22,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from nanoserve.allocator.events import EventKind
 from nanoserve.allocator.log.database import create_log_engine
 from nanoserve.allocator.log.errors import (
     LogDamagedError,
@@ -34,11 +35,12 @@ from nanoserve.allocator.log.errors import (
     store_error,
 )
 from nanoserve.allocator.log.event import Event
-from nanoserve.allocator.log.record_codec import decode_event
+from nanoserve.allocator.log.record_codec import decode_event, decode_snapshot, split_record
 from nanoserve.allocator.log.schema import allocator_events, pool_epochs
 
 # the largest seq a BigInteger column holds; a query for more finds nothing
 MAX_SEQ = 2**63 - 1
+_SNAPSHOT = EventKind.SNAPSHOT.value
 
 # columns replay reads, in this order
 EVENT_COLUMNS = (
@@ -190,8 +192,16 @@ def event_rows(
     dbapi_error = conn.dialect.loaded_dbapi.Error
     next_seq = max(from_seq, 1)
     raw_text = False
+    one_by_one = 0  # rows still to read one at a time, by primary key, to find the first unreadable one
     while True:
-        query = rows_query(pool_id, epoch, next_seq, until_seq, _as_bytes(columns) if raw_text else columns)
+        selected = _as_bytes(columns) if raw_text else columns
+        if one_by_one:
+            seq = _next_stored_seq(conn, pool_id, epoch, next_seq, until_seq)
+            if seq is None:
+                return
+            query = rows_query(pool_id, epoch, seq, seq, selected)
+        else:
+            query = rows_query(pool_id, epoch, next_seq, until_seq, selected)
         if owner is not None:
             query = query.where(allocator_events.c.owner == owner)
         if kind is not None:
@@ -205,16 +215,36 @@ def event_rows(
                         chunk = DamagedChunk(_decoded(row, columns) for row in chunk)
                     yield chunk
                     next_seq = _seq_after(chunk, next_seq)
-                return
+                if not one_by_one:
+                    return
+                next_seq = max(next_seq, seq + 1)
+                one_by_one -= 1
             except dbapi_error as exc:
                 if is_decode_error(exc) and not raw_text:
                     raw_text = True  # read again from the first row not yet handed out, text as bytes
-                    continue
-                if is_store_unavailable(exc):
+                elif is_store_unavailable(exc):
                     raise
-                raise LogReadError(next_seq, store_cause(exc)) from exc
+                elif not one_by_one:
+                    one_by_one = num_rows_per_chunk  # a chunk failed: find the row that does
+                else:
+                    raise LogReadError(seq, store_cause(exc)) from exc
         finally:
             cursor.close()
+
+
+def _next_stored_seq(conn: sa.Connection, pool_id: str, epoch: int, from_seq: int, until_seq: int | None) -> int | None:
+    """The first stored seq at or after ``from_seq``, read from the primary key's index alone."""
+    query = sa.select(sa.func.min(allocator_events.c.seq)).where(
+        allocator_events.c.pool_id == pool_id,
+        allocator_events.c.epoch == epoch,
+        allocator_events.c.seq >= min(from_seq, MAX_SEQ),
+    )
+    if until_seq is not None:
+        query = query.where(allocator_events.c.seq <= max(min(until_seq, MAX_SEQ), 0))
+    if from_seq > MAX_SEQ:
+        return None
+    value = conn.execute(query).scalar()
+    return value if type(value) is int else None
 
 
 def _cursor(conn: sa.Connection) -> Any:
@@ -342,6 +372,14 @@ def to_event(pool_id: str, epoch: int, row: tuple[Any, ...]) -> Event:
         raise LogDamagedError(f"seq {seq}: {message}") from None
 
 
+def _check_snapshot(record: str, info: EpochInfo) -> None:
+    """LogDamagedError when a SNAPSHOT record's data is not a pool (replay could not start from it)."""
+    try:
+        decode_snapshot(split_record(record)[-1], info.num_blocks, info.block_size)
+    except ValueError as exc:
+        raise LogDamagedError(f"snapshot data unreadable: {exc}") from None
+
+
 def _excerpt(value: Any) -> str:
     return repr(value[:60] if isinstance(value, (str, bytes)) else value)
 
@@ -368,6 +406,8 @@ def scan_events(
                 for row in chunk:
                     try:
                         event = to_event(info.pool_id, info.epoch, row)
+                        if event.kind == _SNAPSHOT:
+                            _check_snapshot(row[3], info)
                     except LogDamagedError as exc:
                         seq = row[0] if type(row[0]) is int else 0
                         yield Damage(seq, str(exc).removeprefix(f"seq {seq}: "))
