@@ -255,7 +255,7 @@ def test_state_from_a_snapshot_verifies_the_chain_before_it(
 @pytest.mark.skipif(not Tmpfs.available(), reason="needs root and a tmpfs mount")
 def test_log_on_read_only_media_is_read(capsys: pytest.CaptureFixture[str]) -> None:
     with Tmpfs(8 << 20) as media:
-        url, path = build_log(media.path)
+        url, _ = build_log(media.path)
         media.read_only()
         assert sorted(p.name for p in media.path.iterdir()) == ["log.db"]  # no -wal, no -shm: closed cleanly
         assert run(["log", "epochs", "--url", url], capsys)[0] == 0
