@@ -13,13 +13,18 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Violation:
-    """One broken rule found in a log: where (seq, block, owner) and what."""
+    """One broken rule found in a log: where (seq, block, owner) and what.
+
+    plot_range: the seqs (first, last) whose picture shows what led to it
+    (``nanoserve log plot --from first --to last``), set by ``audit``; None elsewhere.
+    """
 
     seq: int
     rule: str
     message: str
     block_id: int | None = None
     owner: str | None = None
+    plot_range: tuple[int, int] | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         where = f"seq {self.seq}"

@@ -309,6 +309,8 @@ def to_audit_response(report: AuditReport, live: bool = False) -> apb.AuditRespo
         )
         if violation.block_id is not None:
             entry.block_id = violation.block_id
+        if violation.plot_range is not None:
+            entry.plot_from_seq, entry.plot_to_seq = violation.plot_range
         message.violations.append(entry)
     held = report.leaked if report.closed else report.state.owners
     message.held_blocks.extend(apb.BlockOwner(block_id=b, owner=o or "") for b, o in sorted(held.items()))

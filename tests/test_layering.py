@@ -34,11 +34,20 @@ LAYERS = {
             "nanoserve.migrations",
             "nanoserve.v1",
             "grpc",
+            "matplotlib",
         ),
     ),
     "allocator.log": (
         sorted((ROOT / "allocator" / "log").rglob("*.py")),
-        ("torch", "nanoserve.engine", "nanoserve.service", "nanoserve.migrations", "nanoserve.v1", "grpc"),
+        (
+            "torch",
+            "nanoserve.engine",
+            "nanoserve.service",
+            "nanoserve.migrations",
+            "nanoserve.v1",
+            "grpc",
+            "matplotlib",
+        ),
     ),
     "engine": (
         sorted((ROOT / "engine").rglob("*.py")),

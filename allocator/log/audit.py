@@ -5,16 +5,29 @@ close every block must be free; blocks still held are leaks (a violation,
 listed with their owners). An epoch without POOL_CLOSE crashed: that is not a
 violation of the log, and the report gives the pool as it stood at the last
 durable event (which owner held which blocks).
+
+Each violation carries the seq range to plot to see what led to it
+(``Violation.plot_range``, see ``PoolTimeline.holding_start``): found by one more
+read of the epoch, made only when there are violations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
 from nanoserve.allocator.log.errors import LogNotFoundError
-from nanoserve.allocator.log.log_reader import EpochInfo, connect, list_epochs, resolve_epoch
+from nanoserve.allocator.log.log_reader import (
+    EpochInfo,
+    connect,
+    event_rows,
+    list_epochs,
+    resolve_epoch,
+    to_event,
+)
+from nanoserve.allocator.log.pool_timeline import PoolTimeline, plot_range
 from nanoserve.allocator.log.replay import replay_epoch
 from nanoserve.allocator.log.replayer import Replayer
 from nanoserve.allocator.pool_state import PoolState, Violation
@@ -61,7 +74,7 @@ class AuditReport:
             lines.append("  clean")
         else:
             lines.append(f"  {len(self.violations)} violation(s), first bad seq {self.first_bad_seq}:")
-            lines.extend(f"    {violation}" for violation in self.violations)
+            lines.extend(f"    {violation}{_plot_hint(violation)}" for violation in self.violations)
         if not self.closed:
             held = self.state.blocks_by_owner()
             lines.append(f"  at the last durable event (seq {self.last_seq}): {self.state.num_free} free blocks")
@@ -81,6 +94,7 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
         for block_id, owner in leaked.items():
             replayer.violate(closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner)
     state = replayer.state()
+    violations = sorted(replayer.violations, key=lambda violation: violation.seq)
     return AuditReport(
         pool_id=info.pool_id,
         epoch=info.epoch,
@@ -88,9 +102,38 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
         last_seq=replayer.last_seq,
         closed=closed,
         state=state,
-        violations=sorted(replayer.violations, key=lambda violation: violation.seq),
+        violations=_with_plot_ranges(conn, info, violations, replayer.last_seq),
         leaked=leaked,
     )
+
+
+def _with_plot_ranges(
+    conn: sa.Connection, info: EpochInfo, violations: list[Violation], last_seq: int
+) -> list[Violation]:
+    """The violations with their ``plot_range``, from the holdings of their blocks up to the last violation."""
+    if not violations:
+        return violations
+    timeline = PoolTimeline()
+    until_seq = min(max(violation.seq for violation in violations), last_seq)
+    try:
+        for chunk in event_rows(conn, info.pool_id, info.epoch, 1, until_seq):
+            timeline.apply(to_event(info.pool_id, info.epoch, row) for row in chunk)
+    except ValueError:
+        pass  # a malformed record: the holdings read so far still place the violations before it
+    return [
+        dataclasses.replace(
+            violation,
+            plot_range=plot_range(violation.seq, timeline.holding_start(violation.seq, violation.block_id), last_seq),
+        )
+        for violation in violations
+    ]
+
+
+def _plot_hint(violation: Violation) -> str:
+    if violation.plot_range is None:
+        return ""
+    first, last = violation.plot_range
+    return f" (plot --from {first} --to {last})"
 
 
 def audit(url: str, pool_id: str | None = None, epoch: int | None = None) -> AuditReport:

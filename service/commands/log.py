@@ -5,6 +5,8 @@
                          [--from SEQ] [--to SEQ] [--limit N]
     nanoserve log state  --at SEQ [--url URL] [--pool ID] [--epoch N] [--full]
     nanoserve log epochs [--url URL] [--pool ID]
+    nanoserve log plot   [--url URL] [--pool ID] [--epoch N] [--from SEQ] [--to SEQ] [--x seq|step|time] -o FILE
+    nanoserve log state  --at SEQ --svg FILE ...     (the pictures: see ``log_plot``)
 
 The URL defaults to $NANOSERVE_EVENT_LOG_URL, else the server's default log
 file (``sqlite:///nanoserve-log.db`` in the working directory). Exit status:
@@ -29,6 +31,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from nanoserve.allocator import EventKind
+from nanoserve.service.commands import log_plot
 
 EVENT_KINDS = tuple(kind.value for kind in EventKind)
 
@@ -102,6 +105,11 @@ def register(subparsers: Any) -> None:
         "before it (faster on long epochs; by default they are verified, and a broken chain replays from the "
         "epoch's start instead)",
     )
+    state.add_argument(
+        "--svg",
+        metavar="FILE",
+        help="also draw the pool then as FILE.svg (or .png): blocks coloured by owner, free stack, block tables",
+    )
     state.set_defaults(func=run_state)
 
     epochs = actions.add_parser(
@@ -112,6 +120,8 @@ def register(subparsers: Any) -> None:
     )
     _add_source(epochs, epoch_help=None)
     epochs.set_defaults(func=run_epochs)
+
+    log_plot.add_plot(actions, _add_source).set_defaults(func=run_plot)
 
 
 def _add_source(parser: argparse.ArgumentParser, epoch_help: str | None) -> None:
@@ -260,7 +270,15 @@ def run_state(args: argparse.Namespace) -> int:
         print("free blocks: " + (block_ranges(state.free_block_ids) or "none"))
     for violation in state.violations:
         print(f"violation: {violation}")
-    return EXIT_CLEAN if not state.violations else EXIT_VIOLATIONS
+    status = EXIT_CLEAN if not state.violations else EXIT_VIOLATIONS
+    if args.svg is not None:
+        status = max(status, log_plot.write_state_picture(_url(args), state, args.svg))
+    return status
+
+
+@_guarded
+def run_plot(args: argparse.Namespace) -> int:
+    return log_plot.run_plot(args, _url(args))
 
 
 @_guarded

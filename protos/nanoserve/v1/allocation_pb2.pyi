@@ -155,18 +155,22 @@ class AuditRequest(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class Violation(_message.Message):
-    __slots__ = ("seq", "block_id", "owner", "message", "rule")
+    __slots__ = ("seq", "block_id", "owner", "message", "rule", "plot_from_seq", "plot_to_seq")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
+    PLOT_FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PLOT_TO_SEQ_FIELD_NUMBER: _ClassVar[int]
     seq: int
     block_id: int
     owner: str
     message: str
     rule: AuditRule
-    def __init__(self, seq: _Optional[int] = ..., block_id: _Optional[int] = ..., owner: _Optional[str] = ..., message: _Optional[str] = ..., rule: _Optional[_Union[AuditRule, str]] = ...) -> None: ...
+    plot_from_seq: int
+    plot_to_seq: int
+    def __init__(self, seq: _Optional[int] = ..., block_id: _Optional[int] = ..., owner: _Optional[str] = ..., message: _Optional[str] = ..., rule: _Optional[_Union[AuditRule, str]] = ..., plot_from_seq: _Optional[int] = ..., plot_to_seq: _Optional[int] = ...) -> None: ...
 
 class BlockOwner(_message.Message):
     __slots__ = ("block_id", "owner")
