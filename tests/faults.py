@@ -112,6 +112,7 @@ class PgCluster:
         self.data = self.root / "data"
         self.port = free_port()
         self._as_postgres = os.geteuid() == 0  # initdb refuses to run as root
+        self.running = False
         if self._as_postgres:
             shutil.chown(self.root, "postgres")
         try:
@@ -141,10 +142,16 @@ class PgCluster:
     def start(self) -> None:
         options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
         self._run([self._pg_ctl, "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start"])
+        self.running = True
+
+    def start_if_stopped(self) -> None:
+        if not self.running:
+            self.start()
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server: ``fast`` ends connections cleanly, ``immediate`` as a crash would."""
         self._run([self._pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop"])
+        self.running = False
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -160,7 +167,7 @@ class PgCluster:
         subprocess.run(command, check=True, capture_output=True, cwd=self.root)
 
     def close(self) -> None:
-        if self.data.is_dir():
+        if self.running:
             with contextlib.suppress(subprocess.CalledProcessError, OSError):
                 self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)

@@ -195,10 +195,12 @@ def event_rows(
     one_by_one = 0  # rows still to read one at a time, by primary key, to find the first unreadable one
     while True:
         selected = _as_bytes(columns) if raw_text else columns
+        seq = next_seq
         if one_by_one:
-            seq = _next_stored_seq(conn, pool_id, epoch, next_seq, until_seq)
-            if seq is None:
+            stored = _next_stored_seq(conn, pool_id, epoch, next_seq, until_seq)
+            if stored is None:
                 return
+            seq = stored
             query = rows_query(pool_id, epoch, seq, seq, selected)
         else:
             query = rows_query(pool_id, epoch, next_seq, until_seq, selected)
@@ -394,7 +396,7 @@ def scan_events(
     owner: str | None = None,
     kind: str | None = None,
     block_id: int | None = None,
-) -> Iterator[Event | Damage]:
+) -> Generator[Event | Damage, None, None]:
     """Like ``read_events``, but damage does not stop it: each row that cannot be read as an event is a
     ``Damage`` in its place, and rows the store cannot read end the scan with a ``Damage`` naming the
     first seq not read. For tools that show what they can (``nanoserve log show``)."""

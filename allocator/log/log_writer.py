@@ -157,11 +157,12 @@ class LogWriter:
 
     # -- caller side -------------------------------------------------------
     def submit(self, batch: Batch) -> None:
-        """Queue one sealed batch; blocks while ``max_pending_batches`` are waiting (until ``unbound``)."""
+        """Queue one sealed batch; blocks while ``max_pending_batches`` wait to be committed (the group
+        being committed included), until ``unbound``."""
         if self.error is not None:
             raise self.error
         pending = self.pending
-        if len(pending) >= self.max_pending_batches and self._bounded:
+        if len(pending) + self._num_inflight_batches >= self.max_pending_batches and self._bounded:
             self._wait_for_room()
         pending.append(batch)
         if not self._wakeup.is_set():
@@ -169,7 +170,7 @@ class LogWriter:
 
     def _wait_for_room(self) -> None:
         with self._progress:
-            while len(self.pending) >= self.max_pending_batches and self.error is None and self._bounded:
+            while self.num_pending_batches >= self.max_pending_batches and self.error is None and self._bounded:
                 self._progress.wait(0.1)
         if self.error is not None:
             raise self.error

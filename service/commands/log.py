@@ -283,7 +283,8 @@ def run_plot(args: argparse.Namespace) -> int:
 
 @_guarded
 def run_epochs(args: argparse.Namespace) -> int:
-    from nanoserve.allocator.log.log_reader import LogNotFoundError, connect, list_epochs
+    from nanoserve.allocator.log.errors import LogNotFoundError
+    from nanoserve.allocator.log.log_reader import connect, list_epochs
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)
