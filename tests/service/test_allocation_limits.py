@@ -17,7 +17,7 @@ from nanoserve.v1 import allocation_pb2_grpc
 
 from .conftest import Served
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+on_the_server = pytest.mark.asyncio(loop_scope="module")
 
 MAX_INT64 = 2**63 - 1
 
@@ -32,12 +32,14 @@ async def _status(call: object) -> tuple[grpc.StatusCode, str]:
     return info.value.code(), info.value.details() or ""
 
 
+@on_the_server
 async def test_watch_from_the_largest_seq_waits_for_events_still_to_come(tiny_served: Served) -> None:
     stub = allocation_pb2_grpc.AllocationServiceStub(tiny_served.channel)
     call = stub.WatchEvents(apb.WatchEventsRequest(from_seq=MAX_INT64), timeout=1.0)
     assert await _status(call) == (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")  # not INTERNAL
 
 
+@on_the_server
 async def test_watch_from_a_negative_seq_is_invalid(tiny_served: Served) -> None:
     stub = allocation_pb2_grpc.AllocationServiceStub(tiny_served.channel)
     call = stub.WatchEvents(apb.WatchEventsRequest(from_seq=-1), timeout=5.0)
@@ -45,6 +47,7 @@ async def test_watch_from_a_negative_seq_is_invalid(tiny_served: Served) -> None
 
 
 @pytest.mark.parametrize("epoch", [MAX_INT64, 2**31, 0, -1])
+@on_the_server
 async def test_audit_of_an_epoch_out_of_range_is_invalid(tiny_served: Served, epoch: int) -> None:
     stub = allocation_pb2_grpc.AllocationServiceStub(tiny_served.channel)
     assert await _status(stub.Audit(apb.AuditRequest(epoch=epoch), timeout=5.0)) == (
@@ -53,6 +56,7 @@ async def test_audit_of_an_epoch_out_of_range_is_invalid(tiny_served: Served, ep
     )
 
 
+@on_the_server
 async def test_audit_of_the_largest_epoch_is_not_found(tiny_served: Served) -> None:
     stub = allocation_pb2_grpc.AllocationServiceStub(tiny_served.channel)
     code, message = await _status(stub.Audit(apb.AuditRequest(epoch=2**31 - 1), timeout=5.0))
