@@ -143,14 +143,6 @@ def test_close_on_a_full_disk_is_bounded_and_names_what_it_could_not_write(media
 # -- PostgreSQL that stops --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pg_cluster() -> Iterator[PgCluster]:
-    if not PgCluster.available():
-        pytest.skip("needs initdb and pg_ctl (and the postgres user when run as root)")
-    with PgCluster() as cluster:
-        yield cluster
-
-
 @pytest.fixture
 def pg_log_url(pg_cluster: PgCluster) -> Iterator[str]:
     """A fresh database on the throwaway cluster, which is running again after the test."""

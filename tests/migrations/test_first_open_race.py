@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-NUM_ROUNDS = 4  # two with one pool each, two with both workers on one pool
+NUM_ROUNDS = 2  # one with a pool each, one with both workers on one pool
 
 # Waits at a file barrier before each round, then migrates and opens; prints one JSON line per round.
 WORKER = """

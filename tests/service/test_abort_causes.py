@@ -22,7 +22,7 @@ from .conftest import Served, wait_pool_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-NUM_STREAMS = 160
+NUM_STREAMS = 112
 NUM_AT_ONCE = 16
 CAUSE_BY_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: "deadline", grpc.StatusCode.CANCELLED: "cancelled"}
 

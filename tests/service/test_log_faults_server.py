@@ -15,7 +15,7 @@ import contextlib
 import inspect
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,7 +122,7 @@ async def test_full_disk_is_visible_and_honest_and_recovers_without_loss(tiny_mo
             assert (await serving.health(), serving.metric("nanoserve_event_log_durable")) == (SERVING, 1.0)
 
             media.fill()
-            long_stream = asyncio.ensure_future(serving.generate("during", max_tokens=300))
+            long_stream = asyncio.ensure_future(serving.generate("during", max_tokens=120))
             await eventually(lambda: serving.engine.pool_status().num_pending_batches == 8)  # the bound
             await eventually(lambda: _is(serving.health(), NOT_SERVING))
             message = await refused(serving)
@@ -137,7 +137,7 @@ async def test_full_disk_is_visible_and_honest_and_recovers_without_loss(tiny_mo
             media.free()
             await eventually(lambda: _is(serving.health(), SERVING))
             responses = await long_stream
-            assert sum(len(response.token_ids) for response in responses) == 300
+            assert sum(len(response.token_ids) for response in responses) == 120
             assert len(await serving.generate("after")) >= 1
             await eventually(lambda: serving.engine.pool_status().durable_seq == serving.engine.pool_status().last_seq)
         assert serving.engine.log_close_error is None
@@ -157,14 +157,6 @@ async def _is(value: Awaitable[object], expected: object) -> bool:
 
 
 # -- PostgreSQL stopped -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pg_cluster() -> Iterator[PgCluster]:
-    if not PgCluster.available():
-        pytest.skip("needs initdb and pg_ctl (and the postgres user when run as root)")
-    with PgCluster() as cluster:
-        yield cluster
 
 
 async def test_postgresql_outage_gives_unavailable_and_a_bounded_shutdown_reports_what_is_lost(

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -92,14 +91,6 @@ def test_serve_with_its_database_down_says_so_in_one_line_and_exits_3_before_the
     assert unusable["url"] == url
     assert unusable["cause"].startswith("OperationalError: connection")
     assert not {"model_runner.ready", "engine_started"} & {record["event"] for record in records}
-
-
-@pytest.fixture(scope="module")
-def pg_cluster() -> Iterator[PgCluster]:
-    if not PgCluster.available():
-        pytest.skip("needs initdb and pg_ctl (and the postgres user when run as root)")
-    with PgCluster() as cluster:
-        yield cluster
 
 
 class ServeProcess:
