@@ -116,6 +116,13 @@ def test_invalid_utf8_record_is_named_by_audit_show_and_state(
     assert out.count("violation: ") >= 1
     assert "violation: seq 42 owner 'request-0020': bad_record:" in out
 
+    # the pictures: the damage is named, never a traceback
+    code, _, err = run(["log", "state", "--url", url, "--at", "60", "--svg", str(path.parent / "s.svg")], capsys)
+    assert code == 1
+    assert "nanoserve log state: no picture: the log is damaged: seq 42: the record is not valid UTF-8 text" in err
+    code, _, err = run(["log", "plot", "--url", url, "-o", str(path.parent / "p.svg")], capsys)
+    assert code == 1
+
 
 # -- a page the store cannot read -----------------------------------------------------------------
 
