@@ -277,8 +277,9 @@ class EventLog:
         self._seq = last_seq  # only once the batch is queued: a call that raises appends nothing
         if data is not None:
             self._snapshot_seq = last_seq
-        if self._sync:
-            self._writer.wait_durable(last_seq)
+        if self._sync:  # until durable, or until shutdown unbinds the log (close then bounds the wait)
+            while not self._writer.wait_durable(last_seq, 0.5) and self._writer.bounded:
+                pass
 
     def _check_shape(self, state: PoolState) -> None:
         if (state.num_blocks, state.block_size) != (self.num_blocks, self.block_size):

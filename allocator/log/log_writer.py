@@ -185,6 +185,11 @@ class LogWriter:
             self._progress.notify_all()
 
     @property
+    def bounded(self) -> bool:
+        """Whether ``submit`` still waits for room (False after ``unbound``)."""
+        return self._bounded
+
+    @property
     def num_pending_batches(self) -> int:
         """Batches submitted and not yet committed (the group being committed included)."""
         return len(self.pending) + self._num_inflight_batches
