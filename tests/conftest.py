@@ -5,16 +5,21 @@ model.safetensors + the real SmolLM2 tokenizer + generation_config.json) holding
 2-layer Llama (or Qwen2 / Qwen3) with random weights and the real vocabulary size,
 written by transformers itself so that loading it exercises our safetensors path.
 
-PostgreSQL tests take ``pg_url``: the server named by NANOSERVE_TEST_PG_URL
-(default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``). Where it cannot
-be reached they skip, unless NANOSERVE_REQUIRE_PG=1 (set by CI), where they fail.
+PostgreSQL tests take ``pg_url``: a database of their own, created for the test
+session on the server named by NANOSERVE_TEST_PG_URL (default
+``postgresql+psycopg://postgres@127.0.0.1:5432/test``) and dropped after it, so
+that concurrent test runs and the schema a run leaves behind (its Alembic
+revision) never meet. Where the role may not create databases, the named
+database itself is used. Where the server cannot be reached the tests skip,
+unless NANOSERVE_REQUIRE_PG=1 (set by CI), where they fail.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,20 +28,30 @@ DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
 @pytest.fixture(scope="session")
-def pg_url() -> str:
+def pg_url() -> Iterator[str]:
+    import sqlalchemy as sa
+
     url = os.environ.get("NANOSERVE_TEST_PG_URL", DEFAULT_PG_URL)
     try:
-        import sqlalchemy as sa
-
-        engine = sa.create_engine(url)
-        with engine.connect() as conn:
+        admin = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
             conn.execute(sa.text("select 1"))
-        engine.dispose()
     except Exception as exc:  # pragma: no cover - depends on the machine
         if os.environ.get("NANOSERVE_REQUIRE_PG") == "1":
             pytest.fail(f"PostgreSQL at {url} is required but unreachable: {exc}")
         pytest.skip(f"PostgreSQL at {url} unreachable: {exc}")
-    return url
+    name = f"nanoserve_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    except sa.exc.SQLAlchemyError:  # pragma: no cover - a role without CREATEDB: share the named database
+        admin.dispose()
+        yield url
+        return
+    yield sa.engine.make_url(url).set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
 
 
 TINY_DIMS = {
