@@ -72,12 +72,16 @@ async def test_every_logged_cause_is_what_the_client_saw(tiny_served: Served) ->
     num_deadlines = sum(code == grpc.StatusCode.DEADLINE_EXCEEDED for code, _ in seen.values())
     assert num_deadlines >= NUM_STREAMS // 2
     mismatches = []
+    num_unseen = 0
     for request_id, (code, got_message) in seen.items():
         entry = logged.get(request_id)
-        if entry is None:  # a deadline that passed before the server started the call: nothing to record
-            assert (code, got_message) == (grpc.StatusCode.DEADLINE_EXCEEDED, False), request_id
+        if entry is None:  # ended by the client before the server started the call: nothing to record
+            assert code in CAUSE_BY_STATUS, (request_id, code)
+            assert not got_message, request_id
+            num_unseen += 1
             continue
         expected = CAUSE_BY_STATUS.get(code)
         if (entry["finish_reason"], entry.get("cause")) != ("abort" if expected else "length", expected):
             mismatches.append((request_id, code.name, entry["finish_reason"], entry.get("cause")))
     assert mismatches == []
+    assert num_unseen <= NUM_STREAMS // 4, f"{num_unseen} calls never reached the server"
