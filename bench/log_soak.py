@@ -3,7 +3,8 @@
 Two phases, each a fresh server process on the real model:
   * postgresql: the log on a throwaway PostgreSQL cluster (tests/faults.py) that is stopped and
     started again twice under load (once ``fast``, once ``immediate``, as a crash);
-  * sqlite-tmpfs: the log on a small tmpfs that is filled to the last byte and freed, twice.
+  * sqlite-tmpfs: the log on a small tmpfs that is filled to the last byte and freed, twice (early:
+    see ``sqlite_phase`` on why a full disk bites only while SQLite's WAL grows).
 48 client streams run all the time: each request has random max_tokens, and is either read to
 its end, cancelled after a random time, or given a short deadline. A request refused because the
 log is not durable (UNAVAILABLE) is retried after a short pause, as a client should. A
@@ -347,10 +348,13 @@ def postgresql_phase(load_s: float, threads: int) -> dict:
 
 
 def sqlite_phase(load_s: float, threads: int) -> dict:
+    # Both fills come while SQLite's WAL still grows (it reaches its checkpoint size, 1000 pages, after
+    # some 25-40 s of this load). Later, a checkpointed WAL is written again from its start, into space
+    # the file already has: a full disk then stops nothing until the WAL must grow past that size.
     with Tmpfs(16 << 20) as media:
         faults = [
-            Fault(0.25 * load_s, "tmpfs filled for 8 s", media.fill, media.free, 8.0),
-            Fault(0.6 * load_s, "tmpfs filled for 6 s", media.fill, media.free, 6.0),
+            Fault(min(8.0, 0.25 * load_s), "tmpfs filled for 6 s", media.fill, media.free, 6.0),
+            Fault(min(19.0, 0.6 * load_s), "tmpfs filled for 5 s", media.fill, media.free, 5.0),
         ]
         return run_phase("sqlite-tmpfs", f"sqlite:///{media.path / 'log.db'}", faults, load_s, threads)
 
@@ -370,7 +374,8 @@ def main() -> None:
     for key in keys:
         print(f"{key:{width}}  " + "  ".join(f"{r[key]!s:>14}" for r in results))
     ok = all(
-        r["exit status"] == 0
+        r["not-durable spells"] == 2  # each fault bit
+        and r["exit status"] == 0
         and r["pool free before SIGTERM"]
         and r["pool free in POOL_CLOSE"]
         and r["audit clean and closed"]
@@ -378,7 +383,7 @@ def main() -> None:
         and not r["other errors"]
         for r in results
     )
-    print("\nverdict:", "PASS: pool all free, audits clean, no event lost" if ok else "FAIL")
+    print("\nverdict:", "PASS: every fault bit; pool all free, audits clean, no event lost" if ok else "FAIL")
     sys.exit(0 if ok else 1)
 
 
