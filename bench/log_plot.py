@@ -4,7 +4,10 @@
 
 The log: a pool of 1,456 blocks of 16 tokens (the issue's size) driven in
 scheduler steps of 1..8 calls mixing allocate_for (1..64 tokens) and free_all of
-a whole request (finished, 15 % preempted, 5 % aborted), until ``--num-events``.
+a whole request (finished, 15 % preempted, 5 % aborted), until ``--num-events``;
+then the requests still running finish, as at a clean shutdown, so the epoch
+ends clean: no block held at POOL_CLOSE (the run checks it with the audit, and
+the picture says "no block held then").
 
 Timed, interleaved ``--repeats`` times (wall and CPU seconds of every process):
 the parts of the plot (audit, reading the timeline, drawing, writing the PNG),
@@ -36,6 +39,7 @@ from pathlib import Path
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.allocator.log import EventLog, audit
 from nanoserve.allocator.log.pool_timeline import OPEN, PoolTimeline, read_timeline
+from nanoserve.migrations import upgrade
 
 NUM_BLOCKS = 1456
 BLOCK_SIZE = 16
@@ -44,6 +48,7 @@ BLOCK_SIZE = 16
 def write_log(url: str, num_events: int, seed: int = 0) -> None:
     """An epoch of about ``num_events`` events (see the module docstring)."""
     rng = random.Random(seed)
+    upgrade(url)
     with EventLog.open(url, pool_id="bench", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE) as log:
         pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
         held: list[list[int]] = []
@@ -121,10 +126,16 @@ def main() -> int:
             wall, _ = timed(lambda: write_log(url, args.num_events))
             print(f"wrote a log of {args.num_events:,} events in {wall:.1f} s")
         timeline = read_timeline(url)
+        report = audit(url)
+        held = timeline.owners_now()
         print(
             f"epoch: {timeline.num_events:,} events, {timeline.num_intervals:,} held intervals, "
-            f"{len(timeline.owners):,} requests, {timeline.num_blocks:,} blocks\n"
+            f"{len(timeline.owners):,} requests, {timeline.num_blocks:,} blocks; audit: "
+            f"{'clean' if report.clean else f'{len(report.violations):,} violations'}, "
+            f"{len(held):,} blocks held at the end\n"
         )
+        if args.log is None and (not report.clean or held):
+            raise RuntimeError("the generated workload must end clean: every block freed before POOL_CLOSE")
         png = folder / "plot.png"
         pictures: dict[str, Picture] = {}
 

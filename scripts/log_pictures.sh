@@ -7,10 +7,13 @@
 # request ignores EOS and stops at its max_tokens, so the blocks taken, and the pictures, are the same on
 # every machine (the wall times differ; the pictures use steps).
 #
-#   bash scripts/log_pictures.sh        (after scripts/install.sh; about a minute on 2 cores)
+#   bash scripts/log_pictures.sh [KEEP.db]   (after scripts/install.sh; about a minute on 2 cores)
+#
+# KEEP.db: keep the workload's log there, to draw other pictures of it (`nanoserve log plot --url sqlite:///KEEP.db`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+KEEP=${1:-}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 URL="sqlite:///$WORK/log.db"
@@ -49,3 +52,6 @@ SEQ=$(cat "$WORK/seq")
 mkdir -p docs
 "$PY" -m nanoserve.service.cli log plot --url "$URL" --x step -o docs/log-plot.png
 "$PY" -m nanoserve.service.cli log state --url "$URL" --at "$SEQ" --svg docs/log-state.svg
+if [ -n "$KEEP" ]; then
+  cp "$WORK/log.db" "$KEEP"
+fi

@@ -25,20 +25,32 @@ import math
 import textwrap
 from typing import Any
 
+import numpy as np
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from nanoserve.allocator import PoolState
 from nanoserve.allocator.log import Event
-from nanoserve.allocator.log.pool_timeline import BlockInterval, PoolTimeline
+from nanoserve.allocator.log.pool_timeline import OPEN, BlockInterval, PoolTimeline
 from nanoserve.service.figure_file import Picture
 from nanoserve.service.owner_colours import FREE_COLOUR, OwnerColours
 
 MAX_FREE_SHOWN = 48  # free stack entries drawn (next out first); the rest are counted
 MAX_TABLES_SHOWN = 30  # block tables listed; the rest are counted
-GRID_WIDTH_IN = 8.0  # inches of the block grid
+MAX_NAMES_SHOWN = 8  # requests named per line of "not holding blocks"; the rest are counted
+GRID_WIDTH_IN = 8.0  # inches of the block grid, at most
+MAX_CELL_IN = 0.62  # a block's cell, at most (a small pool is not blown up to fill the grid's width)
+TEXT_WIDTH_IN = 5.0  # the block tables and the requests without blocks
+LINE_PT = 13.0  # one line of the block tables
 EDGE_COLOUR = "#9a9a9a"
+# how a request's last holding ended -> how the list of requests without blocks names it, in its order
+WITHOUT_BLOCKS = {
+    "preempted": "preempted, waiting to be recomputed",
+    "finished": "finished",
+    "aborted": "aborted",
+    None: "freed, no reason given",
+}
 
 
 def draw_pool_grid(state: PoolState, timeline: PoolTimeline, event: Event | None = None) -> Picture:
@@ -59,36 +71,53 @@ def draw_pool_grid(state: PoolState, timeline: PoolTimeline, event: Event | None
     tables = {owner: tables[owner] for owner in [*colours.colours, *(o for o in tables if o not in colours.colours)]}
     num_columns = min(state.num_blocks, max(4, math.ceil(math.sqrt(state.num_blocks * 2))))
     num_rows = math.ceil(state.num_blocks / num_columns)
-    cell_in = GRID_WIDTH_IN / num_columns
-    height_in = max(4.5, num_rows * cell_in + 1.2)
-    figure = Figure(figsize=(GRID_WIDTH_IN + 6.0, height_in), layout="constrained")
-    grid_ax, stack_ax, tables_ax = figure.subplots(1, 3, width_ratios=(GRID_WIDTH_IN, 1.0, 5.0))
+    cell_in = min(MAX_CELL_IN, GRID_WIDTH_IN / num_columns)
+    grid_in = cell_in * num_columns
+    height_in = max(3.6, num_rows * cell_in + 1.4)
+    figure = Figure(figsize=(grid_in + 1.0 + TEXT_WIDTH_IN, height_in), layout="constrained")
+    grid_ax, stack_ax, tables_ax = figure.subplots(1, 3, width_ratios=(grid_in, 0.8, TEXT_WIDTH_IN))
     titles: dict[str, str] = {}
     touched = set(event.block_ids) if event is not None else set()
     _draw_grid(grid_ax, state, tables, colours, num_columns, num_rows, cell_in, titles, touched)
     _draw_free_stack(stack_ax, state, titles, height_in)
-    _draw_tables(tables_ax, tables, colours, titles)
+    without = _without_blocks(timeline, set(tables))
+    _draw_tables(tables_ax, tables, without, colours, titles, height_in)
     step = timeline.step(timeline.num_events - 1)
     at = f"seq {state.last_seq:,}" + ("" if step is None else f" (step {step:,})")
     summary = (
         f"{state.num_allocated:,} allocated, {state.num_free:,} free of {state.num_blocks:,} blocks "
         f"of {state.block_size} tokens; {len(tables):,} requests hold blocks"
     )
-    heading = f"pool {state.pool_id!r} · epoch {state.epoch} · as it stood after {at}"
+    if "preempted" in without:
+        num_waiting = len(without["preempted"])
+        summary += f", {num_waiting:,} preempted {'waits' if num_waiting == 1 else 'wait'} to be recomputed"
+    heading = f"pool {state.pool_id!r} · epoch {state.epoch} · the pool after {at}"
     if event is not None:
-        heading += f": {_describe(event)}"
+        heading += f": {describe(event)}"
     figure.suptitle(f"{heading}\n{summary}", fontsize="medium")
     return Picture(figure, titles, summary)
 
 
-def _describe(event: Event) -> str:
-    """``free_all of blocks 19, 18, 34 by req-9, preempted (outlined)``."""
+def describe(event: Event) -> str:
+    """The event in words: ``llm-7 preempted: blocks 16, 21, 12 freed for recompute (outlined)``."""
     if not event.block_ids:
-        return event.kind
-    blocks = ", ".join(map(str, event.block_ids))
-    reason = f", {event.reason}" if event.reason else ""
+        return _NO_BLOCK_KINDS.get(event.kind, f"a {event.kind} record")
     plural = "s" if len(event.block_ids) > 1 else ""
-    return f"{event.kind} of block{plural} {blocks} by {event.owner}{reason} (outlined)"
+    blocks = f"block{plural} " + ", ".join(map(str, event.block_ids))
+    if event.kind in ("allocate", "allocate_for"):
+        return f"{event.owner} given {blocks} (outlined)"
+    if event.reason == "preempted":
+        return f"{event.owner} preempted: {blocks} freed for recompute (outlined)"
+    if event.reason in ("finished", "aborted"):
+        return f"{event.owner} {event.reason}: {blocks} freed (outlined)"
+    return f"{blocks} of {event.owner} freed (outlined)"
+
+
+_NO_BLOCK_KINDS = {
+    "pool_init": "POOL_INIT, the pool opened",
+    "snapshot": "a SNAPSHOT record (no block changed)",
+    "pool_close": "POOL_CLOSE",
+}
 
 
 def _place(timeline: PoolTimeline, owner: str) -> int:
@@ -182,35 +211,69 @@ def _draw_free_stack(ax: Any, state: PoolState, titles: dict[str, str], height_i
     ax.set_title(f"free stack ({len(stack):,})\nnext out first", fontsize="small")
 
 
+def _without_blocks(timeline: PoolTimeline, holding: set[str]) -> dict[str | None, list[tuple[str, int]]]:
+    """How the last holding ended -> [(owner, seq of that free)] of the owners that held blocks and hold none now.
+
+    Keys are those of WITHOUT_BLOCKS (another reason counts as None); owners in order of that seq, latest first.
+    """
+    owner_ids = np.array(timeline.interval_owner_ids, dtype=np.int64)
+    ends = np.array(timeline.interval_ends, dtype=np.int64)
+    order = np.lexsort((ends, owner_ids))  # by owner, then by end: an owner's last-ending holding is its last
+    is_last = np.r_[owner_ids[order][1:] != owner_ids[order][:-1], True]
+    found: dict[str | None, list[tuple[str, int]]] = {}
+    for j in order[is_last].tolist():
+        owner = timeline.owners[owner_ids[j]]
+        if owner in holding or ends[j] == OPEN:
+            continue
+        reason = timeline.reasons[timeline.interval_reason_codes[j]]
+        found.setdefault(reason if reason in WITHOUT_BLOCKS else None, []).append((owner, timeline.seqs[ends[j]]))
+    return {reason: sorted(found[reason], key=lambda item: -item[1]) for reason in WITHOUT_BLOCKS if reason in found}
+
+
 def _draw_tables(
     ax: Any,
     tables: dict[str, list[tuple[int, BlockInterval | None]]],
+    without: dict[str | None, list[tuple[str, int]]],
     colours: OwnerColours,
     titles: dict[str, str],
+    height_in: float,
 ) -> None:
-    lines: list[tuple[int | None, str, str]] = []  # (table number on its first line, colour, one line of text)
+    """Each holder's block table, then the requests that hold no block now, by how their last holding ended."""
+    lines: list[tuple[int | None, str | None, str]] = []  # (table number on its first line, swatch colour, text)
     for table, (owner, blocks) in enumerate(list(tables.items())[:MAX_TABLES_SHOWN]):
         text = f"{owner} ({len(blocks)} block{'s' if len(blocks) != 1 else ''}): " + " → ".join(
             str(block_id) for block_id, _ in blocks
         )
-        for k, line in enumerate(textwrap.wrap(text, 56, subsequent_indent="    ")):
-            lines.append((table if k == 0 else None, colours[owner], line))
-    num_lines = max(len(lines) + 1, 16)
+        for k, line in enumerate(textwrap.wrap(text, 72, subsequent_indent="    ", break_on_hyphens=False)):
+            lines.append((table if k == 0 else None, colours[owner] if k == 0 else None, line))
+    if len(tables) > MAX_TABLES_SHOWN:
+        lines.append((None, None, f"… {len(tables) - MAX_TABLES_SHOWN:,} more requests"))
+    if not tables:
+        lines.append((None, None, "no request holds a block"))
+    heading = None  # the line that heads the requests without blocks
+    if without:
+        lines.append((None, None, ""))
+        heading = len(lines)
+        lines.append((None, None, "holding no block now (the log knows a request once it held one):"))
+        for reason, freed in without.items():
+            names = [f"{owner} (since seq {seq:,})" if reason == "preempted" else owner for owner, seq in freed]
+            text = f"{WITHOUT_BLOCKS[reason]} ({len(freed):,}): " + ", ".join(names[:MAX_NAMES_SHOWN])
+            text += f", … {len(names) - MAX_NAMES_SHOWN:,} more" if len(names) > MAX_NAMES_SHOWN else ""
+            lines.extend(
+                (None, None, line) for line in textwrap.wrap(text, 72, subsequent_indent="    ", break_on_hyphens=False)
+            )
     owners = list(tables)
-    for k, (first_line_of, colour, line) in enumerate(lines):
-        label = ax.text(0.55, k + 0.5, line, va="center", fontsize="small", family="monospace")
-        if first_line_of is not None:
-            table = first_line_of
+    for k, (first_of, colour, line) in enumerate(lines):
+        weight = "bold" if k == heading else None
+        label = ax.text(0.55, k + 0.5, line, va="center", fontsize="small", family="monospace", weight=weight)
+        if colour is not None:
             swatch = Rectangle((0, k + 0.15), 0.35, 0.7, facecolor=colour, edgecolor=EDGE_COLOUR, linewidth=0.5)
             ax.add_patch(swatch)
-            label.set_gid(f"table-{table}")
-            titles[f"table-{table}"] = f"{owners[table]}'s block table, logical block 0 first"
-    if len(tables) > MAX_TABLES_SHOWN:
-        ax.text(0.55, len(lines) + 0.5, f"… {len(tables) - MAX_TABLES_SHOWN:,} more requests", va="center")
-    if not tables:
-        ax.text(0.55, 0.5, "no request holds a block", va="center", fontsize="small")
+        if first_of is not None:
+            label.set_gid(f"table-{first_of}")
+            titles[f"table-{first_of}"] = f"{owners[first_of]}'s block table, logical block 0 first"
     ax.set_xlim(0, 19)
-    ax.set_ylim(num_lines, 0)
+    ax.set_ylim(max(len(lines) + 1, (height_in - 1.0) * 72 / LINE_PT), 0)
     ax.axis("off")
     ax.set_title("block tables, logical order (the order the blocks were given)", fontsize="small")
 

@@ -24,15 +24,19 @@ def event_xs(timeline: PoolTimeline, x: str) -> np.ndarray:
 
     ``step``: events without a step take the one before (the first ones the
     first step); the events of one step are spread evenly over [step, step + 1).
-    ``time``: seconds of wall time since the first event.
+    ``time``: seconds of wall time since the first event. The events of one
+    scheduler step all carry the time the step ended, so those sharing one
+    time are spread evenly over the time since the previous one (at most the
+    median such gap, so an idle pause before a step does not stretch it): the
+    last lands on its own time, and a pool drained and refilled within one
+    step shows as a dip, not as a line of no width.
     Raises ValueError for an unknown axis, or ``step`` on events that carry no step.
     """
     if x == "seq":
         return np.array(timeline.seqs, dtype=np.float64)
     if x == "time":
         wall_ns = np.array(timeline.wall_ns, dtype=np.int64)
-        seconds: np.ndarray = (wall_ns - wall_ns[0]) / 1e9
-        return seconds
+        return _spread_over_gaps((wall_ns - wall_ns[0]) / 1e9)
     if x != "step":
         raise ValueError(f"the x axis must be one of {', '.join(AXES)}, got {x!r}")
     raw = np.array(timeline.step_column, dtype=np.int64)
@@ -49,6 +53,25 @@ def event_xs(timeline: PoolTimeline, x: str) -> np.ndarray:
     return spread
 
 
+def _spread_over_gaps(seconds: np.ndarray) -> np.ndarray:
+    """``seconds`` [n] with each run of equal values spread evenly over the gap before it (capped at the median gap).
+
+    Run r of n_r events at time t_r, gap g_r = t_r - t_(r-1) (0 for the first
+    run, or when the clock went back), width w_r = min(g_r, median of the
+    positive gaps): its k-th event (k = 1..n_r) lands at t_r - w_r + k w_r / n_r.
+    """
+    starts = np.flatnonzero(np.r_[True, seconds[1:] != seconds[:-1]])  # first event of each run of one time
+    lengths = np.diff(np.r_[starts, len(seconds)])
+    times = seconds[starts]
+    gaps = np.maximum(np.diff(times, prepend=times[0]), 0.0)
+    positive = gaps[gaps > 0]
+    widths = np.minimum(gaps, float(np.median(positive)) if len(positive) else 0.0)
+    run = np.repeat(np.arange(len(starts)), lengths)
+    place = np.arange(len(seconds)) - starts[run] + 1  # 1..n_r within its run
+    spread: np.ndarray = times[run] - widths[run] + place * widths[run] / lengths[run]
+    return spread
+
+
 class TimelineView:
     """The held intervals ("bars") and events of ``timeline`` in its event indexes first..last, as arrays.
 
@@ -56,7 +79,10 @@ class TimelineView:
     ``owner[k]`` (owner id), ``start[k]``/``end[k]`` its events clipped to the
     view, ``x0[k]``/``x1[k]`` their x, ``open[k]`` whether it is still held after
     the timeline's last event, ``reason_code[k]`` how it ended (into
-    ``timeline.reasons``). A bar is in view when its block was held after at
+    ``timeline.reasons``), ``cut_before[k]`` / ``cut_after[k]`` whether the view
+    cuts it: taken before the view's first event, or freed after its last one
+    (a bar still held after the timeline's last event is cut only when the view
+    ends before that event). A bar is in view when its block was held after at
     least one event of the view.
     """
 
@@ -75,6 +101,8 @@ class TimelineView:
         self.owner = np.array(timeline.interval_owner_ids, dtype=np.int64)[self.index]
         self.reason_code = np.array(timeline.interval_reason_codes, dtype=np.int64)[self.index]
         self.x0, self.x1 = xs[self.start], xs[self.end]
+        self.cut_before = starts[self.index] < first
+        self.cut_after = (ends[self.index] > last) & ~(self.open & (last == num_events - 1))
 
     @property
     def num_bars(self) -> int:
@@ -101,6 +129,33 @@ class TimelineView:
     def ending_events(self, reason: str) -> np.ndarray:
         """Event indexes in view that freed blocks with ``reason``: one per freeing event, in order."""
         return np.unique(self.end[self.ended_with(reason)])
+
+    def end_groups(self, reason: str) -> list[tuple[int, int, np.ndarray]]:
+        """(freeing event index, holder's owner id, its bars) per holder of the bars freed in view with ``reason``.
+
+        In event order; a free that took blocks of two holders is two groups.
+        """
+        bars = self.ended_with(reason)
+        if not len(bars):
+            return []
+        keys = self.end[bars] * max(1, len(self.timeline.owners)) + self.owner[bars]
+        order = np.argsort(keys, kind="stable")
+        _, firsts = np.unique(keys[order], return_index=True)
+        return [
+            (int(self.end[group[0]]), int(self.owner[group[0]]), group) for group in np.split(bars[order], firsts[1:])
+        ]
+
+    def held_at_end(self) -> list[tuple[int, np.ndarray]]:
+        """(owner id, its bars) per owner still holding blocks after the timeline's last event, in owner order.
+
+        Empty when the view ends before that event.
+        """
+        bars = np.flatnonzero(self.open)
+        if self.last != self.timeline.num_events - 1 or not len(bars):
+            return []
+        order = bars[np.argsort(self.owner[bars], kind="stable")]
+        owners, firsts = np.unique(self.owner[order], return_index=True)
+        return [(int(owner), group) for owner, group in zip(owners, np.split(order, firsts[1:]), strict=True)]
 
     def x_of_seq(self, seq: int) -> float | None:
         """x of the event ``seq`` when it is in view."""

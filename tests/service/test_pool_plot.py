@@ -18,11 +18,12 @@ import pytest
 import sqlalchemy as sa
 
 from nanoserve.allocator import BlockAllocator, BlockEvent, EventKind, FreeReason
-from nanoserve.allocator.log import EventLog, audit, replay
-from nanoserve.allocator.log.pool_timeline import read_timeline
+from nanoserve.allocator.log import Event, EventLog, audit, replay
+from nanoserve.allocator.log.pool_timeline import PoolTimeline, read_timeline
 from nanoserve.migrations import upgrade
 from nanoserve.service import convert
 from nanoserve.service.cli import main
+from nanoserve.service.occupancy_panel import deepest_brief_dip
 from nanoserve.service.owner_colours import FREE_COLOUR
 from nanoserve.service.timeline_view import TimelineView, cell_extremes, event_xs
 
@@ -141,7 +142,7 @@ def test_leaks_are_marked_at_pool_close(url: str, tmp_path: Path) -> None:
     }
     assert {(v.block_id, v.owner) for v in audit(url).violations} == {(0, "A"), (1, "A"), (2, "B")}
     assert not any(key.startswith("violation-") for key in shapes)  # the leaks are not marked twice
-    assert shapes["close-marker-0"][1] == "POOL_CLOSE, seq 8"
+    assert shapes["close-marker-0"][1] == "POOL_CLOSE, seq 8: 3 blocks of 2 requests still held: leaked"
 
 
 def test_broken_allocator_rules_are_marked_where_they_happened(url: str, tmp_path: Path) -> None:
@@ -167,7 +168,10 @@ def test_open_epoch_draws_the_crash_marker_at_the_last_durable_seq(url: str, tmp
     assert main(["log", "plot", "--url", url, "-o", str(out)]) == 0
     shapes = titled(out)
     crash, text = shapes["crash-marker-0"]
-    assert text == "last durable event, seq 7: open epoch (running, or crashed); bars reaching it held then"
+    assert text == (
+        "last durable event, seq 7: the epoch is open (running, or crashed). "
+        "Bars reaching this line were held then (3 blocks of 2 requests)"
+    )
     [crash_x] = set(path_xs(crash))
     held_at_crash = [e for i, (e, t) in shapes.items() if i.startswith("interval-") and "still held" in t]
     assert len(held_at_crash) == 3  # A's two blocks and B's, drawn up to the crash
@@ -241,10 +245,10 @@ def test_cell_extremes_give_each_runs_lowest_and_highest() -> None:
 
 def test_a_million_event_epoch_is_drawn_as_cells(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past MAX_BARS bars (here 3) the block map is an image and the figure says what it aggregated."""
-    from nanoserve.service import pool_plot
+    from nanoserve.service import occupancy_panel, pool_plot
 
     monkeypatch.setattr(pool_plot, "MAX_BARS", 3)
-    monkeypatch.setattr(pool_plot, "MAX_OCCUPANCY_POINTS", 4)
+    monkeypatch.setattr(occupancy_panel, "MAX_OCCUPANCY_POINTS", 4)
     monkeypatch.setattr(pool_plot, "NUM_CELLS", 4)
     write_trace(url)
     picture = pool_plot.plot_timeline(read_timeline(url))
@@ -253,10 +257,13 @@ def test_a_million_event_epoch_is_drawn_as_cells(url: str, tmp_path: Path, monke
         "one cell spans about 2 events); occupancy as lowest..highest per cell of 4 (about 2 events each)"
     )
     assert not any(key.startswith("interval-") for key in picture.titles)
-    # block map, preemption and abort counts per cell, occupancy and its right axis
-    assert len(picture.figure.axes) == 4
-    labels = [label.get_text() for label in picture.figure.axes[1].get_yticklabels()]
-    assert labels == ["preempted: 1 requests, ≤ 1 per cell", "aborted: 1 requests, ≤ 1 per cell"]
+    # block map, preemption and abort counts per cell, occupancy, running requests
+    _, counts_ax, _, _ = picture.figure.axes
+    labels = [label.get_text() for label in counts_ax.get_yticklabels()]
+    assert labels == ["preemptions: 1", "aborts: 1"]
+    scale_ends = sorted(t.get_text() for t in counts_ax.texts)  # a colour scale beside each row: 0 .. most
+    assert scale_ends == ["0", "0", "1 per cell", "1 per cell"]
+    assert len(counts_ax.child_axes) == 2
     by_step = pool_plot.plot_timeline(read_timeline(url), x="step")
     assert "one cell spans 0.875 steps, about 2 events" in by_step.summary
 
@@ -296,7 +303,10 @@ def test_damaged_log_is_drawn_up_to_its_first_bad_seq(
     err = capsys.readouterr().err
     assert "nanoserve log plot: the log is damaged from seq 5: seq 5 owner 'C': hash_mismatch: stored hash" in err
     assert bars(out) == {("A", 0, 2, 4), ("A", 1, 2, 4), ("B", 2, 3, None)}
-    assert titled(out)["damage-marker-0"][1] == "log damaged from seq 5: the picture stops at seq 4"
+    assert titled(out)["damage-marker-0"][1] == (
+        "log damaged: first bad record at seq 5; it and all after it are not drawn. "
+        "Bars reaching this line were held at seq 4 (1 block of 1 request)"
+    )
 
 
 def test_log_damaged_at_its_start_exits_1_without_a_picture(
@@ -381,8 +391,8 @@ def test_state_svg_colours_exactly_the_allocated_blocks(url: str, tmp_path: Path
     stack = [shapes[f"free-{p}"][1] for p in range(sum(1 for i in shapes if i.startswith("free-")))]
     assert [int(t.rsplit(" ", 1)[1]) for t in stack] == list(reversed(state.free_block_ids)) == [3, 5, 6, 7, 8, 9]
     assert shapes["table-0"][1] == "A's block table, logical block 0 first"
-    heading = next(t.text for t in ET.parse(out).getroot().iter(f"{SVG}text") if "as it stood" in (t.text or ""))
-    assert heading == "pool 'p' · epoch 1 · as it stood after seq 7: allocate of block 4 by A (outlined)"
+    heading = next(t.text for t in ET.parse(out).getroot().iter(f"{SVG}text") if "the pool after" in (t.text or ""))
+    assert heading == "pool 'p' · epoch 1 · the pool after seq 7: A given block 4 (outlined)"
     outlined = [
         b
         for b, (e, _) in ((int(i[6:]), v) for i, v in shapes.items() if i.startswith("block-"))
@@ -424,4 +434,231 @@ def test_audit_command_names_the_range_to_plot(url: str, capsys: pytest.CaptureF
     assert main(["log", "audit", "--url", url]) == 1
     assert "    seq 8 block 2 owner 'B': leaked_block: block still allocated at POOL_CLOSE (plot --from 3 --to 8)" in (
         capsys.readouterr().out.splitlines()
+    )
+
+
+def svg_texts(path: Path) -> list[str]:
+    """The text of every <text> element (svg.fonttype none: the picture's words are text)."""
+    return [t.text or "" for t in ET.parse(path).getroot().iter(f"{SVG}text")]
+
+
+def svg_words(path: Path) -> str:
+    """All the picture's text, one space between words: a legend entry wrapped over lines reads whole."""
+    return " ".join(" ".join(svg_texts(path)).split())
+
+
+def use_x(element: ET.Element) -> float:
+    """The x of a marker (a scatter's <use>) inside ``element``."""
+    return float(next(element.iter(f"{SVG}use")).get("x"))  # type: ignore[arg-type]
+
+
+def test_marks_of_preemptions_and_aborts_name_the_request(url: str, tmp_path: Path) -> None:
+    write_trace(url)
+    out = tmp_path / "plot.svg"
+    main(["log", "plot", "--url", url, "-o", str(out)])
+    shapes = titled(out)
+    marks = {key: text for key, (_, text) in shapes.items() if key.startswith(("preempted-", "aborted-"))}
+    assert marks == {
+        "preempted-0": "A preempted at seq 4 (step 1): blocks 0, 1 freed for recompute",
+        "aborted-0": "C aborted at seq 6 (step 2): block 1 freed",
+    }
+    texts = svg_texts(out)
+    # the legend says what happened to each request, and the request's name is written on its bar by its marks
+    assert {"A · preempted at seq 4 · leaked: 2 blocks", "B · leaked: 1 block", "C · aborted at seq 6"} <= set(texts)
+    assert texts.count("A") == 2  # by its preemption and by its leak
+    assert texts.count("C") == 1  # by its abort
+
+
+def test_leak_marks_stand_past_the_close_line(url: str, tmp_path: Path) -> None:
+    """A block held at POOL_CLOSE is marked beyond the line, where no bar freed before it can reach."""
+    write_trace(url)
+    out = tmp_path / "plot.svg"
+    main(["log", "plot", "--url", url, "-o", str(out)])
+    shapes = titled(out)
+    [close_x] = set(path_xs(shapes["close-marker-0"][0]))
+    assert all(use_x(shapes[f"leak-{block}"][0]) > close_x + 5 for block in (0, 1, 2))
+
+
+def test_clean_close_says_no_block_was_held(url: str, tmp_path: Path) -> None:
+    with EventLog.open(url, pool_id="p", num_blocks=4, block_size=4) as log:
+        pool = BlockAllocator(4, 4)
+        pool.allocate_for(8, "A")  # seq 2
+        log.append_batch(0, pool.take_events(), pool.snapshot)
+        pool.free_all([0, 1], FreeReason.FINISHED)  # seq 3
+        log.append_batch(1, pool.take_events(), pool.snapshot)
+    out = tmp_path / "clean.svg"
+    assert main(["log", "plot", "--url", url, "-o", str(out)]) == 0
+    assert titled(out)["close-marker-0"][1] == "POOL_CLOSE, seq 4: no block held then (clean)"
+    assert "pool 'p' · epoch 1 · 4 blocks of 4 tokens · closed at seq 4, no block held then" in svg_texts(out)
+
+
+def test_aggregated_picture_names_the_leaks(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn as cells, the picture marks and names the blocks held at POOL_CLOSE as the bars do."""
+    from nanoserve.service import pool_plot
+
+    monkeypatch.setattr(pool_plot, "MAX_BARS", 3)
+    monkeypatch.setattr(pool_plot, "NUM_CELLS", 4)
+    write_trace(url)
+    out = tmp_path / "cells.svg"
+    assert main(["log", "plot", "--url", url, "-o", str(out)]) == 1
+    shapes = titled(out)
+    assert not any(key.startswith("interval-") for key in shapes)  # cells, not bars
+    assert {key: text for key, (_, text) in shapes.items() if key.startswith("leak-")} == {
+        "leak-0": "block 0 still held by A at POOL_CLOSE (seq 8): leaked",
+        "leak-1": "block 1 still held by A at POOL_CLOSE (seq 8): leaked",
+        "leak-2": "block 2 still held by B at POOL_CLOSE (seq 8): leaked",
+    }
+    assert shapes["close-marker-0"][1].startswith("POOL_CLOSE, seq 8: 3 blocks of 2 requests still held: leaked")
+    assert "leaked: 3 blocks still held at POOL_CLOSE (seq 8) by A, B" in svg_words(out)  # the legend
+
+
+def test_aggregated_close_says_what_the_last_cell_cannot_show(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks freed after the last cell's middle look held to the end: the close line's legend says they were not."""
+    from nanoserve.service import pool_plot
+
+    monkeypatch.setattr(pool_plot, "MAX_BARS", 1)
+    monkeypatch.setattr(pool_plot, "NUM_CELLS", 2)
+    with EventLog.open(url, pool_id="p", num_blocks=4, block_size=4) as log:
+        pool = BlockAllocator(4, 4)
+        for owner in "ABC":  # seqs 2, 3, 4
+            pool.allocate(owner)
+            log.append_batch(None, pool.take_events(), pool.snapshot)
+        for block in (0, 1, 2):  # seqs 5, 6, 7; POOL_CLOSE seq 8
+            pool.free(block, FreeReason.FINISHED)
+            log.append_batch(None, pool.take_events(), pool.snapshot)
+    picture = pool_plot.plot_timeline(read_timeline(url))
+    close = picture.titles["close-marker-0"]
+    # cells of 3.5 seqs: the last one's middle is at x 6.25, after seq 6, when C still held block 2
+    assert close == (
+        "POOL_CLOSE, seq 8: no block held then (clean). "
+        "The map's last cell shows the pool at seq 6; 1 blocks held then were freed after it"
+    )
+
+
+def test_cells_take_the_colour_of_how_the_holding_ended_past_the_palette(url: str) -> None:
+    from nanoserve.service import pool_plot
+    from nanoserve.service.owner_colours import PALETTE
+
+    with EventLog.open(url, pool_id="p", num_blocks=2, block_size=4) as log:
+        pool = BlockAllocator(2, 4)
+        for k in range(len(PALETTE) + 2):  # more requests than colours
+            block_ids = pool.allocate_for(4, f"r{k}")
+            pool.free_all(block_ids, FreeReason.PREEMPTED if k % 2 else FreeReason.FINISHED)
+            log.append_batch(k, pool.take_events(), pool.snapshot)
+    timeline = read_timeline(url)
+    original = pool_plot.MAX_BARS
+    try:
+        pool_plot.MAX_BARS = 1
+        picture = pool_plot.plot_timeline(timeline)
+    finally:
+        pool_plot.MAX_BARS = original
+    legend = picture.figure.axes[0].get_legend()
+    assert legend.get_title().get_text() == "20 requests: a cell's colour says\nhow the holding it shows ended"
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert labels[:2] == ["then freed: finished", "then freed: preempted"]
+
+
+def test_bars_cut_by_the_window_say_so_and_run_into_its_margin(url: str, tmp_path: Path) -> None:
+    write_trace(url)
+    out = tmp_path / "window.svg"
+    main(["log", "plot", "--url", url, "--from", "5", "--to", "6", "--x", "step", "-o", str(out)])
+    shapes = titled(out)
+    bars = {text.split(" from")[0]: (element, text) for key, (element, text) in shapes.items() if "interval-" in key}
+    b_bar, b_text = bars["B held block 2"]
+    c_bar, c_text = bars["C held block 1"]
+    assert b_text == (
+        "B held block 2 from seq 3 (step 0), taken before this window (seqs 5–6) and held past it, "
+        "still held at POOL_CLOSE: leaked"
+    )
+    assert c_text == "C held block 1 from seq 5 to 6 (steps 1 to 2), freed: aborted"  # inside the window: not cut
+    # C was taken at the window's first event; B began before it and is drawn from further left, into the margin
+    assert min(path_xs(b_bar)) < min(path_xs(c_bar)) - 5
+    texts = svg_texts(out)
+    assert "drawn: seqs 5–6 of 1–8 (the window chosen with --from/--to) = steps 1–2 · x axis: scheduler step" in texts
+    assert {"seqs before 5: not drawn", "seqs after 6: not drawn"} <= set(texts)
+
+
+def test_bar_freed_after_the_window_says_so(url: str, tmp_path: Path) -> None:
+    write_trace(url)
+    out = tmp_path / "window.svg"
+    main(["log", "plot", "--url", url, "--from", "2", "--to", "3", "-o", str(out)])
+    texts = sorted(text for key, (_, text) in titled(out).items() if key.startswith("interval-"))
+    assert texts == [
+        "A held block 0 from seq 2 to 4 (steps 0 to 1), held past this window (seqs 2–3), freed: preempted",
+        "A held block 1 from seq 2 to 4 (steps 0 to 1), held past this window (seqs 2–3), freed: preempted",
+        "B held block 2 from seq 3 (step 0), held past this window (seqs 2–3), still held at POOL_CLOSE: leaked",
+    ]
+
+
+def _event(
+    seq: int, kind: EventKind, seconds: float, block_ids: tuple[int, ...] = (), owner: str | None = None
+) -> Event:
+    data = {"num_blocks": 4, "block_size": 4} if kind == EventKind.POOL_INIT else None
+    reason = "finished" if kind == EventKind.FREE_ALL else None
+    return Event("p", 1, seq, seq, kind.value, block_ids, owner, None, reason, int(seconds * 1e9), 0, data, b"")
+
+
+def test_time_axis_spreads_the_events_of_one_step_over_the_gap_before_it() -> None:
+    """Events sharing one time (one step's batch) get the time since the previous one, at most the median gap."""
+    timeline = PoolTimeline()
+    timeline.apply(
+        [
+            _event(1, EventKind.POOL_INIT, 0.0),
+            _event(2, EventKind.ALLOCATE_FOR, 1.0, (0, 1), "A"),  # a step ending at 1.0 s
+            _event(3, EventKind.ALLOCATE, 1.0, (2,), "B"),
+            _event(4, EventKind.FREE_ALL, 1.5, (0, 1), "A"),  # a step ending at 1.5 s: the pool drains ...
+            _event(5, EventKind.FREE_ALL, 1.5, (2,), "B"),
+            _event(6, EventKind.ALLOCATE, 1.5, (0,), "C"),  # ... and refills
+            _event(7, EventKind.FREE_ALL, 3.5, (0,), "C"),  # after an idle pause of 2 s
+            _event(8, EventKind.POOL_CLOSE, 3.5),
+        ]
+    )
+    # gaps 1.0, 0.5, 2.0: median 1.0, so the last step takes 1.0 s, not the 2.0 s idle
+    assert event_xs(timeline, "time").tolist() == pytest.approx(
+        [0.0, 0.5, 1.0, 1.5 - 1 / 3, 1.5 - 1 / 6, 1.5, 3.0, 3.5]
+    )
+    assert timeline.num_allocated.tolist() == [0, 2, 3, 1, 0, 1, 0, 0]  # empty for 1/6 s: an area, not a line
+
+
+def test_a_dip_briefer_than_a_pixel_is_named() -> None:
+    xs = np.array([0.0, 1.0, 1.0001, 2.0, 3.0])
+    assert deepest_brief_dip(xs, np.array([3.0, 0.0, 4.0, 4.0, 4.0])) == 1  # 0 blocks from x 1.0 to 1.0001
+    assert deepest_brief_dip(xs, np.array([3.0, 5.0, 4.0, 4.0, 4.0])) is None  # no dip below both neighbours
+    assert deepest_brief_dip(np.array([0.0, 1.0, 2.0, 3.0]), np.array([3.0, 1.0, 3.0, 3.0])) is None  # wide
+
+
+def test_running_requests_have_their_own_panel(url: str) -> None:
+    """Not a twin axis over the occupancy: the line cannot be read as the allocated area's edge."""
+    from nanoserve.service import pool_plot
+
+    write_trace(url)
+    picture = pool_plot.plot_timeline(read_timeline(url))
+    _, occupancy_ax, running_ax = picture.figure.axes
+    assert occupancy_ax.get_ylabel() == "blocks"
+    assert running_ax.get_ylabel() == "running\nrequests"
+    picture.figure.canvas.draw()
+    assert running_ax.get_position().y1 < occupancy_ax.get_position().y0
+    assert running_ax.lines[0].get_ydata().tolist() == [0, 1, 2, 1, 2, 1, 2, 2]
+
+
+def test_state_lists_the_preempted_requests_waiting(url: str, tmp_path: Path) -> None:
+    with EventLog.open(url, pool_id="p", num_blocks=6, block_size=4) as log:
+        pool = BlockAllocator(6, 4)
+        pool.allocate_for(8, "A")  # seq 2: 0, 1
+        pool.allocate("B")  # seq 3: 2
+        pool.allocate("C")  # seq 4: 3
+        log.append_batch(0, pool.take_events(), pool.snapshot)
+        pool.free_all([0, 1], FreeReason.PREEMPTED)  # seq 5
+        pool.free_all([2], FreeReason.FINISHED)  # seq 6
+        pool.free_all([3], FreeReason.PREEMPTED)  # seq 7
+        pool.allocate("D")  # seq 8
+        log.append_batch(1, pool.take_events(), pool.snapshot)
+    out = tmp_path / "state.svg"
+    assert main(["log", "state", "--url", url, "--at", "8", "--svg", str(out)]) == 0
+    words = svg_words(out)
+    assert "holding no block now (the log knows a request once it held one):" in words
+    assert "preempted, waiting to be recomputed (2): C (since seq 7), A (since seq 5)" in words
+    assert "finished (1): B" in words
+    assert "1 allocated, 5 free of 6 blocks of 4 tokens; 1 requests hold blocks, 2 preempted wait to be recomputed" in (
+        words
     )
