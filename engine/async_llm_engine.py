@@ -42,7 +42,13 @@ from typing import TYPE_CHECKING
 import structlog
 
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.errors import DuplicateRequestError, EngineDeadError, QueueFullError, RequestNotFoundError
+from nanoserve.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EventLogNotDurableError,
+    QueueFullError,
+    RequestNotFoundError,
+)
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.prompts import ChatPrompt, Prompt
@@ -51,7 +57,7 @@ from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.status import ModelInfo, PoolStatus
 
 if TYPE_CHECKING:
-    from nanoserve.allocator.log import EventLog
+    from nanoserve.allocator.log import EventLog, EventLogIncompleteError
     from nanoserve.engine.tokenizer import Tokenizer
 
 _log = structlog.get_logger(__name__)
@@ -196,6 +202,7 @@ class AsyncLLMEngine:
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenize")
         self._state = _State.NEW
         self._error: BaseException | None = None
+        self._log_close_error: EventLogIncompleteError | None = None  # set by the engine thread at shutdown
         self._pool_status: PoolStatus | None = None  # published by the engine thread after each step
 
     # ---- lifecycle ---------------------------------------------------------
@@ -250,16 +257,35 @@ class AsyncLLMEngine:
         log = self._core.event_log
         return log is None or bool(log.healthy)
 
+    def event_log_not_durable_reason(self) -> str | None:
+        """Why events made now might not become durable (the store away, read-only, full; the log
+        failed); None while they would, or when the engine keeps no log. While it is not None new
+        requests are refused (EventLogNotDurableError)."""
+        log = self._engine.event_log if self._engine is not None else None
+        if log is None or self._state is _State.STOPPED:
+            return None
+        return log.not_durable_reason()
+
+    @property
+    def log_close_error(self) -> EventLogIncompleteError | None:
+        """Set after ``shutdown`` when the log did not take every event (which seqs, and why)."""
+        return self._log_close_error
+
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Stops accepting requests, lets running ones finish for up to ``grace_s``
         seconds, aborts the rest (cause shutdown), stops the thread and closes the
-        event log."""
+        event log, which gets ``event_log_close_timeout_s`` more to take what waits:
+        the whole shutdown is bounded even while the store is away. Events the log
+        could not write are reported in ``log_close_error``."""
         if self._state in (_State.NEW, _State.STOPPED):
             self._state = _State.STOPPED
             self._tokenizer_pool.shutdown(wait=False)
             return
         self._state = _State.DRAINING
         assert self._all_done is not None
+        log = self._core.event_log
+        if log is not None:
+            log.unbound()  # a step waiting for room in a stalled log goes on: streams can end, the loop stop
         try:
             await asyncio.wait_for(self._all_done.wait(), timeout=grace_s)
         except asyncio.TimeoutError:
@@ -337,14 +363,20 @@ class AsyncLLMEngine:
 
     def pool_status(self) -> PoolStatus:
         """The pool and queues as of the engine thread's last step (they change only in a step),
-        with the log's progress read from the log now."""
+        with the log's progress and backlog read from the log now."""
         status = self._pool_status
         if status is None:
             raise EngineDeadError("engine not started")
         log = self._core.event_log
         if log is None:
             return status
-        return dataclasses.replace(status, last_seq=log.last_seq, durable_seq=log.durable_seq)
+        return dataclasses.replace(
+            status,
+            last_seq=log.last_seq,
+            durable_seq=log.durable_seq,
+            num_pending_batches=log.num_pending_batches,
+            pending_bytes=log.pending_bytes,
+        )
 
     def _check_accepting(self) -> None:
         if self._error is not None:
@@ -353,6 +385,12 @@ class AsyncLLMEngine:
             raise EngineDeadError("engine not started; await start() first")
         if self._state is not _State.RUNNING:
             raise EngineDeadError(f"engine is {self._state.value}; not accepting requests")
+        reason = self.event_log_not_durable_reason()
+        if reason is not None:
+            raise EventLogNotDurableError(
+                f"event log not durable: {reason}; new requests are refused until it is (retry later, "
+                "or on another server)"
+            )
 
     async def _hand_over(self, stream: RequestStream, prompt: Prompt, params: SamplingParams | None) -> None:
         """Tokenizes on the tokenizer thread, then hands the request to the engine thread."""
@@ -432,7 +470,7 @@ class AsyncLLMEngine:
                     if failures:
                         loop.call_soon_threadsafe(self._dispatch, [], failures)
                     self._wakeup.wait()
-            engine.shutdown()
+            self._shut_down(engine)
             outputs = engine.step()  # the aborts shutdown made
             loop.call_soon_threadsafe(self._dispatch, outputs, [])
         except BaseException as exc:
@@ -442,11 +480,28 @@ class AsyncLLMEngine:
             dead.__cause__ = exc
             loop.call_soon_threadsafe(self._fail_all, dead)
             try:
-                engine.shutdown()
+                self._shut_down(engine)
             except Exception:
                 _log.exception("engine_shutdown_failed")
         finally:
             self._pool_status = engine.pool_status()
+
+    def _shut_down(self, engine: LLMEngine) -> None:
+        """Ends the engine; a log that did not take every event is reported (one line) and kept."""
+        from nanoserve.allocator.log.errors import EventLogIncompleteError, safe_url
+
+        try:
+            engine.shutdown()
+        except EventLogIncompleteError as exc:
+            self._log_close_error = exc
+            _log.error(
+                "event_log_incomplete",
+                url=safe_url(exc.url),
+                num_events=exc.num_events,
+                first_seq=exc.first_seq,
+                last_seq=exc.last_seq,
+                reason=exc.reason,
+            )
 
     def _drain_inbox(self, engine: LLMEngine, failures: list[tuple[int, BaseException]]) -> bool:
         """Applies queued adds and aborts, in the order they were sent; True when asked to stop."""

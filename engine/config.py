@@ -95,6 +95,12 @@ class EventLogConfig:
         opening it (off: it must be there already, e.g. from ``nanoserve db upgrade``).
     num_events_per_snapshot: a SNAPSHOT record every this many events.
     pool_id: names the pool in the log; one writer per (pool_id, epoch).
+    event_log_max_pending_batches: scheduler steps whose events may wait for
+        the store at once; the engine's next step waits for room beyond that
+        (the bound on memory while the store is slow or away).
+    event_log_close_timeout_s: seconds the log gets at shutdown, once the
+        streams have ended, to commit what waits and POOL_CLOSE; after that the
+        events not yet in the store are reported lost and the epoch stays open.
     """
 
     event_log_url: str | None = None
@@ -102,9 +108,14 @@ class EventLogConfig:
     event_log_migrate: bool = True
     num_events_per_snapshot: int = 10_000
     pool_id: str = "default"
+    event_log_max_pending_batches: int = 4096
+    event_log_close_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         _check_positive("num_events_per_snapshot", self.num_events_per_snapshot)
+        _check_positive("event_log_max_pending_batches", self.event_log_max_pending_batches)
+        if not self.event_log_close_timeout_s >= 0:
+            raise ValueError(f"event_log_close_timeout_s must be >= 0 seconds, got {self.event_log_close_timeout_s}")
         if not self.pool_id:
             raise ValueError("pool_id must be a non-empty string")
 

@@ -29,3 +29,21 @@ class RequestNotFoundError(KeyError):
 
 class DuplicateRequestError(ValueError):
     """A live request already has this id (-> ALREADY_EXISTS)."""
+
+
+class EventLogNotDurableError(RuntimeError):
+    """The event log cannot make new events durable now (its store is away, read-only, full, or the
+    log failed): new requests are refused (-> UNAVAILABLE) until it recovers."""
+
+
+class EventLogUnusableError(RuntimeError):
+    """The event log could not be prepared or opened at start (store down, read-only, full, no
+    schema, an unknown schema revision, another writer): the engine does not start.
+
+    ``url`` names the store (password hidden); the message says the cause in one line.
+    """
+
+    def __init__(self, url: str, cause: str) -> None:
+        super().__init__(f"event log {url} is unusable: {cause}")
+        self.url = url
+        self.cause = cause

@@ -16,9 +16,11 @@ One step::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -26,7 +28,12 @@ import torch
 
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.errors import DuplicateRequestError, QueueFullError, RequestNotFoundError
+from nanoserve.engine.errors import (
+    DuplicateRequestError,
+    EventLogUnusableError,
+    QueueFullError,
+    RequestNotFoundError,
+)
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
 from nanoserve.engine.input_processor import InputProcessor
 from nanoserve.engine.model_runner import ModelRunner
@@ -54,8 +61,14 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, *, runner: ModelRunner | None = None) -> None:
-        """Loads the model (or takes ``runner``, already loaded from ``config``)."""
+        """Loads the model (or takes ``runner``, already loaded from ``config``).
+
+        The event log's store is checked (and migrated) before the model
+        loads, and the epoch opened after: EventLogUnusableError, naming the
+        store and the cause, when either fails.
+        """
         self.config = config
+        self._prepare_event_log()
         self.runner = runner if runner is not None else ModelRunner(config)
         self.tokenizer: Tokenizer = self.runner.tokenizer
         self.model_name: str = self.runner.model_name
@@ -90,27 +103,41 @@ class LLMEngine:
         self._step = 0
         self._closed = False
 
+    def _prepare_event_log(self) -> None:
+        """Checks the log's store before the model loads: its filesystem (SQLite), the schema
+        (migrated first unless event_log_migrate is off), a write that changes nothing."""
+        url = self.config.event_log.event_log_url
+        if url is None:
+            return
+        from nanoserve.allocator.log import check_filesystem, probe_store
+
+        with _unusable_log(url):
+            check_filesystem(url)
+            if self.config.event_log.event_log_migrate:
+                from nanoserve.migrations import upgrade
+
+                upgrade(url)
+            probe_store(url)
+
     def _open_event_log(self) -> EventLog | None:
-        """Opens a new epoch of the configured log, migrating its schema first (unless event_log_migrate is off)."""
+        """Opens a new epoch of the configured log (its store was checked by ``_prepare_event_log``)."""
         log_config = self.config.event_log
         if log_config.event_log_url is None:
             return None
         from nanoserve.allocator.log import EventLog
 
-        if log_config.event_log_migrate:
-            from nanoserve.migrations import upgrade
-
-            upgrade(log_config.event_log_url)
-        return EventLog.open(
-            log_config.event_log_url,
-            pool_id=log_config.pool_id,
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            model=self.model_name,
-            config=_jsonable(dataclasses.asdict(self.config)),
-            sync=log_config.event_log_sync,
-            num_events_per_snapshot=log_config.num_events_per_snapshot,
-        )
+        with _unusable_log(log_config.event_log_url):
+            return EventLog.open(
+                log_config.event_log_url,
+                pool_id=log_config.pool_id,
+                num_blocks=self.num_blocks,
+                block_size=self.block_size,
+                model=self.model_name,
+                config=_jsonable(dataclasses.asdict(self.config)),
+                sync=log_config.event_log_sync,
+                num_events_per_snapshot=log_config.num_events_per_snapshot,
+                max_pending_batches=log_config.event_log_max_pending_batches,
+            )
 
     # ---- requests in -------------------------------------------------------
 
@@ -265,10 +292,9 @@ class LLMEngine:
         # Frees outside a scheduler step get a step of their own in the log.
         step = self._begin_step()
         try:
-            output = self._finish(request, FreeReason.ABORTED, time.monotonic())
+            self._pending_outputs.append(self._finish(request, FreeReason.ABORTED, time.monotonic()))
         finally:
             self._persist_events(step)
-        self._pending_outputs.append(output)
 
     # ---- status and shutdown ----------------------------------------------
 
@@ -287,15 +313,47 @@ class LLMEngine:
             durable_seq=log.durable_seq if log is not None else None,
         )
 
-    def shutdown(self) -> None:
-        """Aborts what is left and closes the event log (POOL_CLOSE). Idempotent."""
+    def shutdown(self, log_close_timeout_s: float | None = None) -> None:
+        """Aborts what is left and closes the event log (POOL_CLOSE). Idempotent.
+
+        The log gets ``log_close_timeout_s`` (default: the config's
+        ``event_log_close_timeout_s``) to take what waits. Raises
+        EventLogIncompleteError, naming the seqs not written, when it did not
+        (the store away, or the log failed); every request has ended anyway.
+        """
         if self._closed:
             return
-        for request_id in list(self._requests):
-            self.abort(request_id, AbortCause.SHUTDOWN)
         self._closed = True
-        if self.event_log is not None:
-            self.event_log.close(final_state=self.allocator.snapshot())
+        log = self.event_log
+        if log is not None:
+            log.unbound()  # the aborts below must not wait for room in a stalled log
+        for request_id in list(self._requests):
+            try:
+                self.abort(request_id, AbortCause.SHUTDOWN)
+            except Exception as exc:  # a failed log: the request has ended, its events are reported lost
+                if log is None or not log.failed:
+                    raise
+                _log.debug("abort_not_logged", request_id=request_id, error=str(exc))
+        if log is not None:
+            timeout_s = self.config.event_log.event_log_close_timeout_s
+            log.close(timeout_s if log_close_timeout_s is None else log_close_timeout_s, self.allocator.snapshot())
+
+
+@contextlib.contextmanager
+def _unusable_log(url: str) -> Iterator[None]:
+    """Turns every failure to prepare or open the log at ``url`` into EventLogUnusableError (one line)."""
+    from nanoserve.allocator.log.errors import safe_url, store_cause
+
+    try:
+        yield
+    except EventLogUnusableError:
+        raise
+    except Exception as exc:
+        import sqlalchemy as sa
+
+        lines = str(exc).strip().splitlines()
+        cause = store_cause(exc) if isinstance(exc, sa.exc.SQLAlchemyError) else lines[0] if lines else ""
+        raise EventLogUnusableError(safe_url(url), cause or type(exc).__name__) from exc
 
 
 def _jsonable(value: Any) -> Any:

@@ -54,6 +54,8 @@ class PoolStatus:
     sequence numbers, read from the log when the status is asked for (the log's
     writer commits after the step, while the engine is idle); epoch likewise;
     None where the engine keeps no log.
+    num_pending_batches / pending_bytes: the log's backlog (steps whose events
+    are not yet committed, and their records' bytes), read likewise.
     """
 
     pool_id: str
@@ -66,3 +68,5 @@ class PoolStatus:
     num_waiting: int
     last_seq: int | None
     durable_seq: int | None
+    num_pending_batches: int | None = None
+    pending_bytes: int | None = None

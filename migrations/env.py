@@ -2,6 +2,13 @@
 
 Imports nothing of nanoserve but the schema (``nanoserve.allocator.log.schema``):
 the event log never imports the migrations, and the migrations need only its tables.
+
+Migrations serialize: two servers starting on a fresh log at once must not both
+create its tables. Each upgrade runs in one transaction that first takes a lock
+the other waits for, and only then reads the schema's revision: on PostgreSQL a
+transaction-level advisory lock of its own key (``MIGRATION_LOCK_KEY``; a pool's
+own lock, if any, is another key), on SQLite the database's write lock
+(``BEGIN IMMEDIATE``, waited for up to the busy timeout).
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ if config.config_file_name is not None and config.get_main_option("configure_log
     logging.config.fileConfig(config.config_file_name)
 
 target_metadata = Base.metadata
+
+# pg_advisory_xact_lock key held while migrating: the bytes "nsmigrat" as a signed 64-bit integer
+MIGRATION_LOCK_KEY = int.from_bytes(b"nsmigrat", "big", signed=True)
+SQLITE_BUSY_TIMEOUT_S = 30.0
 
 
 def _url() -> str:
@@ -59,12 +70,18 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     url = sa.engine.make_url(_url())
-    # wait for a writer holding the SQLite file, as the log's own connections do
-    engine = sa.create_engine(url, connect_args={"timeout": 10.0} if url.get_backend_name() == "sqlite" else {})
+    if url.get_backend_name() == "sqlite":
+        # the driver leaves transactions to us, and each begins by taking the write lock
+        engine = sa.create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "isolation_level": None})
+        sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+    else:
+        engine = sa.create_engine(url)
     try:
         with engine.connect() as connection:
-            _configure(connection=connection)
+            _configure(connection=connection, transactional_ddl=True)
             with context.begin_transaction():
+                if connection.dialect.name == "postgresql":
+                    connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
                 context.run_migrations()
     finally:
         engine.dispose()

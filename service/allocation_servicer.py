@@ -47,7 +47,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         ends after POOL_CLOSE.
         """
         event_log = self._event_log()
-        next_seq = max(request.from_seq, 1)
+        next_seq = convert.to_from_seq(request)
         while True:
             live = EventStream(event_log, max_queued_events=self._max_queued_events)
             try:
@@ -89,7 +89,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditResponse]
     ) -> apb.AuditResponse:
         event_log = self._event_log()
-        epoch = request.epoch if request.HasField("epoch") else event_log.epoch
+        epoch = convert.to_audit_epoch(request, default=event_log.epoch)
         report = await asyncio.to_thread(audit, event_log.url, pool_id=event_log.pool_id, epoch=epoch)
         # the server knows its own epoch is open because it is running, not crashed
         return convert.to_audit_response(report, live=report.epoch == event_log.epoch)

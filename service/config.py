@@ -206,6 +206,22 @@ SETTINGS: tuple[Setting, ...] = (
         "already, e.g. from nanoserve db upgrade)",
     ),
     Setting("num_events_per_snapshot", "engine", int, 10_000, "write a SNAPSHOT record every this many events"),
+    Setting(
+        "event_log_max_pending_batches",
+        "engine",
+        int,
+        4096,
+        "scheduler steps whose events may wait for the log's store at once; beyond that generation waits for the "
+        "store (the bound on memory while it is slow or away; a warning is logged at each quarter)",
+    ),
+    Setting(
+        "event_log_close_timeout_s",
+        "engine",
+        float,
+        5.0,
+        "seconds the event log gets on shutdown, after --grace-s, to write what waits and close the epoch; "
+        "events still unwritten then are reported and the exit status is 4",
+    ),
     Setting("pool_id", "engine", str, "default", "name of the KV pool in the event log"),
     # server
     Setting("host", "server", str, "0.0.0.0", "address the gRPC server binds"),

@@ -73,6 +73,7 @@ AUDIT_RULES: dict[str, apb.AuditRule] = {
     "snapshot_mismatch": apb.AUDIT_RULE_SNAPSHOT_MISMATCH,
     "missing_close": apb.AUDIT_RULE_MISSING_CLOSE,
     "leaked_block": apb.AUDIT_RULE_LEAKED_BLOCK,
+    "unreadable": apb.AUDIT_RULE_UNREADABLE,
 }
 
 # SamplingParameters fields with presence (`optional`): unset leaves the engine's default
@@ -246,6 +247,28 @@ def to_model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
         has_chat_template=info.has_chat_template,
         eos_token_ids=info.eos_token_ids,
     )
+
+
+# the largest epoch the log's Integer column holds
+MAX_EPOCH = 2**31 - 1
+
+
+def to_from_seq(request: apb.WatchEventsRequest) -> int:
+    """The first seq a WatchEvents stream asks for (0 and 1 both mean the first); InvalidRequestError
+    ("from_seq") when negative. A seq past the epoch's end is valid: only later events match it."""
+    if request.from_seq < 0:
+        raise InvalidRequestError("from_seq", f"must be >= 0, got {request.from_seq}")
+    return max(request.from_seq, 1)
+
+
+def to_audit_epoch(request: apb.AuditRequest, default: int) -> int:
+    """The epoch an Audit asks for (``default`` when unset); InvalidRequestError ("epoch") outside
+    [1, MAX_EPOCH], the range the log can hold."""
+    if not request.HasField("epoch"):
+        return default
+    if not 1 <= request.epoch <= MAX_EPOCH:
+        raise InvalidRequestError("epoch", f"must be in [1, {MAX_EPOCH}], got {request.epoch}")
+    return request.epoch
 
 
 def to_pool_status(status: PoolStatus) -> apb.GetPoolStatusResponse:

@@ -24,10 +24,11 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from nanoserve.allocator.log import LogNotFoundError
+from nanoserve.allocator.log import LogDamagedError, LogNotFoundError, LogUnavailableError
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     EngineDeadError,
+    EventLogNotDurableError,
     InvalidRequestError,
     QueueFullError,
     RequestNotFoundError,
@@ -45,8 +46,11 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+    (EventLogNotDurableError, grpc.StatusCode.UNAVAILABLE),  # new requests while the log's store is away
+    (LogUnavailableError, grpc.StatusCode.UNAVAILABLE),  # Audit / WatchEvents while the store is away
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND),
     (LogNotFoundError, grpc.StatusCode.NOT_FOUND),  # Audit of an epoch the log does not hold
+    (LogDamagedError, grpc.StatusCode.DATA_LOSS),  # WatchEvents meeting a damaged record
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
 )

@@ -2,7 +2,7 @@
 
 Counters and histograms are fed once per finished request
 (``observe_finished``); the gauges (running and waiting requests, KV blocks
-used and free, event log lag) are refreshed from ``engine.pool_status()`` by
+used and free, the event log's lag, backlog and durability) are refreshed from ``engine.pool_status()`` by
 the server's monitor task (``observe_pool``). Each server owns its registry, so
 several servers in one process (tests) do not collide.
 """
@@ -73,6 +73,19 @@ class ServerMetrics:
         self.event_log_lag = Gauge(
             "nanoserve_event_log_lag_events", "Events assigned but not yet durable (last_seq - durable_seq)", registry=r
         )
+        self.event_log_pending_batches = Gauge(
+            "nanoserve_event_log_pending_batches",
+            "Steps whose events wait for the log's store (generation waits at --event-log-max-pending-batches)",
+            registry=r,
+        )
+        self.event_log_pending_bytes = Gauge(
+            "nanoserve_event_log_pending_bytes", "Bytes of the log records that wait for the store", registry=r
+        )
+        self.event_log_durable = Gauge(
+            "nanoserve_event_log_durable",
+            "1 while the event log commits, 0 while it cannot (new requests are refused)",
+            registry=r,
+        )
 
     def observe_finished(self, request: FinishedRequest) -> None:
         self.requests.labels(finish_reason=request.finish_reason).inc()
@@ -94,6 +107,9 @@ class ServerMetrics:
         num_free: int,
         last_seq: int | None,
         durable_seq: int | None,
+        num_pending_batches: int | None = None,
+        pending_bytes: int | None = None,
+        log_durable: bool | None = None,
     ) -> None:
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
@@ -101,6 +117,12 @@ class ServerMetrics:
         self.kv_blocks_free.set(num_free)
         if last_seq is not None and durable_seq is not None:
             self.event_log_lag.set(max(0, last_seq - durable_seq))
+        if num_pending_batches is not None:
+            self.event_log_pending_batches.set(num_pending_batches)
+        if pending_bytes is not None:
+            self.event_log_pending_bytes.set(pending_bytes)
+        if log_durable is not None:
+            self.event_log_durable.set(int(log_durable))
 
     def serve_http(self, host: str, port: int) -> tuple[object, int]:
         """Starts the /metrics HTTP server on a daemon thread; returns (server, bound port)."""

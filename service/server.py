@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import gc
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from nanoserve.engine import AsyncLLMEngine, EngineConfig
+from nanoserve.engine.errors import EventLogUnusableError
 from nanoserve.service.allocation_servicer import AllocationServicer
+from nanoserve.service.commands.serve import EXIT_LOG_INCOMPLETE, EXIT_LOG_UNUSABLE, EXIT_OK
 from nanoserve.service.config import ServerConfig
 from nanoserve.service.generation_servicer import GenerationServicer
 from nanoserve.service.interceptors import AuthInterceptor, ErrorInterceptor
@@ -54,22 +57,22 @@ SHUTDOWN_MARGIN_S = 5.0
 # a request message beyond its prompt: sampling parameters, stop strings, chat framing, request id
 REQUEST_OVERHEAD_BYTES = 64 * 1024
 LOADING_PROGRESS_INTERVAL_S = 2.0
+# the backlog warning fires at each quarter of --event-log-max-pending-batches
+BACKLOG_WARNING_LEVELS = 4
 
 
 def health_statuses(engine_ok: bool, log_ok: bool) -> dict[str, int]:
     """Health status by service name ('' = the whole server).
 
-    GenerationService needs the engine loop; while the log writer retries, the
-    engine keeps generating (its queue gives backpressure only when full).
-    AllocationService (events, audit) and the server as a whole need both;
-    vLLM's engine service (generation for a gateway) needs the engine.
+    ``log_ok``: the event log is durable (its writer commits). Every service
+    needs both: while the log's store is away, read-only or full, new requests
+    are refused (their blocks could not be recorded) and the streams running
+    stop once the log's backlog is full, so GenerationService (and vLLM's
+    engine service, generation for a gateway) is NOT_SERVING too, and load
+    balancers send elsewhere.
     """
-    return {
-        "": SERVING if engine_ok and log_ok else NOT_SERVING,
-        GENERATION_SERVICE: SERVING if engine_ok else NOT_SERVING,
-        ALLOCATION_SERVICE: SERVING if engine_ok and log_ok else NOT_SERVING,
-        VLLM_ENGINE_SERVICE: SERVING if engine_ok else NOT_SERVING,
-    }
+    status = SERVING if engine_ok and log_ok else NOT_SERVING
+    return {"": status, GENERATION_SERVICE: status, ALLOCATION_SERVICE: status, VLLM_ENGINE_SERVICE: status}
 
 
 class NanoServer:
@@ -93,6 +96,8 @@ class NanoServer:
         self._metrics_http: Any = None
         self._monitor: asyncio.Task[None] | None = None
         self._stopped = False
+        self._not_durable: str | None = None  # why the event log is not durable, as last seen
+        self._backlog_level = 0  # quarters of the log's backlog bound filled, as last warned
 
     async def start(self) -> None:
         interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -156,14 +161,21 @@ class NanoServer:
         return port
 
     async def _update_health(self) -> None:
+        not_durable = self.engine.event_log_not_durable_reason()
+        if (not_durable is None) != (self._not_durable is None):
+            if not_durable is not None:
+                log.warning("event_log_not_durable", reason=not_durable, refusing_requests=True)
+            else:
+                log.info("event_log_durable_again")
+        self._not_durable = not_durable
         statuses = health_statuses(
-            engine_ok=self.engine.is_running and not self.engine.errored, log_ok=self.engine.event_log_healthy
+            engine_ok=self.engine.is_running and not self.engine.errored, log_ok=not_durable is None
         )
         for service, status in statuses.items():
             await self.health.set(service, status)
 
     async def _monitor_loop(self) -> None:
-        """Refreshes health and the pool gauges every MONITOR_INTERVAL_S seconds."""
+        """Refreshes health, the pool gauges and the log's backlog every MONITOR_INTERVAL_S seconds."""
         while True:
             try:
                 await self._update_health()
@@ -177,8 +189,32 @@ class NanoServer:
                 num_free=status.num_free,
                 last_seq=status.last_seq,
                 durable_seq=status.durable_seq,
+                num_pending_batches=status.num_pending_batches,
+                pending_bytes=status.pending_bytes,
+                log_durable=None if status.epoch is None else self._not_durable is None,
             )
+            self._watch_backlog(status.num_pending_batches, status.pending_bytes)
             await asyncio.sleep(MONITOR_INTERVAL_S)
+
+    def _watch_backlog(self, num_pending_batches: int | None, pending_bytes: int | None) -> None:
+        """A warning each time the log's backlog fills another quarter of its bound; a line when it drains."""
+        if num_pending_batches is None:
+            return
+        bound = self.engine.config.event_log.event_log_max_pending_batches
+        level = min(BACKLOG_WARNING_LEVELS, num_pending_batches * BACKLOG_WARNING_LEVELS // bound)
+        if level > self._backlog_level:
+            log.warning(
+                "event_log_backlog",
+                num_pending_batches=num_pending_batches,
+                max_pending_batches=bound,
+                pending_bytes=pending_bytes,
+                full=level == BACKLOG_WARNING_LEVELS,
+                generation_waits=level == BACKLOG_WARNING_LEVELS,
+                reason=self._not_durable,
+            )
+        elif level == 0 and self._backlog_level > 0:
+            log.info("event_log_backlog_cleared", num_pending_batches=num_pending_batches)
+        self._backlog_level = level if level > self._backlog_level or level == 0 else self._backlog_level
 
     async def wait_for_termination(self) -> None:
         assert self._server is not None, "start() first"
@@ -253,8 +289,15 @@ def _redact(url: str | None) -> str | None:
 
 
 async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Runs the server until SIGTERM or SIGINT, then shuts down gracefully; returns the exit status."""
-    engine = await start_engine(engine_config)
+    """Runs the server until SIGTERM or SIGINT, then shuts down gracefully; returns the exit status:
+    EXIT_OK, EXIT_LOG_UNUSABLE (the log's store could not be used at start, checked before the model
+    loads) or EXIT_LOG_INCOMPLETE (events the log could not write by the end of the shutdown)."""
+    try:
+        engine = await start_engine(engine_config)
+    except EventLogUnusableError as exc:
+        log.error("event_log_unusable", url=exc.url, cause=exc.cause)
+        print(f"nanoserve serve: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_LOG_UNUSABLE
     # the model, tokenizer and pool live until exit: moving them out of the
     # collector's reach spares every later collection (and the one at exit) from
     # walking them
@@ -274,4 +317,8 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(signum)
     await server.stop()
-    return 0
+    incomplete = engine.log_close_error
+    if incomplete is not None:
+        print(f"nanoserve serve: error: {incomplete}", file=sys.stderr, flush=True)
+        return EXIT_LOG_INCOMPLETE
+    return EXIT_OK

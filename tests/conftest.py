@@ -125,3 +125,20 @@ def make_tiny_model_dir(tmp_path_factory, real_hf_tokenizer) -> Callable[..., Pa
 def tiny_model_dir(make_tiny_model_dir) -> Path:
     """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads, head_dim 16) with SmolLM2's tokenizer."""
     return make_tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """A throwaway PostgreSQL cluster of the session's own (tests/faults.py), for tests that stop and
+    start it; each such test leaves it running. Skips where initdb/pg_ctl are missing, unless
+    NANOSERVE_REQUIRE_PG=1."""
+    from .faults import PgCluster
+
+    if not PgCluster.available():
+        if os.environ.get("NANOSERVE_REQUIRE_PG") == "1":
+            pytest.fail(
+                "a throwaway PostgreSQL cluster is required but initdb/pg_ctl (or the postgres user) are missing"
+            )
+        pytest.skip("needs initdb and pg_ctl (and the postgres user when run as root)")
+    with PgCluster() as cluster:
+        yield cluster

@@ -9,28 +9,47 @@ from ``nanoserve.migrations``, which the log never imports.
 
 from nanoserve.allocator.log.audit import AuditReport, audit, audit_all
 from nanoserve.allocator.log.database import DEFAULT_EVENT_LOG_URL
+from nanoserve.allocator.log.errors import (
+    EventLogError,
+    EventLogIncompleteError,
+    LogDamagedError,
+    LogFileLostError,
+    LogNotFoundError,
+    LogReadError,
+    LogUnavailableError,
+    SecondWriterError,
+)
 from nanoserve.allocator.log.event import Event
 from nanoserve.allocator.log.event_log import EventLog
 from nanoserve.allocator.log.event_stream import EventStream, EventStreamLagged
-from nanoserve.allocator.log.log_reader import EpochInfo, LogNotFoundError, read_events
-from nanoserve.allocator.log.log_writer import EventLogError, SecondWriterError
+from nanoserve.allocator.log.log_reader import Damage, EpochInfo, read_events, scan_events
 from nanoserve.allocator.log.pool_lock import PoolLock
 from nanoserve.allocator.log.replay import replay
+from nanoserve.allocator.log.store_probe import check_filesystem, probe_store
 
 __all__ = [
     "DEFAULT_EVENT_LOG_URL",
     "AuditReport",
+    "Damage",
     "EpochInfo",
     "Event",
     "EventLog",
     "EventLogError",
+    "EventLogIncompleteError",
     "EventStream",
     "EventStreamLagged",
+    "LogDamagedError",
+    "LogFileLostError",
     "LogNotFoundError",
     "PoolLock",
+    "LogReadError",
+    "LogUnavailableError",
     "SecondWriterError",
     "audit",
     "audit_all",
+    "check_filesystem",
+    "probe_store",
     "read_events",
     "replay",
+    "scan_events",
 ]

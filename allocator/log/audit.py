@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
+from nanoserve.allocator.log.errors import LogNotFoundError
 from nanoserve.allocator.log.log_reader import (
     EpochInfo,
-    LogNotFoundError,
     connect,
     event_rows,
     list_epochs,

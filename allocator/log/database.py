@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -17,31 +21,82 @@ ROW_COLUMNS = ("pool_id", "epoch", "seq", "kind", "owner", "record", "hash")
 DEFAULT_EVENT_LOG_URL = "sqlite:///nanoserve-log.db"
 
 
+# seconds a PostgreSQL connection attempt may take before it fails (and is retried by the writer)
+PG_CONNECT_TIMEOUT_S = 5
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    # WAL lets readers (audit, replay, the CLI) run beside the writer;
-    # synchronous=FULL makes a commit durable before durable_seq advances.
+    # The busy timeout first, so that switching to WAL waits for another process's
+    # transaction instead of failing at once. WAL lets readers (audit, replay, the CLI)
+    # run beside the writer; synchronous=FULL makes a commit durable before durable_seq advances.
     cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=FULL")
-    cursor.execute("PRAGMA busy_timeout=10000")
     cursor.close()
 
 
-def create_log_engine(url: str) -> Engine:
+def _sqlite_read_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.close()
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file of a ``sqlite:///FILE`` URL; None for other databases and in-memory SQLite."""
+    parsed = sa.engine.make_url(url)
+    database = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or database in ("", ":memory:") or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def create_log_engine(url: str, *, read_only: bool = False) -> Engine:
     """An engine for ``url`` (``sqlite:///file.db`` or ``postgresql+psycopg://...``).
 
-    SQLite connections get WAL journaling, synchronous=FULL and a 10 s busy
-    timeout. Raises ValueError for a URL SQLAlchemy cannot parse.
+    SQLite connections get a 10 s busy timeout, WAL journaling and
+    synchronous=FULL; with ``read_only`` they open the file read-only
+    (``mode=ro``; on media nobody can write, such as a read-only mount, as
+    ``immutable``) and change nothing in it. PostgreSQL connections give up
+    connecting after PG_CONNECT_TIMEOUT_S. Raises ValueError for a URL
+    SQLAlchemy cannot parse.
     """
     try:
         parsed = sa.engine.make_url(url)
     except sa.exc.ArgumentError as exc:
         raise ValueError(f"event log url {url!r} is not a database URL: {exc}") from exc
     if parsed.get_backend_name() == "sqlite":
+        path = sqlite_file(url)
+        if read_only and path is not None:
+            # the URL still names the file (replay hands it to the chain verifier); the creator opens it
+            engine = sa.create_engine(parsed, creator=lambda: _connect_read_only(path))
+            sa.event.listen(engine, "connect", _sqlite_read_pragmas)
+            return engine
         engine = sa.create_engine(parsed, connect_args={"check_same_thread": False})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return sa.create_engine(parsed, pool_pre_ping=True)
+    connect_args = {"connect_timeout": PG_CONNECT_TIMEOUT_S} if parsed.get_backend_name() == "postgresql" else {}
+    return sa.create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection to an SQLite file.
+
+    ``mode=ro`` reads beside a live writer. A WAL file on media nobody can
+    write (its ``-shm`` cannot be created) opens only as ``immutable``, which
+    is exact there because nothing can change the file.
+    """
+    uri = f"file:{quote(str(path.resolve()))}"
+    connection = sqlite3.connect(f"{uri}?mode=ro", uri=True, check_same_thread=False)
+    try:
+        connection.execute("PRAGMA schema_version").fetchone()  # opens the file (and its -shm) now
+    except sqlite3.OperationalError:
+        connection.close()
+        if os.access(path.parent, os.W_OK) or not path.is_file():
+            raise
+        return sqlite3.connect(f"{uri}?immutable=1", uri=True, check_same_thread=False)
+    return connection
 
 
 def insert_rows(conn: sa.Connection, rows: list[Row]) -> None:

@@ -20,6 +20,14 @@ so ``append_batch`` asks the caller for one (``snapshot``) when one is due.
 The schema must exist: ``nanoserve.migrations.upgrade(url)`` (``nanoserve db
 upgrade URL``) creates it, and the engine runs it before ``open``.
 
+Faults have one outcome each. A store that fails (away, read-only, full) makes
+``durable`` False (``not_durable_reason`` says why) while the writer retries;
+``append_batch`` blocks once ``max_pending_batches`` batches wait. A SQLite
+file deleted or replaced under the writer fails the log for good
+(``LogFileLostError``). ``close(timeout_s)`` is bounded: what the store has not
+taken by then is reported (``EventLogIncompleteError``: how many, from which
+seq), and the epoch stays open.
+
 Thread model: ``append_batch``/``flush``/``close`` are called from one thread
 (the engine's); ``last_seq`` is that thread's; ``durable_seq``, ``healthy``
 and ``subscribe`` are safe from any thread.
@@ -36,14 +44,29 @@ from typing import Any
 import sqlalchemy as sa
 
 from nanoserve.allocator.events import BlockEvent, EventKind
-from nanoserve.allocator.log.database import DEFAULT_EVENT_LOG_URL, Row, create_log_engine, insert_rows
+from nanoserve.allocator.log.database import (
+    DEFAULT_EVENT_LOG_URL,
+    Row,
+    create_log_engine,
+    insert_rows,
+    sqlite_file,
+)
+from nanoserve.allocator.log.errors import (
+    EventLogError,
+    EventLogIncompleteError,
+    LogFileLostError,
+    SecondWriterError,
+    is_store_unavailable,
+    safe_url,
+    store_error,
+)
 from nanoserve.allocator.log.event import Event
 from nanoserve.allocator.log.event_chain import genesis_hash
-from nanoserve.allocator.log.log_reader import LogNotFoundError
-from nanoserve.allocator.log.log_writer import Batch, EventLogError, LogWriter, SecondWriterError
+from nanoserve.allocator.log.log_writer import Batch, LogWriter
 from nanoserve.allocator.log.pool_lock import PoolLock
 from nanoserve.allocator.log.record_codec import snapshot_data
 from nanoserve.allocator.log.schema import pool_epochs
+from nanoserve.allocator.log.store_probe import check_schema
 from nanoserve.allocator.pool_state import PoolState
 
 _time_ns = time.time_ns
@@ -56,7 +79,9 @@ class EventLog:
 
     ``last_seq`` is the last sequence number assigned; ``durable_seq`` the last
     one committed (``durable_seq <= last_seq``; every event up to it is in the
-    database). ``healthy`` is False while the writer cannot commit.
+    database). ``healthy`` is False while the writer cannot commit;
+    ``durable`` is False whenever an event appended now might not reach the
+    store (``not_durable_reason`` says why).
     """
 
     def __init__(
@@ -81,6 +106,7 @@ class EventLog:
         self._seq = writer.durable_seq
         self._snapshot_seq = self._seq  # seq of the last SNAPSHOT (or POOL_INIT)
         self._closed = False
+        self.close_error: EventLogIncompleteError | None = None  # set when close found events not durable
 
     @classmethod
     def open(
@@ -105,11 +131,14 @@ class EventLog:
 
         epoch: None takes the pool's newest epoch + 1 (1 for a new pool).
         config: JSON-serialisable settings stored in POOL_INIT.
+        max_pending_batches: batches that may wait for the writer before
+            ``append_batch`` blocks (the bound on memory while the store is slow or away).
         Raises LogNotFoundError (a ValueError) when the database has no log
         schema (run ``nanoserve.migrations.upgrade(url)`` first),
-        SecondWriterError when another live writer holds the pool, or when
-        that epoch already exists (another writer opened it), ValueError on bad
-        arguments, and SQLAlchemy's errors when the database cannot be reached.
+        SecondWriterError when another live writer holds the pool (its pool-id
+        lock), or when that epoch already exists (another writer opened it),
+        LogUnavailableError when the store cannot be reached or written (down,
+        read-only, full), ValueError on bad arguments.
         """
         _check_open_args(pool_id, num_blocks, block_size, num_events_per_snapshot, max_pending_batches, epoch)
         init_data = {"num_blocks": num_blocks, "block_size": block_size, "model": model, "config": config}
@@ -120,16 +149,28 @@ class EventLog:
         engine = create_log_engine(url)
         pool_lock: PoolLock | None = None
         try:
-            _check_schema(engine, url)
+            check_schema(engine, url)
             pool_lock = PoolLock.acquire(engine, pool_id)
             if epoch is None:
                 epoch = _newest_epoch(engine, pool_id) + 1
             writer = LogWriter(
-                engine, pool_id, epoch, uuid.uuid4().hex, 0, genesis_hash(pool_id, epoch), max_pending_batches
+                engine,
+                pool_id,
+                epoch,
+                uuid.uuid4().hex,
+                0,
+                genesis_hash(pool_id, epoch),
+                max_pending_batches,
+                database_file=sqlite_file(url),
             )
             init = Batch(1, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_INIT, init_data)
             rows, head_hash = writer.seal_first(init)
             _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns)
+        except Exception as exc:
+            engine.dispose()
+            if is_store_unavailable(exc):
+                raise store_error(url, exc) from exc
+            raise
         except BaseException:
             if pool_lock is not None:
                 pool_lock.release()
@@ -161,6 +202,48 @@ class EventLog:
         return writer.healthy and writer.error is None and (writer.alive or self._closed)
 
     @property
+    def durable(self) -> bool:
+        """Whether an event appended now is on its way into the store: open, the writer alive and committing."""
+        return self.not_durable_reason() is None
+
+    def not_durable_reason(self) -> str | None:
+        """Why an event appended now might not reach the store, in one line; None while it would."""
+        writer = self._writer
+        if writer.error is not None:
+            return f"the event log failed: {writer.error}"
+        if self._closed:
+            return "the event log is closed"
+        if not writer.alive:
+            return "the event log writer is not running"
+        if not writer.healthy:
+            since = writer.failing_since
+            failing_s = 0.0 if since is None else time.monotonic() - since
+            return (
+                f"commits to {safe_url(self.url)} have failed for {failing_s:.1f} s ({writer.last_error}); "
+                f"{self.last_seq - self.durable_seq} event(s) wait"
+            )
+        return None
+
+    @property
+    def failed(self) -> bool:
+        """The writer stopped for good (second writer, lost file, crash): nothing appended is recorded."""
+        return self._writer.error is not None
+
+    @property
+    def max_pending_batches(self) -> int:
+        return self._writer.max_pending_batches
+
+    @property
+    def num_pending_batches(self) -> int:
+        """Batches appended and not yet committed."""
+        return self._writer.num_pending_batches
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the records appended and not yet committed (the part not yet encoded: estimated)."""
+        return self._writer.pending_bytes(self.last_seq - self.durable_seq)
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -181,7 +264,8 @@ class EventLog:
         passed since the last SNAPSHOT, which then ends the batch. None writes
         no SNAPSHOT.
 
-        Blocks while ``max_pending_batches`` wait for the writer. Raises
+        Blocks while ``max_pending_batches`` wait for the writer (never once
+        ``close`` or ``unbound`` was called). Raises
         EventLogError (SecondWriterError) once the writer failed for good or
         after ``close``; ValueError on a bad step or a snapshot of another
         pool's shape. A call that raises appends nothing (``last_seq`` stays).
@@ -205,8 +289,9 @@ class EventLog:
         self._seq = last_seq  # only once the batch is queued: a call that raises appends nothing
         if data is not None:
             self._snapshot_seq = last_seq
-        if self._sync:
-            self._writer.wait_durable(last_seq)
+        if self._sync:  # until durable, or until shutdown unbinds the log (close then bounds the wait)
+            while not self._writer.wait_durable(last_seq, 0.5) and self._writer.bounded:
+                pass
 
     def _check_shape(self, state: PoolState) -> None:
         if (state.num_blocks, state.block_size) != (self.num_blocks, self.block_size):
@@ -221,37 +306,69 @@ class EventLog:
         return self._writer.wait_durable(self._seq, timeout_s)
 
     def close(self, timeout_s: float | None = None, final_state: PoolState | None = None) -> None:
-        """Write POOL_CLOSE, wait for every event to commit, stop the writer.
+        """Write POOL_CLOSE, wait up to ``timeout_s`` for every event to commit, stop the writer.
 
         final_state: the pool at close (``BlockAllocator.snapshot()``); its
         counts go into POOL_CLOSE (``{"num_free", "num_allocated"}``), None
-        records none. Raises EventLogError when the writer failed or did not
-        finish within ``timeout_s``; the epoch then stays open in the log (a
-        crash). ValueError (before anything is written) when ``final_state``
-        has another shape than the log's pool.
+        records none. ``append_batch`` no longer blocks once close has begun.
+
+        Raises EventLogIncompleteError, naming the seqs that are not durable
+        and why, when the writer failed or the store did not take everything
+        within ``timeout_s`` (None: wait for ever); the writer is then
+        abandoned (nothing more is committed) and the epoch stays open in the
+        log, as after a crash (``close_error`` keeps the error). ValueError
+        (before anything is written) when ``final_state`` has another shape
+        than the log's pool.
         """
         if self._closed:
+            if self.close_error is not None:
+                raise self.close_error
             return
         summary = None
         if final_state is not None:
             self._check_shape(final_state)
             summary = {"num_free": final_state.num_free, "num_allocated": final_state.num_allocated}
+        writer = self._writer
+        writer.unbound()
+        reason: str | None = None
         try:
-            self._seq = seq = self._seq + 1
-            self._writer.submit(Batch(seq, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_CLOSE, summary))
-            if not self._writer.wait_durable(seq, timeout_s):
-                raise EventLogError(
-                    f"event log did not commit seq {seq} within {timeout_s} s (durable_seq {self.durable_seq})"
-                )
+            if writer.error is None:
+                seq = self._seq + 1
+                writer.submit(Batch(seq, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_CLOSE, summary))
+                self._seq = seq
+                if not writer.wait_durable(seq, timeout_s):
+                    reason = f"the store did not take them within {timeout_s} s"
+                    if writer.last_error is not None and not writer.healthy:
+                        reason += f"; its last error: {writer.last_error}"
+        except EventLogError:
+            pass  # the writer's own error, reported below
         finally:
             self._closed = True
-            self._writer.stop(timeout_s)
-            try:
-                self._pool_lock.release()  # the epoch is over, closed or not: the pool is free for the next server
-            finally:
-                self._engine.dispose()
-        if self._writer.error is not None:
-            raise self._writer.error
+        if writer.error is not None:
+            reason = str(writer.error)
+        if reason is None:
+            writer.stop()
+            self._release()
+            return
+        if not writer.abandon():
+            reason += "; a commit was still in the store's hands and may have landed"
+        first_seq = 1 if isinstance(writer.error, LogFileLostError) else writer.durable_seq + 1
+        self.close_error = EventLogIncompleteError(self.url, first_seq, self._seq, reason)
+        self._release()
+        raise self.close_error
+
+    def _release(self) -> None:
+        """The epoch is over, closed or not: the pool is free for the next server, the connections go."""
+        try:
+            self._pool_lock.release()
+        finally:
+            self._engine.dispose()
+
+    def unbound(self) -> None:
+        """From now on ``append_batch`` never waits for room (shutdown: the last steps must reach ``close``).
+
+        Safe from any thread; wakes an ``append_batch`` that is waiting."""
+        self._writer.unbound()
 
     def __enter__(self) -> EventLog:
         return self
@@ -270,12 +387,6 @@ class EventLog:
         them with ``read_events`` and drop duplicates by seq.
         """
         return self._writer.subscribe(callback)
-
-
-def _check_schema(engine: sa.Engine, url: str) -> None:
-    with engine.connect() as conn:
-        if not sa.inspect(conn).has_table(pool_epochs.name):
-            raise LogNotFoundError(f"{url!r} holds no event log schema (run `nanoserve db upgrade {url}`)")
 
 
 def _check_open_args(
@@ -337,6 +448,7 @@ def _insert_epoch(
             insert_rows(conn, rows)
     except sa.exc.IntegrityError as exc:
         raise SecondWriterError(
-            f"pool {writer.pool_id!r} epoch {writer.epoch} already has a writer; "
-            "open a new epoch (epoch=None) or use another pool_id"
+            f"pool {writer.pool_id!r} epoch {writer.epoch} already has a writer: another server opened it at "
+            f"the same moment and is writing pool {writer.pool_id!r} to this log. Give each server its own "
+            "pool (--pool-id), or stop the other server, then start this one again"
         ) from exc

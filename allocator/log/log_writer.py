@@ -12,14 +12,24 @@ values this writer last wrote to the new ones, guarded by ``writer_id``. A
 second writer therefore cannot interleave, and a retry after an unknown outcome
 (the commit went through but the acknowledgement was lost) finds the guard
 already moved and recognises its own batch by the stored hash.
+
+Faults: a commit that fails because the store is away, read-only or full is
+retried with backoff, never dropped, while ``healthy`` is False (the caller
+blocks once ``max_pending_batches`` wait). A SQLite file that is no longer the
+file at its path (deleted or replaced: checked after every commit and every
+idle half second) is fatal: everything committed to it is gone, so
+``durable_seq`` drops to 0. ``abandon`` stops the writer without committing
+what is left (a bounded shutdown): nothing is committed after it returns.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
@@ -28,6 +38,7 @@ from sqlalchemy.engine import Engine
 
 from nanoserve.allocator.events import BlockEvent, EventKind
 from nanoserve.allocator.log.database import Row, insert_rows
+from nanoserve.allocator.log.errors import EventLogError, LogFileLostError, SecondWriterError, store_cause
 from nanoserve.allocator.log.event import Event
 from nanoserve.allocator.log.event_chain import chain_hash
 from nanoserve.allocator.log.record_codec import decode_event, encode_block_record, encode_data_record
@@ -69,25 +80,34 @@ MAX_EVENTS_PER_COMMIT = 20_000
 RETRY_DELAYS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-class EventLogError(RuntimeError):
-    """The event log cannot record: the writer failed for good."""
+__all__ = ["MAX_EVENTS_PER_COMMIT", "Batch", "EventLogError", "LogWriter", "SecondWriterError"]
 
-
-class SecondWriterError(EventLogError):
-    """Another writer holds (or took over) this pool epoch."""
+# bytes a record is taken to need before the writer has measured any (the mean of a short trace)
+_RECORD_BYTES_GUESS = 80
+# seconds the writer thread sleeps while idle; it checks its SQLite file each time
+_IDLE_WAIT_S = 0.5
 
 
 class _GuardMoved(Exception):
     """The epoch row no longer holds what this writer last wrote."""
 
 
+class _Abandoned(Exception):
+    """``abandon`` was called: stop without committing."""
+
+
 class LogWriter:
     """Commits sealed batches for one (pool_id, epoch) from a background thread.
 
-    ``durable_seq`` only grows, and every event at or below it is committed.
-    ``healthy`` is False while commits fail (they are retried with backoff,
-    never dropped) and after a fatal error (``error`` is then set and every
-    later ``submit`` raises it).
+    ``durable_seq`` only grows, and every event at or below it is committed
+    (it drops to 0 only when the SQLite file is found deleted or replaced:
+    then nothing is). ``healthy`` is False while commits fail (they are
+    retried with backoff, never dropped; ``failing_since`` and ``last_error``
+    say since when and why) and after a fatal error (``error`` is then set and
+    every later ``submit`` raises it).
+
+    database_file: the SQLite file being written, whose identity (device,
+        inode) is checked; None for other stores.
     """
 
     def __init__(
@@ -99,24 +119,36 @@ class LogWriter:
         durable_seq: int,
         head_hash: bytes,
         max_pending_batches: int,
+        database_file: Path | None = None,
     ) -> None:
         self._engine = engine
         self.pool_id = pool_id
         self.epoch = epoch
         self.writer_id = writer_id
         self.durable_seq = durable_seq
+        self._written_seq = durable_seq  # the durable_seq this writer last stored in the epoch row
         self._head_hash = head_hash  # hash of the last event handed to a commit
         self._chained_seq = durable_seq
-        self._max_pending = max_pending_batches
+        self.max_pending_batches = max_pending_batches
+        self._bounded = True  # False once the caller may no longer block (shutdown)
         self.pending: deque[Batch] = deque()
         self._wakeup = threading.Event()
         self._progress = threading.Condition()  # notified after every commit or failure
         self._subscribers: list[Subscriber] = []
         self._subscribers_lock = threading.Lock()
         self._stopping = False
+        self._abandoned = False
         self.healthy = True
         self.error: BaseException | None = None
         self.num_retries = 0
+        self.failing_since: float | None = None  # time.monotonic() of the first failed commit of this outage
+        self.last_error: str | None = None  # the store's last error, one line
+        self._num_inflight_batches = 0  # batches of the group being committed
+        self._inflight_bytes = 0
+        self._num_committed_records = 0
+        self._num_committed_bytes = 0
+        self._database_file = database_file
+        self._file_identity = _identity(database_file) if database_file is not None else None
         self._thread = threading.Thread(target=self._run, name=f"event-log-writer-{pool_id}-{epoch}", daemon=True)
 
     def start(self) -> None:
@@ -125,11 +157,12 @@ class LogWriter:
 
     # -- caller side -------------------------------------------------------
     def submit(self, batch: Batch) -> None:
-        """Queue one sealed batch; blocks while ``max_pending_batches`` are waiting."""
+        """Queue one sealed batch; blocks while ``max_pending_batches`` wait to be committed (the group
+        being committed included), until ``unbound``."""
         if self.error is not None:
             raise self.error
         pending = self.pending
-        if len(pending) >= self._max_pending:
+        if len(pending) + self._num_inflight_batches >= self.max_pending_batches and self._bounded:
             self._wait_for_room()
         pending.append(batch)
         if not self._wakeup.is_set():
@@ -137,10 +170,37 @@ class LogWriter:
 
     def _wait_for_room(self) -> None:
         with self._progress:
-            while len(self.pending) >= self._max_pending and self.error is None:
+            while self.num_pending_batches >= self.max_pending_batches and self.error is None and self._bounded:
                 self._progress.wait(0.1)
         if self.error is not None:
             raise self.error
+
+    def unbound(self) -> None:
+        """Let ``submit`` queue past ``max_pending_batches`` from now on, and wake a caller waiting for room.
+
+        For shutdown: the last steps must reach ``close``, which bounds the wait instead.
+        """
+        self._bounded = False
+        with self._progress:
+            self._progress.notify_all()
+
+    @property
+    def bounded(self) -> bool:
+        """Whether ``submit`` still waits for room (False after ``unbound``)."""
+        return self._bounded
+
+    @property
+    def num_pending_batches(self) -> int:
+        """Batches submitted and not yet committed (the group being committed included)."""
+        return len(self.pending) + self._num_inflight_batches
+
+    def pending_bytes(self, num_pending_records: int) -> int:
+        """Bytes of ``num_pending_records`` records not yet committed: the group being committed
+        exactly, the rest at the mean record size committed so far."""
+        mean = self._num_committed_bytes / self._num_committed_records if self._num_committed_records else 0
+        inflight_bytes = self._inflight_bytes
+        num_queued = max(0, num_pending_records - (self._chained_seq - self.durable_seq))
+        return inflight_bytes + round(num_queued * (mean or _RECORD_BYTES_GUESS))
 
     def wait_durable(self, seq: int, timeout_s: float | None = None) -> bool:
         """Wait until ``durable_seq >= seq``; False on timeout. Raises the writer's fatal error."""
@@ -173,6 +233,21 @@ class LogWriter:
         self._wakeup.set()
         self._thread.join(timeout_s)
 
+    def abandon(self, timeout_s: float = 1.0) -> bool:
+        """Stop without committing what is queued; True when the thread has ended.
+
+        A commit already in the store's hands may still finish within
+        ``timeout_s``; after this returns True nothing more is committed (False:
+        the thread is stuck in the store, and a commit it started may land).
+        """
+        self._abandoned = True
+        self._stopping = True
+        self._wakeup.set()
+        with self._progress:
+            self._progress.notify_all()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -180,19 +255,22 @@ class LogWriter:
     # -- writer thread -----------------------------------------------------
     def _run(self) -> None:
         while True:
-            self._wakeup.wait(0.5)
+            self._wakeup.wait(_IDLE_WAIT_S)
             self._wakeup.clear()
-            while self.pending:
-                group = self._take_group()
-                try:
+            try:
+                self._check_file()
+                while self.pending and not self._abandoned:
+                    group = self._take_group()
                     self._commit_with_retry(*self.seal_rows(group))
-                except EventLogError as exc:
-                    self._fail(exc)
-                    return
-                except BaseException as exc:  # a bug here must not hang callers in backpressure
-                    self._fail(EventLogError(f"event log writer crashed: {exc!r}"))
-                    raise
-            if self._stopping and not self.pending:
+            except _Abandoned:
+                return
+            except EventLogError as exc:
+                self._fail(exc)
+                return
+            except BaseException as exc:  # a bug here must not hang callers in backpressure
+                self._fail(EventLogError(f"event log writer crashed: {exc!r}"))
+                raise
+            if self._abandoned or (self._stopping and not self.pending):
                 return
 
     def _take_group(self) -> list[Batch]:
@@ -203,14 +281,28 @@ class LogWriter:
             batch = pending.popleft()
             batches.append(batch)
             num_events += batch.num_records
+        self._num_inflight_batches = len(batches)
         with self._progress:
             self._progress.notify_all()
         return batches
 
+    def _check_file(self) -> None:
+        """Raise LogFileLostError when the SQLite file at the path is not the one this writer opened."""
+        if self._database_file is None:
+            return
+        identity = _identity(self._database_file)
+        if identity != self._file_identity:
+            what = "deleted" if identity is None else "replaced by another file"
+            raise LogFileLostError(
+                f"the event log file {str(self._database_file)!r} was {what} while this server wrote it: "
+                f"pool {self.pool_id!r} epoch {self.epoch} is lost with it (seqs 1..{self._chained_seq}); "
+                "no later event is recorded"
+            )
+
     def seal_first(self, batch: Batch) -> tuple[list[Row], bytes]:
         """Rows and head hash of the epoch's first batch, committed by ``EventLog.open`` itself."""
         rows, last_seq, head_hash, _ = self.seal_rows([batch])
-        self.durable_seq = last_seq
+        self.durable_seq = self._written_seq = last_seq
         return rows, head_hash
 
     def seal_rows(self, batches: list[Batch]) -> tuple[list[Row], int, bytes, int | None]:
@@ -241,7 +333,10 @@ class LogWriter:
 
     def _commit_with_retry(self, rows: list[Row], last_seq: int, head_hash: bytes, closed_seq: int | None) -> None:
         attempt = 0
+        self._inflight_bytes = sum(len(row[5]) for row in rows)
         while True:
+            if self._abandoned:
+                raise _Abandoned
             try:
                 self._commit(rows, last_seq, head_hash, closed_seq)
                 break
@@ -249,27 +344,55 @@ class LogWriter:
                 self._check_already_committed(last_seq, head_hash)
                 break
             except (sa.exc.SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error) as exc:
-                self.healthy = False
-                self.num_retries += 1
-                delay_s = RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)]
-                log.warning(
-                    "event_log_commit_failed",
-                    pool_id=self.pool_id,
-                    epoch=self.epoch,
-                    last_seq=last_seq,
-                    attempt=attempt + 1,
-                    retry_in_s=delay_s,
-                    error=str(exc),
-                )
-                with self._progress:
-                    self._progress.notify_all()
-                time.sleep(delay_s)
+                self._note_failure(exc, last_seq, attempt)
+                self._sleep(RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)])
                 attempt += 1
+        self._check_file()  # a commit into a deleted file is not durable
+        if not self.healthy:
+            log.info(
+                "event_log_commit_recovered",
+                pool_id=self.pool_id,
+                epoch=self.epoch,
+                last_seq=last_seq,
+                failed_for_s=round(time.monotonic() - (self.failing_since or time.monotonic()), 3),
+            )
         self.healthy = True
+        self.failing_since = None
+        self._written_seq = last_seq
+        self._num_committed_records += len(rows)
+        self._num_committed_bytes += self._inflight_bytes
         with self._progress:
             self.durable_seq = last_seq
+            self._num_inflight_batches = 0
+            self._inflight_bytes = 0
             self._progress.notify_all()
         self._publish(rows)
+
+    def _note_failure(self, exc: BaseException, last_seq: int, attempt: int) -> None:
+        """One failed commit: unhealthy until a commit succeeds; a warning line per attempt."""
+        self.healthy = False
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+        self.last_error = store_cause(exc)
+        self.num_retries += 1
+        log.warning(
+            "event_log_commit_failed",
+            pool_id=self.pool_id,
+            epoch=self.epoch,
+            last_seq=last_seq,
+            durable_seq=self.durable_seq,
+            attempt=attempt + 1,
+            retry_in_s=RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)],
+            error=self.last_error,
+        )
+        with self._progress:
+            self._progress.notify_all()
+
+    def _sleep(self, delay_s: float) -> None:
+        """Wait before a retry; ``abandon`` cuts it short."""
+        with self._progress:
+            if not self._abandoned:
+                self._progress.wait(delay_s)
 
     def _commit(self, rows: list[Row], last_seq: int, head_hash: bytes, closed_seq: int | None) -> None:
         table = pool_epochs
@@ -279,7 +402,7 @@ class LogWriter:
                 table.c.pool_id == self.pool_id,
                 table.c.epoch == self.epoch,
                 table.c.writer_id == self.writer_id,
-                table.c.durable_seq == self.durable_seq,
+                table.c.durable_seq == self._written_seq,
             )
             .values(durable_seq=last_seq, head_hash=head_hash, closed_seq=closed_seq)
         )
@@ -335,4 +458,15 @@ class LogWriter:
         self.healthy = False
         self.error = error
         with self._progress:
+            if isinstance(error, LogFileLostError):
+                self.durable_seq = 0  # what was committed went with the file
             self._progress.notify_all()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``; None when there is none."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino

@@ -123,11 +123,26 @@ def snapshot_data(state: PoolState) -> dict[str, Any]:
 
 
 def decode_snapshot(tail: str, num_blocks: int, block_size: int) -> PoolState:
-    """The pool a SNAPSHOT record's tail holds. ValueError when it is unreadable."""
+    """The pool a SNAPSHOT record's tail holds.
+
+    ValueError, naming what is wrong, when the tail is not JSON of the shape
+    ``snapshot_data`` writes: an object with ``free_block_ids`` (a list of
+    integers) and ``owners`` (an object mapping block ids to owner strings).
+    """
     try:
         data = json.loads(tail)
-        free_block_ids = list(data["free_block_ids"])
-        owners = {int(block_id): owner for block_id, owner in data["owners"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{type(exc).__name__}: {exc}") from None
-    return PoolState(num_blocks, block_size, free_block_ids, owners)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict) or not {"free_block_ids", "owners"} <= set(data):
+        shape = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"expected an object with free_block_ids and owners, got {shape}")
+    free_block_ids, owners = data["free_block_ids"], data["owners"]
+    if not isinstance(free_block_ids, list) or not all(type(block_id) is int for block_id in free_block_ids):
+        raise ValueError("free_block_ids is not a list of integers")
+    if not isinstance(owners, dict) or not all(type(owner) is str for owner in owners.values()):
+        raise ValueError("owners is not an object of owner strings")
+    try:
+        owner_map = {int(block_id): owner for block_id, owner in owners.items()}
+    except ValueError:
+        raise ValueError("owners has a key that is not a block id") from None
+    return PoolState(num_blocks, block_size, free_block_ids, owner_map)

@@ -7,14 +7,19 @@ hash chain verified by a second process (``chain_verifier``) at the same time.
 
 from __future__ import annotations
 
+import hashlib
+import operator
 import os
 from collections.abc import Callable
 
 import sqlalchemy as sa
 
 from nanoserve.allocator.log import chain_verifier
+from nanoserve.allocator.log.errors import LogReadError, is_store_unavailable
+from nanoserve.allocator.log.event_chain import genesis_hash
 from nanoserve.allocator.log.log_reader import (
     EVENT_COLUMNS,
+    DamagedChunk,
     EpochInfo,
     compile_for_driver,
     connect,
@@ -40,6 +45,10 @@ _CHUNK_ROWS = 1_000
 # seq, kind, owner, record, NULL: the hash is the verifier's to read
 _REPLAY_COLUMNS = (*EVENT_COLUMNS[:4], sa.null())
 _CHAIN_COLUMNS = (allocator_events.c.seq, sa.cast(allocator_events.c.record, sa.LargeBinary), allocator_events.c.hash)
+# seq, record, hash: what the hash chain covers, read to verify the records before a snapshot
+_SEQ_RECORD_HASH = (allocator_events.c.seq, allocator_events.c.record, allocator_events.c.hash)
+_digest = operator.methodcaller("digest")
+_seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
 def replay(
@@ -49,17 +58,23 @@ def replay(
     until_seq: int | None = None,
     *,
     from_snapshot: bool = True,
+    verify_chain: bool = True,
 ) -> PoolState:
     """The pool of ``(pool_id, epoch)`` as of ``until_seq`` (default: the last stored event).
 
     ``pool_id`` None means the log's only pool, ``epoch`` None its newest
     epoch. With ``from_snapshot`` replay starts at the newest SNAPSHOT at or
-    before ``until_seq``. Broken rules are in ``PoolState.violations``.
+    before ``until_seq``, once the hash chain of every record before it is
+    verified (``verify_chain``; off: they are trusted unread); a snapshot
+    behind a broken chain is not started from, and the replay from genesis
+    names the break. Broken rules are in ``PoolState.violations``.
     Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch.
     """
     with connect(url) as conn:
         info = resolve_epoch(conn, pool_id, epoch)
-        replayer = replay_epoch(conn, info, until_seq, lambda: _start(conn, info, until_seq, from_snapshot))
+        replayer = replay_epoch(
+            conn, info, until_seq, lambda: _start(conn, info, until_seq, from_snapshot, verify_chain)
+        )
         if until_seq is None:
             replayer.finish()
         return replayer.state()
@@ -86,7 +101,7 @@ def replay_epoch(
     replayer = start()
     database = conn.engine.url.database or ""
     if conn.dialect.name == "sqlite" and database not in ("", ":memory:"):
-        last_seq = last_stored_seq(conn, info.pool_id, info.epoch, until_seq)
+        last_seq = _or_none_if_damaged(lambda: last_stored_seq(conn, info.pool_id, info.epoch, until_seq))
         num_rows = 0 if last_seq is None else last_seq - replayer.expected_seq + 1
         if (
             last_seq is not None
@@ -99,8 +114,21 @@ def replay_epoch(
             replayer = start()
             until_seq = last_seq
     rows = event_rows(conn, info.pool_id, info.epoch, replayer.expected_seq, until_seq, num_rows_per_chunk=_CHUNK_ROWS)
-    replayer.apply_chunks(rows)
+    try:
+        replayer.apply_chunks(rows)
+    except LogReadError as exc:  # a damaged page: everything before it is applied, the rest cannot be
+        replayer.violate(exc.seq, "unreadable", f"the store cannot read the rows from here on: {exc.cause}")
     return replayer
+
+
+def _or_none_if_damaged(query: Callable[[], int | None]) -> int | None:
+    """A seq from the store, None when the store cannot read it (replay then takes the careful way)."""
+    try:
+        return query()
+    except sa.exc.DBAPIError as exc:
+        if is_store_unavailable(exc):
+            raise
+        return None
 
 
 def _has_idle_core() -> bool:
@@ -126,9 +154,11 @@ def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replay
     )
     try:
         for chunk in rows:
-            if not replayer.apply_intact_rows(chunk):
+            if type(chunk) is DamagedChunk or not replayer.apply_intact_rows(chunk):
                 in_line = False
                 break
+    except LogReadError:
+        in_line = False  # the careful replay names the damage
     except BaseException:
         verifier.kill()
         verifier.communicate()
@@ -146,24 +176,56 @@ def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replay
     return True
 
 
-def _start(conn: sa.Connection, info: EpochInfo, until_seq: int | None, from_snapshot: bool) -> Replayer:
+def _start(
+    conn: sa.Connection, info: EpochInfo, until_seq: int | None, from_snapshot: bool, verify_chain: bool = True
+) -> Replayer:
     """A replayer at the newest SNAPSHOT at or before ``until_seq``, or at genesis.
 
-    A snapshot that cannot be read is not started from: replay then begins at
-    genesis, and reaching the snapshot reports it.
+    A snapshot that cannot be read, or (with ``verify_chain``) one that the
+    records before it do not chain up to, is not started from: replay then
+    begins at genesis, which names what is wrong when it gets there.
     """
-    snapshot_seq = latest_snapshot_seq(conn, info.pool_id, info.epoch, until_seq) if from_snapshot else None
+    if not from_snapshot:
+        return Replayer(info)
+    snapshot_seq = _or_none_if_damaged(lambda: latest_snapshot_seq(conn, info.pool_id, info.epoch, until_seq))
     if snapshot_seq is None:
         return Replayer(info)
-    previous = stored_hash(conn, info.pool_id, info.epoch, snapshot_seq - 1)
-    rows = [row for chunk in event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq) for row in chunk]
-    fields = split_record(rows[0][3])
-    replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous or b"")
+    if verify_chain and not _chain_intact(conn, info, snapshot_seq - 1):
+        return Replayer(info)
     try:
+        previous = stored_hash(conn, info.pool_id, info.epoch, snapshot_seq - 1)
+        rows = [
+            row for chunk in event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq) for row in chunk
+        ]
+        fields = split_record(rows[0][3])
         if len(fields) != NUM_FIELDS:
             raise ValueError(f"record has {len(fields)} fields")
+        replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous or b"")
         replayer.load_snapshot(fields[-1])
-    except ValueError:
+    except (ValueError, TypeError, IndexError):  # LogReadError is a ValueError
         return Replayer(info)
     replayer.apply_rows(rows)
     return replayer
+
+
+def _chain_intact(conn: sa.Connection, info: EpochInfo, last_seq: int) -> bool:
+    """Whether seqs 1..last_seq are all stored, in line, as text, and hash-chained from the epoch's genesis."""
+    previous = genesis_hash(info.pool_id, info.epoch)
+    expected = 1
+    rows = event_rows(conn, info.pool_id, info.epoch, 1, last_seq, columns=_SEQ_RECORD_HASH)
+    try:
+        for chunk in rows:
+            if list(map(_seq_of, chunk)) != list(range(expected, expected + len(chunk))):
+                return False
+            hashes = list(map(_hash_of, chunk))
+            chained = [previous, *hashes[:-1]]
+            records = list(map(str.encode, map(_record_of, chunk)))
+            if list(map(_digest, map(hashlib.sha256, map(operator.add, chained, records)))) != hashes:
+                return False
+            previous = hashes[-1]
+            expected += len(chunk)
+    except (LogReadError, TypeError):  # a damaged page; text read as bytes, a hash stored as text
+        return False
+    finally:
+        rows.close()
+    return expected == last_seq + 1

@@ -113,8 +113,11 @@ class Replayer:
         hashes = list(map(_hash_of, chunk))
         previous = [self.previous_hash]
         previous += hashes[:-1]
-        records = map(str.encode, map(_record_of, chunk))
-        return list(map(_digest, map(hashlib.sha256, map(operator.add, previous, records)))) == hashes
+        try:
+            records = list(map(str.encode, map(_record_of, chunk)))
+            return list(map(_digest, map(hashlib.sha256, map(operator.add, previous, records)))) == hashes
+        except TypeError:  # a column of the wrong type (text read as bytes, a hash stored as text)
+            return False
 
     def apply_rows(self, rows: Sequence[Row], verified: bool = False) -> None:
         """Check and apply rows in seq order; ``verified`` skips the seq and hash checks already done."""
@@ -124,6 +127,14 @@ class Replayer:
         violate = self.violate
         sha256 = hashlib.sha256
         for seq, kind_column, owner_column, record, stored in rows:
+            if type(seq) is not int or type(record) is not str:  # damaged columns: name them, apply nothing
+                self._bad_columns(expected, seq, record, owner_column)
+                if type(seq) is int:
+                    if not verified and seq > expected:
+                        violate(expected, "missing_events", f"seqs {expected}..{seq - 1} are missing")
+                    expected = seq + 1
+                    previous = stored if type(stored) is bytes else previous
+                continue
             if not verified:
                 if seq != expected:
                     if seq > expected:
@@ -132,13 +143,17 @@ class Replayer:
                         violate(seq, "out_of_order", f"seq {seq} follows seq {expected - 1}")
                     if batch_end >= expected and seq > batch_end:
                         batch_end = seq - 1  # the gap already reported the torn batch
-                if sha256(previous + record.encode()).digest() != stored:
+                computed = sha256(previous + record.encode()).digest()
+                if computed != stored:
+                    what = "does not match" if type(stored) is bytes else f"is {type(stored).__name__}, not bytes, and"
                     violate(
                         seq,
                         "hash_mismatch",
-                        "stored hash does not match the record and the previous hash",
+                        f"stored hash {what} the record and the previous hash",
                         owner=owner_column,
                     )
+                    if type(stored) is not bytes:
+                        stored = computed  # the next record chains from what this one should have stored
             expected = seq + 1
             previous = stored
             fields = split_record(record)
@@ -179,6 +194,22 @@ class Replayer:
         self.last_seq = expected - 1
         self.num_events += len(rows)
         self.batch_end = batch_end
+
+    def _bad_columns(self, expected: int, seq: Any, record: Any, owner: Any) -> None:
+        """A row whose seq is not an integer or whose record is not text: reported, not applied."""
+        if type(seq) is not int:
+            self.violate(expected, "bad_record", f"a row after seq {expected - 1} has seq {seq!r}, not an integer")
+            return
+        if isinstance(record, bytes):
+            try:
+                record.decode()
+                problem = "is stored as bytes, not text"
+            except UnicodeDecodeError as exc:
+                problem = f"is not valid UTF-8 (byte {record[exc.start]:#04x} at offset {exc.start})"
+        else:
+            problem = f"is {type(record).__name__}, not text"
+        owner_text = owner if type(owner) is str else None
+        self.violate(seq, "bad_record", f"record {record[:80]!r} {problem}", owner=owner_text)
 
     def _apply_record(self, seq: int, kind: str, block_text: str, reason_text: str, tail: str) -> None:
         """Apply one record's event to the pool (the checked path's step; the fast loop's fallback)."""

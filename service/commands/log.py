@@ -10,10 +10,15 @@
 
 The URL defaults to $NANOSERVE_EVENT_LOG_URL, else the server's default log
 file (``sqlite:///nanoserve-log.db`` in the working directory). Exit status:
-0 clean, 1 violations found, 2 unusable input (no log there, unknown pool or
-epoch, unreachable database, a bad flag). A migrated log with no epochs yet is
-not an error: ``epochs`` says "no epochs in the log" and ``audit`` says
-"nothing to audit", both exit 0.
+0 clean, 1 violations or damage found, 2 unusable input (no log there, unknown
+pool or epoch, unreachable database, a bad flag). A migrated log with no
+epochs yet is not an error: ``epochs`` says "no epochs in the log" and
+``audit`` says "nothing to audit", both exit 0.
+
+Damaged logs never end in a traceback: ``audit`` names the first bad seq
+(exit 1); ``show`` prints every event it can read and names each damaged row
+in its place (exit 1); ``state`` replays what it can and lists what broke
+(exit 1). SQLite files are opened read-only, so logs on read-only media work.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def register(subparsers: Any) -> None:
         "show",
         help="print events as a table",
         description="Print the events of one epoch as a table (seq, batch, step, time, kind, blocks, owner, reason), "
-        "filtered by owner, block, kind or seq range.",
+        "filtered by owner, block, kind or seq range. A damaged row is printed as DAMAGED in its place and named "
+        "below the table (exit 1).",
     )
     _add_source(show, epoch_help="the epoch whose events to print (default: the newest)")
     show.add_argument("--owner", help="only events of this owner (request id)")
@@ -91,6 +97,13 @@ def register(subparsers: Any) -> None:
         "--full",
         action="store_true",
         help="print the free stack block by block, next out first, instead of sorted ranges",
+    )
+    state.add_argument(
+        "--trust-snapshot",
+        action="store_true",
+        help="start from the newest SNAPSHOT at or before --at without verifying the hash chain of the records "
+        "before it (faster on long epochs; by default they are verified, and a broken chain replays from the "
+        "epoch's start instead)",
     )
     state.add_argument(
         "--svg",
@@ -135,14 +148,25 @@ def _guarded(run: Any) -> Any:
     def wrapper(args: argparse.Namespace) -> int:
         import sqlalchemy as sa
 
+        from nanoserve.allocator.log import EventLogError
+
         try:
             return int(run(args))
-        except (ValueError, sa.exc.SQLAlchemyError) as exc:
-            print(f"nanoserve log {args.log_command}: {exc}", file=sys.stderr)
+        except (ValueError, EventLogError, sa.exc.SQLAlchemyError) as exc:
+            print(f"nanoserve log {args.log_command}: {_one_line(exc)}", file=sys.stderr)
             return EXIT_UNUSABLE
 
     wrapper.__doc__ = run.__doc__
     return wrapper
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one line: a SQLAlchemy error without its SQL echo and help link."""
+    import sqlalchemy as sa
+
+    from nanoserve.allocator.log.errors import store_cause
+
+    return store_cause(exc) if isinstance(exc, sa.exc.SQLAlchemyError) else str(exc)
 
 
 @_guarded
@@ -164,13 +188,15 @@ def run_audit(args: argparse.Namespace) -> int:
 
 @_guarded
 def run_show(args: argparse.Namespace) -> int:
-    from nanoserve.allocator.log import read_events
+    from nanoserve.allocator.log import Damage, scan_events
 
     if args.from_seq < 1 or (args.to_seq is not None and args.to_seq < args.from_seq):
         raise ValueError(f"--from must be >= 1 and --to >= --from, got --from {args.from_seq} --to {args.to_seq}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    events = read_events(
+    rows: list[list[str]] = []
+    damage: list[Damage] = []
+    scan = scan_events(
         _url(args),
         args.pool_id,
         args.epoch,
@@ -179,23 +205,33 @@ def run_show(args: argparse.Namespace) -> int:
         owner=args.owner,
         kind=args.kind,
         block_id=args.block,
-        limit=args.limit,
     )
-    rows = [
-        [
-            str(event.seq),
-            str(event.batch_seq),
-            "" if event.step is None else str(event.step),
-            _utc(event.wall_time_ns),
-            event.kind,
-            ",".join(map(str, event.block_ids)),
-            event.owner or "",
-            event.reason or "",
-        ]
-        for event in events
-    ]
+    try:
+        for item in scan:
+            if isinstance(item, Damage):
+                damage.append(item)
+                rows.append([str(item.seq), "", "", "", "DAMAGED", "", "", ""])
+                continue
+            rows.append(
+                [
+                    str(item.seq),
+                    str(item.batch_seq),
+                    "" if item.step is None else str(item.step),
+                    _utc(item.wall_time_ns),
+                    item.kind,
+                    ",".join(map(str, item.block_ids)),
+                    item.owner or "",
+                    item.reason or "",
+                ]
+            )
+            if args.limit is not None and len(rows) >= args.limit:
+                break
+    finally:
+        scan.close()
     print(_table(["seq", "batch", "step", "time (UTC)", "kind", "blocks", "owner", "reason"], rows))
-    return EXIT_CLEAN
+    for item in damage:
+        print(f"damaged: {item}")
+    return EXIT_CLEAN if not damage else EXIT_VIOLATIONS
 
 
 @_guarded
@@ -204,8 +240,13 @@ def run_state(args: argparse.Namespace) -> int:
 
     if args.at_seq < 1:
         raise ValueError(f"--at must be >= 1, got {args.at_seq}")
-    state = replay(_url(args), args.pool_id, args.epoch, until_seq=args.at_seq)
-    if state.last_seq < args.at_seq:
+    state = replay(_url(args), args.pool_id, args.epoch, until_seq=args.at_seq, verify_chain=not args.trust_snapshot)
+    if args.trust_snapshot:
+        print(
+            "note: --trust-snapshot: the records before the SNAPSHOT replay started from were not verified",
+            file=sys.stderr,
+        )
+    if state.last_seq is not None and state.last_seq < args.at_seq:
         print(
             f"note: epoch {state.epoch} ends at seq {state.last_seq}; "
             f"showing the pool there, not at --at {args.at_seq}",
@@ -242,7 +283,8 @@ def run_plot(args: argparse.Namespace) -> int:
 
 @_guarded
 def run_epochs(args: argparse.Namespace) -> int:
-    from nanoserve.allocator.log.log_reader import LogNotFoundError, connect, list_epochs
+    from nanoserve.allocator.log.errors import LogNotFoundError
+    from nanoserve.allocator.log.log_reader import connect, list_epochs
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)

@@ -107,7 +107,7 @@ def run_plot(args: argparse.Namespace, url: str) -> int:
 
 def write_state_picture(url: str, state: Any, path: str) -> int:
     """``log state --svg``: the grid of ``state`` (replayed from ``url``) written to ``path``; the exit status."""
-    from nanoserve.allocator.log import read_events
+    from nanoserve.allocator.log import LogDamagedError, read_events
     from nanoserve.allocator.log.pool_timeline import read_timeline
 
     draw = _drawing("state")
@@ -117,8 +117,12 @@ def write_state_picture(url: str, state: Any, path: str) -> int:
     fmt = figure_file.figure_format(path)
     from nanoserve.service.pool_grid import draw_pool_grid
 
-    timeline = read_timeline(url, state.pool_id, state.epoch, state.last_seq)
-    events = read_events(url, state.pool_id, state.epoch, state.last_seq, state.last_seq)
+    try:
+        timeline = read_timeline(url, state.pool_id, state.epoch, state.last_seq)
+        events = read_events(url, state.pool_id, state.epoch, state.last_seq, state.last_seq)
+    except LogDamagedError as exc:  # the damage is named above, among the violations
+        print(f"nanoserve log state: no picture: the log is damaged: {exc}", file=sys.stderr)
+        return EXIT_VIOLATIONS
     picture = draw_pool_grid(state, timeline, events[0] if events else None)
     picture.save(path, fmt)
     print(f"wrote {path}: {picture.summary}")

@@ -363,10 +363,10 @@ def test_engine_without_an_event_log_drops_the_allocator_events(make_llm: Callab
 
 
 def test_engine_migrates_the_event_log_unless_told_not_to(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
-    from nanoserve.allocator.log import LogNotFoundError
+    from nanoserve.engine.errors import EventLogUnusableError
 
     url = f"sqlite:///{tmp_path / 'bare.db'}"
-    with pytest.raises(LogNotFoundError, match="holds no event log schema"):
+    with pytest.raises(EventLogUnusableError, match="holds no event log schema"):
         make_llm(event_log_url=url, event_log_migrate=False)
     llm = make_llm(event_log_url=url)
     assert llm.engine.pool_status().epoch == 1

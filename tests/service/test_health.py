@@ -1,4 +1,4 @@
-"""Health per service: NOT_SERVING when the engine loop died or the log writer cannot write."""
+"""Health per service: NOT_SERVING when the engine loop died or the event log is not durable."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ def test_dead_engine_loop_stops_every_service() -> None:
     }
 
 
-def test_unhealthy_log_writer_stops_allocation_and_the_server() -> None:
+def test_log_that_is_not_durable_stops_every_service() -> None:
+    # issue 9: new requests are refused while the log cannot commit, so Generation says so too
     assert health_statuses(engine_ok=True, log_ok=False) == {
         "": NOT_SERVING,
-        GENERATION_SERVICE: SERVING,
+        GENERATION_SERVICE: NOT_SERVING,
         ALLOCATION_SERVICE: NOT_SERVING,
         VLLM_ENGINE_SERVICE: SERVING,
     }

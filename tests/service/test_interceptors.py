@@ -16,9 +16,11 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from nanoserve.allocator.log import LogDamagedError, LogUnavailableError
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     EngineDeadError,
+    EventLogNotDurableError,
     InvalidRequestError,
     QueueFullError,
     RequestNotFoundError,
@@ -36,6 +38,9 @@ ERRORS = {
     "dead": EngineDeadError("engine loop stopped"),
     "missing": RequestNotFoundError("no live request 'r9'"),
     "nolog": EventLogDisabledError("the server keeps no event log"),
+    "notdurable": EventLogNotDurableError("event log not durable: commits have failed for 2.0 s"),
+    "storedown": LogUnavailableError("event log store postgresql+psycopg://u@db/x is unavailable: OperationalError"),
+    "damaged": LogDamagedError("seq 42: the record is not valid UTF-8 text"),
     "bug": ZeroDivisionError("division by zero"),
 }
 
@@ -83,6 +88,13 @@ async def stub() -> AsyncIterator[generation_pb2_grpc.GenerationServiceStub]:
         ("dead", grpc.StatusCode.UNAVAILABLE, "engine loop stopped"),
         ("missing", grpc.StatusCode.NOT_FOUND, "no live request 'r9'"),
         ("nolog", grpc.StatusCode.FAILED_PRECONDITION, "the server keeps no event log"),
+        ("notdurable", grpc.StatusCode.UNAVAILABLE, "event log not durable: commits have failed for 2.0 s"),
+        (
+            "storedown",
+            grpc.StatusCode.UNAVAILABLE,
+            "event log store postgresql+psycopg://u@db/x is unavailable: OperationalError",
+        ),
+        ("damaged", grpc.StatusCode.DATA_LOSS, "seq 42: the record is not valid UTF-8 text"),
         ("bug", grpc.StatusCode.INTERNAL, "internal error (ZeroDivisionError); see the server log"),
     ],
 )

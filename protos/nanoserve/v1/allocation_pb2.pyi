@@ -50,6 +50,7 @@ class AuditRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIT_RULE_SNAPSHOT_MISMATCH: _ClassVar[AuditRule]
     AUDIT_RULE_MISSING_CLOSE: _ClassVar[AuditRule]
     AUDIT_RULE_LEAKED_BLOCK: _ClassVar[AuditRule]
+    AUDIT_RULE_UNREADABLE: _ClassVar[AuditRule]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_POOL_INIT: EventKind
 EVENT_KIND_ALLOCATE: EventKind
@@ -81,6 +82,7 @@ AUDIT_RULE_BAD_SNAPSHOT: AuditRule
 AUDIT_RULE_SNAPSHOT_MISMATCH: AuditRule
 AUDIT_RULE_MISSING_CLOSE: AuditRule
 AUDIT_RULE_LEAKED_BLOCK: AuditRule
+AUDIT_RULE_UNREADABLE: AuditRule
 
 class GetPoolStatusRequest(_message.Message):
     __slots__ = ()

@@ -35,8 +35,7 @@ class AllocationServiceStub:
     (gRPC's own receive limit, 4 MiB by default); no
     google.rpc.RetryInfo detail: do not retry it.
     DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
-    INTERNAL            a server bug, or the event log's store failed while
-    being read; the server logs it with its traceback.
+    INTERNAL            a server bug; the server logs it with its traceback.
     """
 
     def __init__(self, channel):
@@ -72,8 +71,7 @@ class AllocationServiceServicer:
     (gRPC's own receive limit, 4 MiB by default); no
     google.rpc.RetryInfo detail: do not retry it.
     DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
-    INTERNAL            a server bug, or the event log's store failed while
-    being read; the server logs it with its traceback.
+    INTERNAL            a server bug; the server logs it with its traceback.
     """
 
     def GetPoolStatus(self, request, context):
@@ -93,7 +91,14 @@ class AllocationServiceServicer:
         EVENT_KIND_POOL_CLOSE, when the server shuts down.
 
         Status codes:
+        INVALID_ARGUMENT    `from_seq` is negative.
         FAILED_PRECONDITION the server keeps no event log (--event-log-url none).
+        UNAVAILABLE         also: the event log's store cannot be reached or read
+        now (down, locked); the message names the store.
+        Retry later, from the seq after the last one received.
+        DATA_LOSS           a stored event cannot be read (a damaged record or
+        page); the message names its seq (`nanoserve log
+        audit` tells more). Do not retry.
         plus the codes every method can return (above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -104,9 +109,15 @@ class AllocationServiceServicer:
         """Replays an epoch from the log and checks every rule of the allocator: the
         report of the server's current epoch, or of the one given.
 
+        Damage in the stored log (an unreadable record or page, a column of the
+        wrong type) is reported as violations, never as an error.
+
         Status codes:
+        INVALID_ARGUMENT    `epoch` is outside [1, 2147483647].
         NOT_FOUND           the log holds no such epoch for this server's pool.
         FAILED_PRECONDITION the server keeps no event log (--event-log-url none).
+        UNAVAILABLE         also: the event log's store cannot be reached or read
+        now (down, locked); the message names the store. Retry later.
         plus the codes every method can return (above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -149,8 +160,7 @@ class AllocationService:
     (gRPC's own receive limit, 4 MiB by default); no
     google.rpc.RetryInfo detail: do not retry it.
     DEADLINE_EXCEEDED / CANCELLED  the client's deadline passed or it cancelled.
-    INTERNAL            a server bug, or the event log's store failed while
-    being read; the server logs it with its traceback.
+    INTERNAL            a server bug; the server logs it with its traceback.
     """
 
     @staticmethod

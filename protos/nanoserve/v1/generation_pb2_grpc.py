@@ -101,7 +101,12 @@ class GenerationServiceServicer:
         holds max_num_waiting requests; retry after the
         detail's retry_delay (backing off on repeats).
         UNAVAILABLE         also: the engine loop has stopped or failed, before
-        or during the stream (health reports NOT_SERVING).
+        or during the stream (health reports NOT_SERVING),
+        or the event log is not durable (its store is away,
+        read-only or full, or the log failed): the message
+        starts with `event log not durable:` and says why,
+        and health reports NOT_SERVING until it is. Retry
+        later or on another server.
         DEADLINE_EXCEEDED   also: the deadline passed mid-stream; the request
         was aborted and its blocks freed.
         plus the codes every method can return (above).
