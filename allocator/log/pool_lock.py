@@ -30,7 +30,7 @@ from typing import IO
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.log.log_writer import SecondWriterError
+from nanoserve.allocator.log.errors import SecondWriterError
 
 try:
     import fcntl
@@ -74,11 +74,15 @@ class PoolLock:
         raise ValueError(f"no pool lock for {engine.dialect.name!r} databases (SQLite and PostgreSQL have one)")
 
     def release(self) -> None:
+        """Gives the pool up. Never raises for a store that is away: a lost PostgreSQL session has
+        released its lock already (the server ends a session's locks with it)."""
         connection, self._connection = self._connection, None
         if connection is not None:
             try:
                 connection.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": advisory_key(self.pool_id)})
                 connection.commit()
+            except sa.exc.SQLAlchemyError:
+                connection.invalidate()  # the session is gone, and its lock with it
             finally:
                 connection.close()  # ends the session's hold even if the unlock failed
         lock_file, self._lock_file = self._lock_file, None

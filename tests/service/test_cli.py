@@ -115,6 +115,7 @@ def test_serve_refuses_a_pool_another_live_server_writes(pg_url: str, tiny_model
         )
     assert second.returncode == 3, second.stderr[-2000:]
     last_line = second.stderr.strip().splitlines()[-1]
-    assert last_line.startswith(f"nanoserve serve: error: pool {pool_id!r} is being written by another live server")
+    assert last_line.startswith("nanoserve serve: error: event log postgresql+psycopg://")  # the store, then why
+    assert f"pool {pool_id!r} is being written by another live server" in last_line
     assert "give this server another pool id (--pool-id / NANOSERVE_POOL_ID)" in last_line
     assert "Traceback" not in second.stderr
