@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -32,9 +33,27 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # run beside the writer; synchronous=FULL makes a commit durable before durable_seq advances.
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-    cursor.execute("PRAGMA journal_mode=WAL")
+    _while_busy(cursor, "PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=FULL")
     cursor.close()
+
+
+def _while_busy(cursor: Any, sql: str) -> None:
+    """``cursor.execute(sql)``, again while SQLite says the database is locked, up to the busy timeout.
+
+    Setting the journal mode is answered "database is locked" at once, without
+    the busy handler, while another process opens the same file's WAL (its
+    recovery holds the WAL index): two servers starting on one fresh log met it.
+    """
+    deadline_s = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute(sql)
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline_s:
+                raise
+            time.sleep(0.01)
 
 
 def _sqlite_read_pragmas(dbapi_connection: Any, _record: Any) -> None:
