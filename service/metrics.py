@@ -31,6 +31,7 @@ class FinishedRequest:
     ttft_s: float | None
     total_s: float | None
     num_preemptions: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def tpot_s(self) -> float | None:

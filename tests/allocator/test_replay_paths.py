@@ -79,7 +79,7 @@ def write_log(operations: list[tuple[Any, ...]], close: bool) -> Log:
     stored += rows
     info = EpochInfo("p", 1, NUM_BLOCKS, BLOCK_SIZE, None, 0, last_seq if rows else 1, head_hash, closed_seq)
     return Log(
-        [(seq, kind, owner, record, hash_) for _, _, seq, kind, owner, record, hash_ in stored], info, pool.state()
+        [(seq, kind, owner, record, hash_) for _, _, seq, kind, owner, record, hash_, _ in stored], info, pool.state()
     )
 
 
