@@ -131,6 +131,11 @@ class BlockAllocator:
         return len(self._state.cached_free)
 
     @property
+    def num_shared(self) -> int:
+        """Blocks held by more than one owner."""
+        return len(self._state.sharers)
+
+    @property
     def num_cached(self) -> int:
         """Registered blocks, held or cached-free."""
         return len(self._state.block_keys)

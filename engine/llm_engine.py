@@ -93,7 +93,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.event_log: EventLog | None = self._open_event_log()
         self.allocator = BlockAllocator(self.num_blocks, self.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.allocator)
+        self.scheduler = Scheduler(
+            config.scheduler, self.allocator, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
         self.sampler = Sampler()
         # request_id -> live (unfinished) request: the one registry of requests, the one
         # arbiter of duplicate ids and queue room
@@ -247,6 +249,7 @@ class LLMEngine:
         logits = self.runner.forward(batch)  # [len(sampled), vocab_size] float32
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
+            self.scheduler.register_computed(chunk.request)  # only now is the chunk's KV written
         if not sampled:
             return []
         result = self.sampler(logits, sampled)
@@ -311,6 +314,12 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             last_seq=log.last_seq if log is not None else None,
             durable_seq=log.durable_seq if log is not None else None,
+            num_cached=self.allocator.num_cached,
+            num_cached_free=self.allocator.num_cached_free,
+            num_shared=self.allocator.num_shared,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            enable_prefix_caching=self.scheduler.enable_prefix_caching,
         )
 
     def shutdown(self, log_close_timeout_s: float | None = None) -> None:

@@ -174,8 +174,11 @@ def to_tokenize_input(request: pb.TokenizeRequest) -> str | ChatPrompt:
     return ChatPrompt(messages=to_messages(request.chat))
 
 
-def to_sampling_params(params: pb.SamplingParameters) -> SamplingParams:
+def to_sampling_params(params: pb.SamplingParameters, cache_salt: str = "") -> SamplingParams:
+    """The engine's SamplingParams, with the request's ``cache_salt`` ("" is none)."""
     kwargs: dict[str, Any] = {name: getattr(params, name) for name in OPTIONAL_SAMPLING_FIELDS if params.HasField(name)}
+    if cache_salt:
+        kwargs["cache_salt"] = cache_salt
     if kwargs.get("top_k") == 0:
         del kwargs["top_k"]  # 0 = off, the engine's None
     if params.min_tokens:
