@@ -31,6 +31,7 @@ from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     EventLogUnusableError,
+    PrefixCacheResetRefusedError,
     QueueFullError,
     RequestNotFoundError,
 )
@@ -298,6 +299,29 @@ class LLMEngine:
             self._pending_outputs.append(self._finish(request, FreeReason.ABORTED, time.monotonic()))
         finally:
             self._persist_events(step)
+
+    def reset_prefix_cache(self, owner: str = "reset_prefix_cache") -> int:
+        """Drops every cached-free block's key (one CACHE_RESET event, a step of its own in the log).
+
+        Returns the blocks reset. Raises PrefixCacheResetRefusedError while any
+        block is held (a held block's key may be shared at any moment), and
+        when prefix caching is off.
+        """
+        if not self.scheduler.enable_prefix_caching:
+            raise PrefixCacheResetRefusedError("prefix caching is off (--no-enable-prefix-caching): nothing to reset")
+        num_held = self.allocator.num_allocated
+        num_cached_free = self.allocator.num_cached_free
+        if num_held:
+            raise PrefixCacheResetRefusedError(
+                f"{num_held} blocks are held by {self.scheduler.num_running} running requests; "
+                "reset the prefix cache when the server is idle"
+            )
+        step = self._begin_step()
+        try:
+            assert self.allocator.reset_prefix_cache(owner), "the allocator refused a reset with no block held"
+        finally:
+            self._persist_events(step)
+        return num_cached_free
 
     # ---- status and shutdown ----------------------------------------------
 
