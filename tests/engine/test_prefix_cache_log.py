@@ -22,8 +22,8 @@ def log_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> s
         model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=24, block_size=4, event_log_url=url
     )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    llm.generate(TokensPrompt(SYSTEM + [5]), SamplingParams(temperature=0.0, max_tokens=1))
-    llm.generate([TokensPrompt(SYSTEM + [7 + i, 8, 9]) for i in range(6)], params)  # preempts: 6 x 8 blocks > 24
+    llm.generate(TokensPrompt([*SYSTEM, 5]), SamplingParams(temperature=0.0, max_tokens=1))
+    llm.generate([TokensPrompt([*SYSTEM, 7 + i, 8, 9]) for i in range(6)], params)  # preempts: 6 x 8 blocks > 24
     llm.shutdown()
     return url
 
@@ -38,7 +38,8 @@ def test_timeline_follows_replay_at_every_event(log_url: str) -> None:
         assert timeline.sharers == state.sharers, event.seq
         assert timeline.cached_free == set(state.cached_free), event.seq
         assert (timeline.num_cached_free[-1], timeline.num_shared[-1]) == (len(state.cached_free), len(state.sharers))
-    assert max(timeline.num_shared) == 3 and max(timeline.num_cached_free) > 0
+    assert max(timeline.num_shared) == 3
+    assert max(timeline.num_cached_free) > 0
     assert timeline.unknown_kinds == {}
 
 
