@@ -273,11 +273,6 @@ def test_requests_sharing_a_long_system_prompt_land_on_the_same_replica_under_ca
     assert len(holders) == 1, holders
 
 
-@pytest.mark.skip(
-    reason="waits for prefix caching (issue 10): no replica reuses a cached prefix, so usage.prompt_tokens_details."
-    "cached_tokens is 0 (GenerateComplete.cached_tokens), and SubscribeKvEvents is UNIMPLEMENTED, so cache_aware "
-    "routes on smg's own prefix tree, not on the blocks each replica holds"
-)
 def test_the_second_request_sharing_a_long_system_prompt_reports_cached_tokens(gateway: Gateway) -> None:
     client, model = gateway.client, _model(gateway)
     usages = []
