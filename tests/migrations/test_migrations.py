@@ -62,3 +62,32 @@ def test_check_ignores_tables_of_other_applications(tmp_path: Path) -> None:
         conn.execute(sa.text("CREATE TABLE someone_elses (id INTEGER PRIMARY KEY)"))
     engine.dispose()
     check(url)
+
+
+def test_a_log_written_before_0002_replays_unchanged_after_it(tmp_path: Path) -> None:
+    """A 0001 log (no block_key column) upgraded to 0002 audits clean and replays the same pool."""
+    from alembic import command
+
+    from nanoserve.allocator import BlockAllocator, FreeReason
+    from nanoserve.allocator.log import EventLog, audit, replay
+    from nanoserve.migrations import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(url)
+    log = EventLog.open(url, num_blocks=4, block_size=2)
+    pool = BlockAllocator(4, 2)
+    held = pool.allocate_for(3, "a")
+    log.append_batch(1, pool.take_events(), pool.snapshot)
+    pool.free_all(held, FreeReason.FINISHED)
+    log.append_batch(2, pool.take_events(), pool.snapshot)
+    log.close(final_state=pool.snapshot())
+    command.downgrade(alembic_config(url), "0001")  # the rows as the 0001 schema stores them
+    engine = sa.create_engine(url)
+    try:
+        assert "block_key" not in {c["name"] for c in sa.inspect(engine).get_columns("allocator_events")}
+    finally:
+        engine.dispose()
+    upgrade(url)
+    report = audit(url)
+    assert report.clean and report.closed and report.num_events == 4
+    assert replay(url) == pool.state()
