@@ -89,5 +89,5 @@ def test_a_log_written_before_0002_replays_unchanged_after_it(tmp_path: Path) ->
         engine.dispose()
     upgrade(url)
     report = audit(url)
-    assert report.clean and report.closed and report.num_events == 4
+    assert (report.clean, report.closed, report.num_events) == (True, True, 4)
     assert replay(url) == pool.state()
