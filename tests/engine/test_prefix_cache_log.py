@@ -60,3 +60,11 @@ def test_state_names_the_requests_sharing_each_block(log_url: str, capsys: pytes
     assert "prefix cache: " in out
     for block_id, holders in state.shared_blocks().items():
         assert f"{block_id}             3      {','.join(holders)}" in out
+
+
+def test_plot_draws_cached_free_and_shared_blocks(log_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "plot.svg"
+    assert main(["log", "plot", "--url", log_url, "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "free, still cached (prefix)" in text
+    assert "shared by several requests" in text
