@@ -195,11 +195,14 @@ class BlockAllocator:
         return block_ids
 
     def free(self, block_id: int, reason: FreeReason | None = None) -> None:
-        """Return ``block_id`` to the pool. Emits FREE. ValueError on a double free or a foreign block."""
+        """Return ``block_id`` to the pool. Emits FREE. ValueError on a double free, a foreign block, or a
+        registered or shared block (those go back through ``release``)."""
         _check_reason(reason)
         owner = self._owners.get(block_id)
         if owner is None:
             raise self._bad_free(block_id)
+        if block_id in self._state.block_keys or block_id in self._state.sharers:
+            raise ValueError(f"block {block_id} is cached or shared: release it with release(owner, ...)")
         self._emit(BlockEvent(_FREE, (block_id,), owner, reason))
 
     def free_all(self, block_ids: Iterable[int], reason: FreeReason | None = None) -> None:
