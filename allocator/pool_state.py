@@ -103,7 +103,8 @@ class PoolState:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks that can be handed out: the free stack's and the cached-free ones."""
+        return len(self.free_block_ids) + len(self.cached_free)
 
     @property
     def num_allocated(self) -> int:

@@ -68,3 +68,13 @@ def test_plot_draws_cached_free_and_shared_blocks(log_url: str, tmp_path: Path) 
     text = out.read_text()
     assert "free, still cached (prefix)" in text
     assert "shared by several requests" in text
+
+
+def test_state_picture_titles_cached_free_and_shared_blocks(log_url: str, tmp_path: Path) -> None:
+    events = read_events(log_url)
+    at_shared = next(e.seq for e in events if e.kind == "share" and e.ref_counts[0] == 3)
+    at_cached = next(e.seq for e in events if e.kind == "release" and 0 in e.ref_counts)
+    for seq, expected in ((at_shared, ", shared with "), (at_cached, ": free but cached, #")):
+        out = tmp_path / f"state-{seq}.svg"
+        assert main(["log", "state", "--url", log_url, "--at", str(seq), "--svg", str(out)]) == 0
+        assert expected in out.read_text()
