@@ -174,6 +174,14 @@ class AbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "after_token_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    after_token_index: int
+    def __init__(self, request_id: _Optional[str] = ..., after_token_index: _Optional[int] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")
     TEXT_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,11 @@ class GenerationServiceStub:
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/nanoserve.v1.GenerationService/Resume',
+                request_serializer=nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/nanoserve.v1.GenerationService/Tokenize',
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
@@ -128,6 +133,30 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Streams a request's completion again from output token `after_token_index`
+        on: the tokens the request journal holds first, then the live ones, ending
+        with `finish` like Generate. Works on a request still running, on one the
+        server recovered after a crash (a restarted server re-admits unfinished
+        requests and recomputes them), and on one that ended (its journaled tail and
+        its finish). Idempotent: the same call streams the same tokens. A token
+        reaches a Generate or Resume stream only once the journal holds it (unless
+        the server runs with --stream-before-durable), so a client that resumes
+        from the count of token ids it received misses none and repeats none.
+        Ending the call does not abort the request (Abort does).
+
+        Status codes:
+        NOT_FOUND           the journal holds no request with this `request_id`
+        and none is running.
+        FAILED_PRECONDITION the server keeps no request journal (--event-log-url
+        none, or --no-journal).
+        INVALID_ARGUMENT    `after_token_index` is negative.
+        plus the codes every method can return (above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Tokenize(self, request, context):
         """Token ids of a text, or of chat messages rendered with the chat template
         (with the generation prompt for the assistant's turn).
@@ -162,6 +191,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -239,6 +273,33 @@ class GenerationService:
             '/nanoserve.v1.GenerationService/Abort',
             nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
             nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nanoserve.v1.GenerationService/Resume',
+            nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            nanoserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
