@@ -55,11 +55,6 @@ class GenerationServiceStub:
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
-        self.Resume = channel.unary_stream(
-                '/nanoserve.v1.GenerationService/Resume',
-                request_serializer=nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
-                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
-                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/nanoserve.v1.GenerationService/Tokenize',
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
@@ -69,6 +64,11 @@ class GenerationServiceStub:
                 '/nanoserve.v1.GenerationService/GetModelInfo',
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/nanoserve.v1.GenerationService/Resume',
+                request_serializer=nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.ResumeResponse.FromString,
                 _registered_method=True)
 
 
@@ -133,6 +133,28 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Token ids of a text, or of chat messages rendered with the chat template
+        (with the generation prompt for the assistant's turn).
+
+        Status codes:
+        INVALID_ARGUMENT    no input, an empty text, no chat messages or an
+        unknown chat role; the message starts with the field path.
+        plus the codes every method can return (above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelInfo(self, request, context):
+        """The served model and the shape of its KV cache.
+
+        Status codes: only the codes every method can return (above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Resume(self, request, context):
         """Streams a request's completion again from output token `after_token_index`
         on: the tokens the request journal holds first, then the live ones, ending
@@ -157,28 +179,6 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Tokenize(self, request, context):
-        """Token ids of a text, or of chat messages rendered with the chat template
-        (with the generation prompt for the assistant's turn).
-
-        Status codes:
-        INVALID_ARGUMENT    no input, an empty text, no chat messages or an
-        unknown chat role; the message starts with the field path.
-        plus the codes every method can return (above).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetModelInfo(self, request, context):
-        """The served model and the shape of its KV cache.
-
-        Status codes: only the codes every method can return (above).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,11 +192,6 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     request_deserializer=nanoserve_dot_v1_dot_generation__pb2.AbortRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
-            'Resume': grpc.unary_stream_rpc_method_handler(
-                    servicer.Resume,
-                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
-                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
-            ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
                     request_deserializer=nanoserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
@@ -206,6 +201,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -284,33 +284,6 @@ class GenerationService:
             _registered_method=True)
 
     @staticmethod
-    def Resume(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/nanoserve.v1.GenerationService/Resume',
-            nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
-            nanoserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Tokenize(request,
             target,
             options=(),
@@ -354,6 +327,33 @@ class GenerationService:
             '/nanoserve.v1.GenerationService/GetModelInfo',
             nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nanoserve.v1.GenerationService/Resume',
+            nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            nanoserve_dot_v1_dot_generation__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
