@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -329,7 +330,8 @@ class AsyncLLMEngine:
     def _adopt_recovered(self, requests: list[Request]) -> None:
         """Streams for the requests recovery re-admitted: nobody iterates them (a client follows one
         with ``resume``); each ends at its journaled deadline like the call it came from."""
-        assert self._loop is not None and self._all_done is not None
+        assert self._loop is not None
+        assert self._all_done is not None
         for request in requests:
             stream = RequestStream(request.request_id, request.metrics.arrival_time)
             stream._engine = self
@@ -339,7 +341,7 @@ class AsyncLLMEngine:
             self._streams[request.serial] = stream
             self._open.add(stream)
             self._all_done.clear()
-            stream.finished.add_done_callback(lambda _, stream=stream: self._close(stream))
+            stream.finished.add_done_callback(functools.partial(self._close_finished, stream))
             if request.deadline_wall_ns is not None:
                 delay_s = max(0.0, (request.deadline_wall_ns - time.time_ns()) / 1e9)
                 self._loop.call_later(delay_s, stream.abort, AbortCause.DEADLINE)
@@ -472,6 +474,9 @@ class AsyncLLMEngine:
         self._streams[stream.request.serial] = stream
         stream.submitted = True
         self._submit(_Add(stream.request))
+
+    def _close_finished(self, stream: RequestStream, _finished: asyncio.Future[RequestOutput]) -> None:
+        self._close(stream)
 
     def _close(self, stream: RequestStream) -> None:
         self._open.discard(stream)
@@ -680,10 +685,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop | None, callback: Callable[[], No
     """``callback`` on ``loop`` from another thread; nothing once the loop has closed."""
     if loop is None:
         return
-    try:
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(callback)
-    except RuntimeError:
-        pass
 
 
 def _resolve(reply: asyncio.Future[None], error: BaseException | None) -> None:

@@ -119,7 +119,9 @@ class Request:
         ``len(token_ids)`` and max_tokens / min_tokens / stop strings count them."""
         for index, token_id in enumerate(token_ids):
             self.token_ids.append(token_id)
-            self.stream.append(token_id, logprobs[index] if logprobs is not None else None, decode=True, check_stop=False)
+            self.stream.append(
+                token_id, logprobs[index] if logprobs is not None else None, decode=True, check_stop=False
+            )
         self.stream.restore_released(text)
 
     def _set_finish(self, reason: str, stop_reason: str | int | None) -> None:

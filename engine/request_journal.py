@@ -111,7 +111,9 @@ def ended_output(history: RequestHistory | None, request_id: str) -> RequestOutp
     if history is None:
         metrics = RequestMetrics(arrival_time=0.0)
         return RequestOutput(request_id, [], [CompletionOutput(0, "", [], "abort")], True, metrics=metrics)
-    return _output(history, history.token_ids, history.text, None, (OutputChunk(history.num_tokens, [], ""), None), finish)
+    return _output(
+        history, history.token_ids, history.text, None, (OutputChunk(history.num_tokens, [], ""), None), finish
+    )
 
 
 def slice_output(output: RequestOutput, after_token_index: int) -> RequestOutput:
@@ -189,7 +191,7 @@ def _metrics(finish: dict[str, Any] | None) -> RequestMetrics:
 def _logprobs(entries: list[Any] | None) -> list[TokenLogprob] | None:
     if entries is None:
         return None
-    return [TokenLogprob(token_id, logprob, {k: v for k, v in top}) for token_id, logprob, top in entries]
+    return [TokenLogprob(token_id, logprob, dict(top)) for token_id, logprob, top in entries]
 
 
 def _since(start: float, end: float | None) -> float | None:

@@ -176,7 +176,9 @@ class EventLog:
             init = Batch(1, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_INIT, init_data, journal, 1)
             rows, head_hash = writer.seal_first(init)
             journal_rows = writer.seal_journal([init])
-            _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns, journal_rows)
+            _insert_epoch(
+                engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns, journal_rows
+            )
             writer.durable_journal_seq = len(journal_rows)
         except Exception as exc:
             engine.dispose()

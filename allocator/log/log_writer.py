@@ -325,7 +325,16 @@ class LogWriter:
             for record in batch.journal:
                 data = encode_journal(record.data)
                 rows.append(
-                    (pool_id, epoch, journal_seq, record.request_id, record.kind.value, batch.step, batch.wall_time_ns, data)
+                    (
+                        pool_id,
+                        epoch,
+                        journal_seq,
+                        record.request_id,
+                        record.kind.value,
+                        batch.step,
+                        batch.wall_time_ns,
+                        data,
+                    )
                 )
                 journal_seq += 1
         return rows

@@ -97,7 +97,9 @@ class RecoveryPlanner:
             admit = dict(history.admit, recovered_from=crashed.epoch, num_prior_tokens=history.num_tokens)
             records.append(JournalRecord(JournalKind.ADMIT, history.request_id, admit))
         for request_id, cause in self.ended.items():
-            records.append(JournalRecord(JournalKind.FINISH, request_id, ended_record(cause, self._ended_at[request_id])))
+            records.append(
+                JournalRecord(JournalKind.FINISH, request_id, ended_record(cause, self._ended_at[request_id]))
+            )
         return records
 
     def _ending(self, history: RequestHistory, now_ns: int) -> str | None:
