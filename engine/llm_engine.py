@@ -173,6 +173,7 @@ class LLMEngine:
             epoch=recovery.recovered_epoch,
             num_recovered=len(requests),
             num_ended=len(recovery.ended),
+            request_ids=[request.request_id for request in requests],
         )
         return requests
 
