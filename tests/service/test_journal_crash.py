@@ -239,7 +239,8 @@ def test_sigkilled_streams_resume_exactly_across_several_crashes(
 
     # round 2: restart, resume, SIGKILL again mid-stream
     server = Server(command)
-    assert _recovered_ids(server) <= {c.request_id for c in clients} and _recovered_ids(server)
+    assert _recovered_ids(server) <= {c.request_id for c in clients}
+    assert _recovered_ids(server)
     resume_all(server, clients)
     wait_for_tokens(clients, sum(len(c.token_ids) for c in clients) + rng.randint(20, 150))
     server.kill()
@@ -269,13 +270,15 @@ def test_sigkilled_streams_resume_exactly_across_several_crashes(
     replay = Client("short", 0)
     replay.read(server.generation.Resume(pb.ResumeRequest(request_id="short", after_token_index=0)))
     assert replay.token_ids == short.token_ids == reference[0][:5]
-    assert replay.finish is not None and replay.finish.reason == pb.FINISH_REASON_LENGTH
+    assert replay.finish is not None
+    assert replay.finish.reason == pb.FINISH_REASON_LENGTH
     for request_id in ("cancelled", "aborted"):
         ended = Client(request_id, 0)
         ended.read(server.generation.Resume(pb.ResumeRequest(request_id=request_id, after_token_index=0)))
         assert ended.finish is not None and ended.finish.reason == pb.FINISH_REASON_ABORT, request_id
         if request_id == "aborted":  # what its client got before the abort, and nothing after
-            assert ended.token_ids == aborted.token_ids and aborted.finish is not None
+            assert ended.token_ids == aborted.token_ids
+            assert aborted.finish is not None
     assert server.stop() == 0
 
     # every stream, concatenated over its calls, is the uninterrupted run: no gap, no repeat
@@ -293,7 +296,8 @@ def test_sigkilled_streams_resume_exactly_across_several_crashes(
     assert [e.epoch for e in journal if e.request_id == "short" and e.kind == JournalKind.ADMIT.value] == [1]
     reports = audit_all(url, pool_id)
     assert all(report.clean for report in reports), [r.render() for r in reports]
-    assert reports[-1].closed and not reports[-1].leaked
+    assert reports[-1].closed
+    assert not reports[-1].leaked
 
 
 def _recovered_ids(server: Server) -> set[str]:
@@ -317,7 +321,8 @@ def test_a_token_not_yet_durable_is_never_sent_and_the_resumed_stream_is_contigu
         time.sleep(0.5)
         seen = [len(c.token_ids) for c in clients]
         status = server.pool_status()
-        assert status.last_seq > before.last_seq > 0 and status.durable_seq < status.last_seq  # sampled, not durable
+        assert status.last_seq > before.last_seq > 0
+        assert status.durable_seq < status.last_seq
         time.sleep(0.5)
         assert [len(c.token_ids) for c in clients] == seen  # nothing more was sent
         server.kill()
