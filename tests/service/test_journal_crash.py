@@ -275,7 +275,8 @@ def test_sigkilled_streams_resume_exactly_across_several_crashes(
     for request_id in ("cancelled", "aborted"):
         ended = Client(request_id, 0)
         ended.read(server.generation.Resume(pb.ResumeRequest(request_id=request_id, after_token_index=0)))
-        assert ended.finish is not None and ended.finish.reason == pb.FINISH_REASON_ABORT, request_id
+        assert ended.finish is not None, request_id
+        assert ended.finish.reason == pb.FINISH_REASON_ABORT, request_id
         if request_id == "aborted":  # what its client got before the abort, and nothing after
             assert ended.token_ids == aborted.token_ids
             assert aborted.finish is not None
@@ -283,7 +284,8 @@ def test_sigkilled_streams_resume_exactly_across_several_crashes(
 
     # every stream, concatenated over its calls, is the uninterrupted run: no gap, no repeat
     for client in clients:
-        assert client.finish is not None and client.finish.reason == pb.FINISH_REASON_LENGTH, client
+        assert client.finish is not None, client
+        assert client.finish.reason == pb.FINISH_REASON_LENGTH, client
         assert client.token_ids == reference[client.index], client.request_id
 
     journal = journal_of(url, pool_id)
