@@ -181,6 +181,8 @@ class EventLog:
             )
             writer.durable_journal_seq = len(journal_rows)
         except Exception as exc:
+            if pool_lock is not None:  # the epoch was not opened: the pool is free for the next try
+                pool_lock.release()
             engine.dispose()
             if is_store_unavailable(exc):
                 raise store_error(url, exc) from exc

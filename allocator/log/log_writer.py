@@ -382,15 +382,11 @@ class LogWriter:
             except _GuardMoved:
                 self._check_already_committed(last_seq, head_hash)
                 break
-            except sa.exc.IntegrityError as exc:
-                # a journal-only commit leaves the guard where it was: a retry after a lost
-                # acknowledgement meets its own rows
-                if journal_rows and self._journal_committed(journal_rows[-1][2]):
-                    break
-                self._note_failure(exc, last_seq, attempt)
-                self._sleep(RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)])
-                attempt += 1
             except (sa.exc.SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error) as exc:
+                # a journal-only commit leaves the guard where it was: a retry after a lost
+                # acknowledgement meets its own journal rows (the driver's IntegrityError)
+                if journal_rows and _is_integrity_error(exc) and self._journal_committed(journal_rows[-1][2]):
+                    break
                 self._note_failure(exc, last_seq, attempt)
                 self._sleep(RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)])
                 attempt += 1
@@ -527,6 +523,11 @@ class LogWriter:
                 self.durable_seq = 0  # what was committed went with the file
                 self.durable_journal_seq = 0
             self._progress.notify_all()
+
+
+def _is_integrity_error(exc: BaseException) -> bool:
+    """A unique key met: SQLAlchemy's IntegrityError, or the driver's (rows inserted through its cursor)."""
+    return any(cls.__name__ == "IntegrityError" for cls in type(exc).__mro__)
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
