@@ -126,7 +126,7 @@ def test_recovery_readmits_unfinished_requests_and_ends_the_rest(url: str, pool_
     assert planner.ended == {"late": "deadline", "old": "not_recovered"}
     log.close(10)
     with connect(url) as conn:
-        entries = [e for e in read_journal(conn, pool_id, 2)]
+        entries = read_journal(conn, pool_id, 2)
         running = read_request_history(conn, pool_id, "running")
         late = read_request_history(conn, pool_id, "late")
     recover = entries[0]
