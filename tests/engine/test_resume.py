@@ -1,0 +1,104 @@
+"""AsyncLLMEngine.resume: the journaled tail, then the live outputs, on the tiny model."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from nanoserve.engine import AsyncLLMEngine, EngineConfig, RequestOutput, SamplingParams, TokensPrompt
+from nanoserve.engine.errors import InvalidRequestError, JournalDisabledError, RequestNotFoundError
+
+PROMPT = TokensPrompt([101, 202, 303, 404, 505])
+
+
+def _config(tiny_model_dir: Path, log_url: str | None, **overrides: object) -> EngineConfig:
+    settings: dict[str, object] = {
+        "model": str(tiny_model_dir),
+        "dtype": "float32",
+        "device": "cpu",
+        "num_kv_blocks": 256,
+        "block_size": 4,
+        "event_log_url": log_url,
+    }
+    settings.update(overrides)
+    return EngineConfig.from_kwargs(**settings)
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[AsyncLLMEngine]:
+    engine = AsyncLLMEngine(_config(tiny_model_dir, f"sqlite:///{tmp_path / 'log.db'}"))
+    await engine.start()
+    yield engine
+    await engine.shutdown(grace_s=0.0)
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [output async for output in outputs]
+
+
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [token_id for output in outputs for token_id in output.delta_token_ids]
+
+
+async def test_resume_of_a_finished_request_streams_its_tail_and_ending_twice_alike(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=1)
+    generated = await _collect(engine.generate(PROMPT, params, "done"))
+    final = generated[-1]
+    for _ in range(2):  # idempotent
+        resumed = await _collect(engine.resume("done", 7))
+        assert _tokens(resumed) == final.token_ids[7:]
+        assert resumed[-1].finished
+        assert (resumed[-1].finish_reason, resumed[-1].token_ids) == ("length", final.token_ids)
+        logprobs = [entry for output in resumed for entry in output.delta_logprobs or []]
+        assert [entry.token_id for entry in logprobs] == final.token_ids[7:]
+        assert final.outputs[0].logprobs is not None
+        assert logprobs == final.outputs[0].logprobs[7:]
+    whole = await _collect(engine.resume("done", 0))
+    assert "".join(output.delta_text for output in whole) == final.text
+
+
+async def test_resume_of_a_running_request_joins_its_live_outputs(engine: AsyncLLMEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    stream = engine.add_request("live", PROMPT, params)
+    seen: list[int] = []
+    async for output in stream:
+        seen += output.delta_token_ids
+        if len(seen) >= 3:
+            break
+    resumed = await _collect(engine.resume("live", 2))
+    final = await stream.finished
+    assert _tokens(resumed) == final.token_ids[2:]
+    assert resumed[-1].finished
+
+
+async def test_resume_of_an_unknown_request_is_not_found(engine: AsyncLLMEngine) -> None:
+    with pytest.raises(RequestNotFoundError, match="'nobody'"):
+        await _collect(engine.resume("nobody", 0))
+
+
+async def test_resume_from_a_negative_index_names_the_field(engine: AsyncLLMEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="after_token_index: must be >= 0, got -1"):
+        await _collect(engine.resume("x", -1))
+
+
+async def test_resume_without_a_journal_is_refused(tiny_model_dir: Path) -> None:
+    engine = AsyncLLMEngine(_config(tiny_model_dir, None))
+    await engine.start()
+    try:
+        with pytest.raises(JournalDisabledError, match="no request journal"):
+            await _collect(engine.resume("x", 0))
+    finally:
+        await engine.shutdown(grace_s=0.0)
+
+
+async def test_outputs_wait_for_their_journal_batch_to_be_durable(engine: AsyncLLMEngine) -> None:
+    log = engine.event_log
+    assert log is not None
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    num_outputs = 0
+    async for _ in engine.generate(PROMPT, params, "gated"):
+        num_outputs += 1
+        # journal seq 1 is the ADMIT, then one OUTPUT (or the FINISH) per output: each is committed
+        assert log.durable_journal_seq >= 1 + num_outputs
