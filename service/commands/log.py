@@ -319,6 +319,7 @@ def run_epochs(args: argparse.Namespace) -> int:
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)
+        recovered_by = log_requests.recovered_by(conn)
     if not epochs and args.pool_id is not None:
         raise LogNotFoundError(f"the log holds no pool {args.pool_id!r}")
     if not epochs:
@@ -333,7 +334,11 @@ def run_epochs(args: argparse.Namespace) -> int:
             info.model or "",
             _utc(info.opened_wall_ns),
             str(info.durable_seq),
-            f"closed at seq {info.closed_seq}" if info.closed else OPEN_STATUS,
+            f"closed at seq {info.closed_seq}"
+            if info.closed
+            else OPEN_STATUS
+            if (info.pool_id, info.epoch) not in recovered_by
+            else f"crashed; recovered by epoch {recovered_by[(info.pool_id, info.epoch)]}",
         ]
         for info in epochs
     ]

@@ -13,6 +13,7 @@ the journal existed (migration 0003) has no requests to list.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,22 @@ def read_entries(url: str, pool_id: str | None, epoch: int | None) -> list[Journ
         if not has_journal_table(conn):
             return []
         return read_journal(conn, info.pool_id, epoch)
+
+
+def recovered_by(conn: Any) -> dict[tuple[str, int], int]:
+    """(pool_id, crashed epoch) -> the epoch that recovered it, from the RECOVER records."""
+    import sqlalchemy as sa
+
+    from nanoserve.allocator.log.journal import has_journal_table
+    from nanoserve.allocator.log.schema import request_journal
+
+    if not has_journal_table(conn):
+        return {}
+    table = request_journal
+    rows = conn.execute(
+        sa.select(table.c.pool_id, table.c.epoch, table.c.record).where(table.c.kind == JournalKind.RECOVER.value)
+    )
+    return {(pool_id, json.loads(record)["epoch"]): epoch for pool_id, epoch, record in rows}
 
 
 def owner_lines(url: str, pool_id: str, owner: str) -> list[str]:

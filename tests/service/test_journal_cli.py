@@ -94,3 +94,12 @@ def test_log_show_owner_follows_a_request_across_epochs(crashed_log: str, capsys
 def test_resume_errors_map_to_their_status_codes() -> None:
     assert status_for(JournalDisabledError("no journal")) == grpc.StatusCode.FAILED_PRECONDITION
     assert status_for(RequestNotFoundError("request_id: no request 'x'")) == grpc.StatusCode.NOT_FOUND
+
+
+def test_log_epochs_names_the_epoch_that_recovered_a_crash(
+    crashed_log: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["log", "epochs", "--url", crashed_log]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert rows[0].endswith("crashed; recovered by epoch 2")
+    assert "closed at seq" in rows[1]
