@@ -126,6 +126,10 @@ class LLMEngine:
 
                 upgrade(url)
             probe_store(url)
+            if self.config.event_log.journal:
+                from nanoserve.allocator.log.journal import check_journal_schema
+
+                check_journal_schema(url)
 
     def _open_event_log(self) -> EventLog | None:
         """Opens a new epoch of the configured log (its store was checked by ``_prepare_event_log``)."""

@@ -203,6 +203,24 @@ def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) ->
     ]
 
 
+def check_journal_schema(url: str) -> None:
+    """LogNotFoundError when the log at ``url`` has no journal table (its schema predates migration 0003)."""
+    from nanoserve.allocator.log.database import create_log_engine
+    from nanoserve.allocator.log.errors import LogNotFoundError, safe_url
+
+    engine = create_log_engine(url)
+    try:
+        with engine.connect() as conn:
+            if not has_journal_table(conn):
+                shown = safe_url(url)
+                raise LogNotFoundError(
+                    f"{shown!r} has no request journal table (run `nanoserve db upgrade {shown}`, or serve with "
+                    "--no-journal)"
+                )
+    finally:
+        engine.dispose()
+
+
 def has_journal_table(conn: sa.Connection) -> bool:
     """Whether the database holds the journal's table (a log older than migration 0003 does not)."""
     return bool(sa.inspect(conn).has_table(request_journal.name))

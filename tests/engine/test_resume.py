@@ -102,3 +102,16 @@ async def test_outputs_wait_for_their_journal_batch_to_be_durable(engine: AsyncL
         num_outputs += 1
         # journal seq 1 is the ADMIT, then one OUTPUT (or the FINISH) per output: each is committed
         assert log.durable_journal_seq >= 1 + num_outputs
+
+
+def test_a_journal_on_a_log_without_its_table_is_refused_at_start(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from nanoserve.engine import LLMEngine
+    from nanoserve.engine.errors import EventLogUnusableError
+    from nanoserve.migrations import upgrade
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0001")
+    config = _config(tiny_model_dir, url, event_log_migrate=False)
+    with pytest.raises(EventLogUnusableError, match="has no request journal table"):
+        LLMEngine(config)
+    LLMEngine(_config(tiny_model_dir, url, event_log_migrate=False, journal=False)).shutdown()
