@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -115,3 +117,35 @@ def test_a_journal_on_a_log_without_its_table_is_refused_at_start(tiny_model_dir
     with pytest.raises(EventLogUnusableError, match="has no request journal table"):
         LLMEngine(config)
     LLMEngine(_config(tiny_model_dir, url, event_log_migrate=False, journal=False)).shutdown()
+
+
+@pytest.mark.parametrize("stream_before_durable", [False, True])
+async def test_a_store_that_takes_nothing_holds_tokens_back_unless_streaming_before_durable(
+    tiny_model_dir: Path, tmp_path: Path, stream_before_durable: bool
+) -> None:
+    config = _config(tiny_model_dir, f"sqlite:///{tmp_path / 'log.db'}", stream_before_durable=stream_before_durable)
+    engine = AsyncLLMEngine(config)
+    await engine.start()
+    log = engine.event_log
+    assert log is not None
+    store_back = threading.Event()
+    real_commit = log._writer._commit
+
+    def stalled_commit(*args: object) -> None:
+        store_back.wait()
+        real_commit(*args)  # type: ignore[arg-type]
+
+    log._writer._commit = stalled_commit  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    try:
+        stream = engine.add_request("held", PROMPT, params)
+        done = asyncio.ensure_future(stream.finished)
+        await asyncio.wait([done], timeout=1.0)
+        assert done.done() is stream_before_durable  # sampled in far less than a second either way
+        assert log.durable_journal_seq == 0
+        store_back.set()
+        final = await asyncio.wait_for(done, 10)
+        assert len(final.token_ids) == 5
+    finally:
+        store_back.set()
+        await engine.shutdown(grace_s=0.0)
