@@ -40,7 +40,13 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import AbortCause, RequestOutput
 from nanoserve.engine.prompts import Prompt, TokensPrompt
 from nanoserve.engine.request import Request
-from nanoserve.engine.request_journal import admit_record, output_record, restore_request, sampling_params
+from nanoserve.engine.request_journal import (
+    admit_record,
+    not_recovered_record,
+    output_record,
+    restore_request,
+    sampling_params,
+)
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -164,14 +170,22 @@ class LLMEngine:
         if recovery is None or recovery.recovered_epoch is None:
             return []
         requests = []
+        unfit: list[JournalRecord] = []  # requests this engine cannot take back (another model or limits)
         for history in recovery.recovered:
             prompt = TokensPrompt(list(history.admit["prompt_token_ids"]))
-            request = self.process_request(history.request_id, prompt, sampling_params(history))
-            request.prompt = history.admit.get("prompt")
-            restore_request(history, request, recovery.recovered_epoch)
+            try:
+                request = self.process_request(history.request_id, prompt, sampling_params(history))
+                request.prompt = history.admit.get("prompt")
+                restore_request(history, request, recovery.recovered_epoch)
+            except Exception as exc:  # the journal was written under another model or other limits
+                _log.warning("request_not_recovered", request_id=history.request_id, error=str(exc))
+                unfit.append(not_recovered_record(history))
+                continue
             self._requests[request.request_id] = request
             self.scheduler.add(request)
             requests.append(request)
+        if unfit and self.event_log is not None:
+            self.event_log.append_batch(None, [], journal=unfit)
         _log.info(
             "requests_recovered",
             epoch=recovery.recovered_epoch,

@@ -78,6 +78,19 @@ def restore_request(history: RequestHistory, request: Request, recovered_from: i
     return request
 
 
+def not_recovered_record(history: RequestHistory) -> JournalRecord:
+    """The FINISH of a recovered request this engine cannot run again (abort cause not_recovered)."""
+    data = {
+        "start": history.num_tokens,
+        "token_ids": [],
+        "text": "",
+        "finish_reason": "abort",
+        "stop_reason": None,
+        "abort_cause": AbortCause.NOT_RECOVERED.value,
+    }
+    return JournalRecord(JournalKind.FINISH, history.request_id, data)
+
+
 def sampling_params(history: RequestHistory) -> SamplingParams:
     """The request's sampling parameters as journaled (its effective seed included)."""
     return SamplingParams(**history.admit["sampling"])

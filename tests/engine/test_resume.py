@@ -149,3 +149,42 @@ async def test_a_store_that_takes_nothing_holds_tokens_back_unless_streaming_bef
     finally:
         store_back.set()
         await engine.shutdown(grace_s=0.0)
+
+
+def test_a_recovered_request_this_engine_cannot_run_ends_not_recovered(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import time
+
+    from nanoserve.allocator.log import EventLog
+    from nanoserve.allocator.log.journal import JournalKind, JournalRecord, read_request_history
+    from nanoserve.allocator.log.log_reader import connect
+    from nanoserve.engine import LLMEngine
+    from nanoserve.migrations import upgrade
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+
+    def admit(request_id: str, prompt_token_ids: list[int]) -> JournalRecord:
+        sampling = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, "seed": 3}
+        data = {"prompt_token_ids": prompt_token_ids, "prompt": None, "sampling": sampling, "max_tokens": 4}
+        data |= {"arrival_wall_ns": time.time_ns(), "deadline_wall_ns": None, "recovered_from": None}
+        return JournalRecord(JournalKind.ADMIT, request_id, data)
+
+    log = EventLog.open(url, pool_id="default", num_blocks=256, block_size=4)
+    log.append_batch(1, [], journal=[admit("fits", [101, 202]), admit("alien", [101, 10**7])])
+    assert log.flush(10)
+    log._writer.abandon()  # SIGKILL
+    log._release()
+    engine = LLMEngine(_config(tiny_model_dir, url))
+    assert [request.request_id for request in engine.recovered_requests] == ["fits"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    with connect(url) as conn:
+        alien = read_request_history(conn, "default", "alien")
+        fits = read_request_history(conn, "default", "fits")
+    assert alien is not None
+    assert alien.finish is not None
+    assert alien.finish["abort_cause"] == "not_recovered"
+    assert fits is not None
+    assert fits.finish is not None
+    assert (fits.num_tokens, fits.finish["finish_reason"]) == (4, "length")
