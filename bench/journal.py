@@ -165,7 +165,8 @@ def measure_recovery(flags: list[str], workload: list[WorkloadRequest], num_stre
     print(
         f"recovery of {num_streams} in-flight streams ({kill_after}+ tokens each; "
         f"{restarted.recovered.get('num_recovered')} re-admitted): restart -> SERVING "
-        f"{restarted.started_s - restarted.spawned_s:.2f} s; restart -> first resumed token: "
+        f"{restarted.started_s - restarted.spawned_s:.2f} s (of which opening the log with the recovery "
+        f"{restarted.recovered.get('log_open_s')} s); restart -> first resumed token: "
         f"first {times[0]:.2f} s, median {statistics.median(times):.2f} s, last {times[-1]:.2f} s"
     )
 
@@ -179,12 +180,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--recovery-streams", type=int, default=64)
     parser.add_argument("--kill-after", type=int, default=8, help="tokens each stream has when the server is killed")
+    parser.add_argument("--recovery-only", action="store_true", help="only the recovery measurement")
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-journal-bench-"))
     tokenizer = Tokenizer.from_path(default_model_path())
     common = ["--num-kv-blocks", str(args.num_kv_blocks), "--dtype", args.dtype]
     common += ["--max-num-seqs", str(max(max(args.concurrency), args.recovery_streams))]
+    if not args.recovery_only:
+        measure_cost(args, common, log_dir, tokenizer)
+    recovery_flags = [*common, "--event-log-url", f"sqlite:///{log_dir / 'recovery.db'}"]
+    workload = build_workload(tokenizer, num_requests=args.recovery_streams, seed=1)
+    measure_recovery(recovery_flags, workload, args.recovery_streams, args.kill_after)
+
+
+def measure_cost(args: argparse.Namespace, common: list[str], log_dir: Path, tokenizer: Tokenizer) -> None:
+    """Journal on vs off at each concurrency, then the log's rows and bytes per generated token."""
     urls = {side: f"sqlite:///{log_dir / f'{side}.db'}" for side in ("on", "off")}
     servers = {
         "on": Server([*common, "--event-log-url", urls["on"]]),
@@ -222,9 +233,6 @@ def main() -> None:
             for table, (rows_, size) in volume.items()
         )
         print(f"log written with the journal {side} ({num_tokens[side]} generated tokens): {per_token}")
-    recovery_flags = [*common, "--event-log-url", f"sqlite:///{log_dir / 'recovery.db'}"]
-    workload = build_workload(tokenizer, num_requests=args.recovery_streams, seed=1)
-    measure_recovery(recovery_flags, workload, args.recovery_streams, args.kill_after)
 
 
 if __name__ == "__main__":

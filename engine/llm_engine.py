@@ -148,8 +148,9 @@ class LLMEngine:
             from nanoserve.allocator.log.recovery import RecoveryPlanner
 
             self.recovery = RecoveryPlanner(log_config.journal_retention_s)
+        started_s = time.perf_counter()
         with _unusable_log(log_config.event_log_url):
-            return EventLog.open(
+            log = EventLog.open(
                 log_config.event_log_url,
                 pool_id=log_config.pool_id,
                 num_blocks=self.num_blocks,
@@ -161,6 +162,8 @@ class LLMEngine:
                 max_pending_batches=log_config.event_log_max_pending_batches,
                 prepare_journal=self.recovery,
             )
+        self._log_open_s = time.perf_counter() - started_s  # recovery (audit, journal reads) included
+        return log
 
     def _readmit_recovered(self) -> list[Request]:
         """Queues the requests recovery took over from the crashed epoch, in admission order,
@@ -192,6 +195,7 @@ class LLMEngine:
             num_recovered=len(requests),
             num_ended=len(recovery.ended),
             request_ids=[request.request_id for request in requests],
+            log_open_s=round(self._log_open_s, 3),
         )
         return requests
 
