@@ -218,8 +218,11 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._log_close_error: EventLogIncompleteError | None = None  # set by the engine thread at shutdown
         self._pool_status: PoolStatus | None = None  # published by the engine thread after each step
-        # durability gate (event loop): (journal seq that must be durable, outputs, refusals), in step order
-        self._held: deque[tuple[int, list[RequestOutput], list[tuple[int, BaseException]]]] = deque()
+        # durability gate (event loop): (journal seq that must be durable, outputs, refusals, time.monotonic()
+        # at the step's end), in step order
+        self._held: deque[tuple[int, list[RequestOutput], list[tuple[int, BaseException]], float]] = deque()
+        # called with the seconds each step's outputs waited for durability (the server's histogram)
+        self.observe_durability_wait: Callable[[float], None] | None = None
         # request_id -> queues of Resume calls following the request's live outputs
         self._followers: dict[str, set[asyncio.Queue[RequestOutput]]] = {}
 
@@ -553,14 +556,19 @@ class AsyncLLMEngine:
     # ---- event-loop side of the handover ------------------------------------
 
     def _dispatch_durable(
-        self, watermark: int | None, outputs: list[RequestOutput], failures: list[tuple[int, BaseException]]
+        self,
+        watermark: int | None,
+        outputs: list[RequestOutput],
+        failures: list[tuple[int, BaseException]],
+        made_s: float = 0.0,
     ) -> None:
         """Dispatches a step's outputs once the journal records that hold them are durable
-        (``watermark``: the step's last journal seq; None: at once)."""
+        (``watermark``: the step's last journal seq; None: at once). ``made_s``: the step's end
+        (time.monotonic()), for ``observe_durability_wait``."""
         if watermark is None:
             self._dispatch(outputs, failures)
             return
-        self._held.append((watermark, outputs, failures))
+        self._held.append((watermark, outputs, failures, made_s))
         self._release_held()
 
     def _release_held(self) -> None:
@@ -568,15 +576,18 @@ class AsyncLLMEngine:
         log = self._engine.event_log if self._engine is not None else None
         durable = log.durable_journal_seq if log is not None else 0
         held = self._held
+        observe = self.observe_durability_wait
         while held and held[0][0] <= durable:
-            _, outputs, failures = held.popleft()
+            _, outputs, failures, made_s = held.popleft()
             self._dispatch(outputs, failures)
+            if observe is not None and outputs:
+                observe(time.monotonic() - made_s)
 
     def _release_all(self, outputs: list[RequestOutput]) -> None:
         """The engine stopped: every held step goes out (the log reports what it could not take),
         then the final outputs of the shutdown's aborts."""
         while self._held:
-            _, held_outputs, failures = self._held.popleft()
+            _, held_outputs, failures, _ = self._held.popleft()
             self._dispatch(held_outputs, failures)
         self._dispatch(outputs, [])
 
@@ -616,7 +627,7 @@ class AsyncLLMEngine:
                     outputs = engine.step()
                     self._pool_status = engine.pool_status()
                     watermark = engine.event_log.last_journal_seq if gated and engine.event_log is not None else None
-                    loop.call_soon_threadsafe(self._dispatch_durable, watermark, outputs, failures)
+                    loop.call_soon_threadsafe(self._dispatch_durable, watermark, outputs, failures, time.monotonic())
                 else:
                     self._pool_status = engine.pool_status()
                     if failures:
