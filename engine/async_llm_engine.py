@@ -241,8 +241,7 @@ class AsyncLLMEngine:
         self._adopt_recovered(self._engine.recovered_requests)
         log = self._engine.event_log
         if log is not None and self._gated:
-            loop = self._loop
-            log.add_durable_listener(lambda: _call_soon(loop, self._release_held))
+            log.add_durable_listener(self._on_durable)
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
         self._state = _State.RUNNING
         self._thread.start()
@@ -570,6 +569,12 @@ class AsyncLLMEngine:
             return
         self._held.append((watermark, outputs, failures, made_s))
         self._release_held()
+
+    def _on_durable(self) -> None:
+        """The writer committed (writer thread): wake the loop only when outputs wait. Skipping is
+        safe: a step held after this check is checked against the then durable seq when it arrives."""
+        if self._held:
+            _call_soon(self._loop, self._release_held)
 
     def _release_held(self) -> None:
         """Dispatches held steps, in order, up to the log's durable journal seq."""
