@@ -11,6 +11,12 @@ p50/p99 (client clock), and journal on / off throughput (target: >= 0.95 at 64
 streams, i.e. under 5% cost). Then what the logs hold per generated token:
 allocator events and journal records, rows and bytes of their stored records.
 
+Then the wait itself: in this process, an AsyncLLMEngine on the same model
+runs the workload at each concurrency and records, per step with outputs, the
+time from the step's end until its journal batch was durable and its tokens
+were released (what ``nanoserve_journal_durability_wait_seconds`` shows live):
+p50, p90 and max, in milliseconds.
+
 Last, recovery: 64 streams run on the journaled server until each has
 ``--kill-after`` tokens, the server is SIGKILLed and started again on the same
 log, and each client calls Resume from the count of token ids it received.
@@ -181,6 +187,7 @@ def main() -> None:
     parser.add_argument("--recovery-streams", type=int, default=64)
     parser.add_argument("--kill-after", type=int, default=8, help="tokens each stream has when the server is killed")
     parser.add_argument("--recovery-only", action="store_true", help="only the recovery measurement")
+    parser.add_argument("--skip-wait", action="store_true", help="skip the in-process measurement of the wait")
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-journal-bench-"))
@@ -189,9 +196,46 @@ def main() -> None:
     common += ["--max-num-seqs", str(max(max(args.concurrency), args.recovery_streams))]
     if not args.recovery_only:
         measure_cost(args, common, log_dir, tokenizer)
+        if not args.skip_wait:
+            asyncio.run(measure_wait(args, log_dir, tokenizer))
     recovery_flags = [*common, "--event-log-url", f"sqlite:///{log_dir / 'recovery.db'}"]
     workload = build_workload(tokenizer, num_requests=args.recovery_streams, seed=1)
     measure_recovery(recovery_flags, workload, args.recovery_streams, args.kill_after)
+
+
+async def measure_wait(args: argparse.Namespace, log_dir: Path, tokenizer: Tokenizer) -> None:
+    """Per step with outputs: step end -> journal batch durable -> tokens released, in process."""
+    from nanoserve.engine import AsyncLLMEngine, EngineConfig, SamplingParams, TokensPrompt
+
+    config = EngineConfig.from_kwargs(
+        num_kv_blocks=args.num_kv_blocks,
+        dtype=args.dtype,
+        max_num_seqs=max(args.concurrency),
+        event_log_url=f"sqlite:///{log_dir / 'wait.db'}",
+    )
+    engine = AsyncLLMEngine(config)
+    await engine.start()
+    waits: list[float] = []
+    engine.observe_durability_wait = waits.append
+    try:
+        for concurrency in args.concurrency:
+            waits.clear()
+            workload = build_workload(tokenizer, num_requests=concurrency, seed=2)
+
+            async def one(index: int, request: WorkloadRequest) -> None:
+                params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+                async for _ in engine.generate(TokensPrompt(request.prompt_token_ids), params, f"wait-{index}"):
+                    pass
+
+            await asyncio.gather(*(one(i, request) for i, request in enumerate(workload)))
+            ms = sorted(1e3 * wait for wait in waits)
+            print(
+                f"durability wait per step, {concurrency} streams (SQLite, synchronous=FULL): "
+                f"p50 {statistics.median(ms):.2f} ms, p90 {ms[int(0.9 * (len(ms) - 1))]:.2f} ms, "
+                f"max {ms[-1]:.2f} ms over {len(ms)} steps"
+            )
+    finally:
+        await engine.shutdown(grace_s=0.0)
 
 
 def measure_cost(args: argparse.Namespace, common: list[str], log_dir: Path, tokenizer: Tokenizer) -> None:
