@@ -52,3 +52,8 @@ class EventLogUnusableError(RuntimeError):
         super().__init__(f"event log {url} is unusable: {cause}")
         self.url = url
         self.cause = cause
+
+
+class JournalDisabledError(RuntimeError):
+    """The server keeps no request journal (no event log, or the journal turned off): nothing can be
+    resumed (-> FAILED_PRECONDITION)."""

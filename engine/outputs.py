@@ -24,6 +24,7 @@ class AbortCause(str, enum.Enum):
     DEADLINE = "deadline"  # the call's deadline passed
     SHUTDOWN = "shutdown"  # still running when the server's shutdown grace ran out
     ENGINE_ERROR = "engine_error"  # the engine loop failed
+    NOT_RECOVERED = "not_recovered"  # unfinished at a crash and not taken over (past the journal's retention)
     CALLER = "caller"  # the engine's own caller gave up (``LLM.generate`` cleaning up after a bad request)
 
 

@@ -69,6 +69,10 @@ class Request:
         # token_ids does), chained over the cache salt
         self._block_keys: list[BlockKey] = []
         self._extra_keys: tuple[str, ...] = () if sampling_params.cache_salt is None else (sampling_params.cache_salt,)
+        # journal: when the client's deadline passes (wall clock, ns; None: no deadline), and the
+        # crashed epoch this request was recovered from (None: admitted here)
+        self.deadline_wall_ns: int | None = None
+        self.recovered_from: int | None = None
 
     def block_keys(self, block_size: int) -> list[BlockKey]:
         """The ``BlockKey`` of every full block of ``token_ids`` (the list is the request's own: do not change it)."""
@@ -116,6 +120,17 @@ class Request:
             self._set_finish("stop", matched)
         elif num_output >= self.max_tokens:
             self._set_finish("length", None)
+
+    def restore_outputs(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> None:
+        """Re-creates released outputs of an earlier admission (recovery after a crash): the
+        tokens become generated and released, so sampling continues at output position
+        ``len(token_ids)`` and max_tokens / min_tokens / stop strings count them."""
+        for index, token_id in enumerate(token_ids):
+            self.token_ids.append(token_id)
+            self.stream.append(
+                token_id, logprobs[index] if logprobs is not None else None, decode=True, check_stop=False
+            )
+        self.stream.restore_released(text)
 
     def _set_finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason = reason

@@ -231,6 +231,29 @@ SETTINGS: tuple[Setting, ...] = (
         "events still unwritten then are reported and the exit status is 4",
     ),
     Setting("pool_id", "engine", str, "default", "name of the KV pool in the event log"),
+    Setting(
+        "journal",
+        "engine",
+        _bool,
+        True,
+        "keep the request journal in the event log: unfinished requests are recovered after a crash and Resume "
+        "serves journaled tokens (--no-journal: neither; needs an event log)",
+    ),
+    Setting(
+        "stream_before_durable",
+        "engine",
+        _bool,
+        False,
+        "send tokens before their journal batch is durable (lower latency; a crash may then lose tokens a client "
+        "already received, and Resume cannot promise a contiguous stream)",
+    ),
+    Setting(
+        "journal_retention_s",
+        "engine",
+        float,
+        3600.0,
+        "seconds after arrival an unfinished request is still recovered after a crash",
+    ),
     # server
     Setting("host", "server", str, "0.0.0.0", "address the gRPC server binds"),
     Setting("port", "server", int, 50051, "gRPC port (0 = any free port)"),

@@ -253,6 +253,13 @@ def to_response(output: RequestOutput) -> pb.GenerateResponse:
     return response
 
 
+def to_resume_response(output: RequestOutput) -> pb.ResumeResponse:
+    """One message of a resumed stream: the same fields as ``to_response``."""
+    response = pb.ResumeResponse()
+    response.ParseFromString(to_response(output).SerializeToString())  # the same field numbers and types
+    return response
+
+
 def to_model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
     return pb.GetModelInfoResponse(
         model_name=info.model_name,

@@ -41,6 +41,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         async for output in self._streamer.outputs(request_id, prompt, params, context, API):
             yield convert.to_response(output)
 
+    async def Resume(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[pb.ResumeRequest, pb.ResumeResponse]
+    ) -> AsyncIterator[pb.ResumeResponse]:
+        async for output in self._engine.resume(request.request_id, request.after_token_index):
+            yield convert.to_resume_response(output)
+
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse]
     ) -> pb.AbortResponse:

@@ -82,6 +82,13 @@ class ServerMetrics:
         self.event_log_pending_bytes = Gauge(
             "nanoserve_event_log_pending_bytes", "Bytes of the log records that wait for the store", registry=r
         )
+        self.journal_wait = Histogram(
+            "nanoserve_journal_durability_wait_seconds",
+            "Per step with outputs: from the step's end until its request journal batch was durable and its "
+            "tokens went to the clients (the latency the journal adds; not fed with --stream-before-durable)",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.event_log_durable = Gauge(
             "nanoserve_event_log_durable",
             "1 while the event log commits, 0 while it cannot (new requests are refused)",

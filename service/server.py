@@ -108,6 +108,8 @@ class NanoServer:
             interceptors=interceptors, options=[("grpc.max_receive_message_length", self.max_request_bytes)]
         )
         streamer = RequestStreamer(self.engine, self.metrics)
+        if self.owns_engine:
+            self.engine.observe_durability_wait = self.metrics.journal_wait.observe
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.engine, streamer), server)
         allocation_pb2_grpc.add_AllocationServiceServicer_to_server(AllocationServicer(self.engine), server)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(

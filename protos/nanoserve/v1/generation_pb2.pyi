@@ -178,6 +178,28 @@ class AbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "after_token_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    after_token_index: int
+    def __init__(self, request_id: _Optional[str] = ..., after_token_index: _Optional[int] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finish: Finish
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")
     TEXT_FIELD_NUMBER: _ClassVar[int]
