@@ -50,6 +50,7 @@ from nanoserve.engine.errors import (
     EventLogNotDurableError,
     InvalidRequestError,
     JournalDisabledError,
+    PrefixCacheResetRefusedError,
     QueueFullError,
     RequestNotFoundError,
 )
@@ -87,6 +88,11 @@ class _Abort:
     cause: AbortCause
     serial: int | None  # None: whichever live request has the id (the Abort RPC)
     reply: asyncio.Future[None] | None  # resolved with the verdict (the Abort RPC waits for it)
+
+
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    reply: asyncio.Future[int]  # resolved with the blocks reset, or PrefixCacheResetRefusedError
 
 
 class _Stop:
@@ -205,7 +211,7 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
         self._engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | _Stop] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[int, RequestStream] = {}  # serial -> stream handed to the engine thread
         self._open: set[RequestStream] = set()  # every stream not yet finished
@@ -418,6 +424,14 @@ class AsyncLLMEngine:
         on the tokenizer thread, never on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._core.tokenizer.export_files)
 
+    async def reset_prefix_cache(self) -> int:
+        """Resets the prefix cache on the engine thread (``LLMEngine.reset_prefix_cache``); returns the
+        blocks reset. Raises PrefixCacheResetRefusedError while blocks are held or caching is off."""
+        self._check_accepting()
+        reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._submit(_ResetPrefixCache(reply))
+        return await reply
+
     def pool_status(self) -> PoolStatus:
         """The pool and queues as of the engine thread's last step (they change only in a step),
         with the log's progress and backlog read from the log now."""
@@ -487,7 +501,7 @@ class AsyncLLMEngine:
         if not self._open and self._all_done is not None:
             self._all_done.set()
 
-    def _submit(self, message: _Add | _Abort | _Stop) -> None:
+    def _submit(self, message: _Add | _Abort | _ResetPrefixCache | _Stop) -> None:
         self._inbox.put(message)
         self._wakeup.set()
 
@@ -687,6 +701,13 @@ class AsyncLLMEngine:
                     engine.add_processed(message.request)
                 except (DuplicateRequestError, QueueFullError) as exc:
                     failures.append((message.request.serial, exc))
+            elif isinstance(message, _ResetPrefixCache):
+                try:
+                    num_reset = engine.reset_prefix_cache()
+                except PrefixCacheResetRefusedError as exc:
+                    loop.call_soon_threadsafe(_resolve_value, message.reply, exc)
+                else:
+                    loop.call_soon_threadsafe(_resolve_value, message.reply, num_reset)
             elif isinstance(message, _Abort):
                 try:
                     engine.abort(message.request_id, message.cause, message.serial)
@@ -703,6 +724,15 @@ def _call_soon(loop: asyncio.AbstractEventLoop | None, callback: Callable[[], No
         return
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(callback)
+
+
+def _resolve_value(reply: asyncio.Future[int], result: int | BaseException) -> None:
+    if reply.done():
+        return
+    if isinstance(result, BaseException):
+        reply.set_exception(result)
+    else:
+        reply.set_result(result)
 
 
 def _resolve(reply: asyncio.Future[None], error: BaseException | None) -> None:

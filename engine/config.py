@@ -52,11 +52,15 @@ class CacheConfig:
 
     Give the pool size directly (``num_kv_blocks``) or as a memory budget in
     bytes (``kv_cache_memory``); ``num_kv_blocks`` wins when both are set.
+    enable_prefix_caching: reuse the KV of full prompt blocks another request
+    computed (vLLM's automatic prefix caching; on by default, as there). Off,
+    the pool is the plain LIFO pool: no block is registered or shared.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30  # bytes
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

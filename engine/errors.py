@@ -31,6 +31,11 @@ class DuplicateRequestError(ValueError):
     """A live request already has this id (-> ALREADY_EXISTS)."""
 
 
+class PrefixCacheResetRefusedError(RuntimeError):
+    """The prefix cache cannot be reset now: blocks are held by requests, or caching is off
+    (-> FAILED_PRECONDITION)."""
+
+
 class EventLogNotDurableError(RuntimeError):
     """The event log cannot make new events durable now (its store is away, read-only, full, or the
     log failed): new requests are refused (-> UNAVAILABLE) until it recovers."""

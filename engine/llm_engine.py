@@ -31,6 +31,7 @@ from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     EventLogUnusableError,
+    PrefixCacheResetRefusedError,
     QueueFullError,
     RequestNotFoundError,
 )
@@ -103,7 +104,9 @@ class LLMEngine:
         self.recovery: RecoveryPlanner | None = None  # set by _open_event_log when the journal is kept
         self.event_log: EventLog | None = self._open_event_log()
         self.allocator = BlockAllocator(self.num_blocks, self.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.allocator)
+        self.scheduler = Scheduler(
+            config.scheduler, self.allocator, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
         self.sampler = Sampler()
         # request_id -> live (unfinished) request: the one registry of requests, the one
         # arbiter of duplicate ids and queue room
@@ -310,6 +313,7 @@ class LLMEngine:
         logits = self.runner.forward(batch)  # [len(sampled), vocab_size] float32
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
+            self.scheduler.register_computed(chunk.request)  # only now is the chunk's KV written
         if not sampled:
             return []
         result = self.sampler(logits, sampled)
@@ -364,6 +368,29 @@ class LLMEngine:
         finally:
             self._persist_events(step)
 
+    def reset_prefix_cache(self, owner: str = "reset_prefix_cache") -> int:
+        """Drops every cached-free block's key (one CACHE_RESET event, a step of its own in the log).
+
+        Returns the blocks reset. Raises PrefixCacheResetRefusedError while any
+        block is held (a held block's key may be shared at any moment), and
+        when prefix caching is off.
+        """
+        if not self.scheduler.enable_prefix_caching:
+            raise PrefixCacheResetRefusedError("prefix caching is off (--no-enable-prefix-caching): nothing to reset")
+        num_held = self.allocator.num_allocated
+        num_cached_free = self.allocator.num_cached_free
+        if num_held:
+            raise PrefixCacheResetRefusedError(
+                f"{num_held} blocks are held by {self.scheduler.num_running} running requests; "
+                "reset the prefix cache when the server is idle"
+            )
+        step = self._begin_step()
+        try:
+            assert self.allocator.reset_prefix_cache(owner), "the allocator refused a reset with no block held"
+        finally:
+            self._persist_events(step)
+        return num_cached_free
+
     # ---- status and shutdown ----------------------------------------------
 
     def pool_status(self) -> PoolStatus:
@@ -379,6 +406,12 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             last_seq=log.last_seq if log is not None else None,
             durable_seq=log.durable_seq if log is not None else None,
+            num_cached=self.allocator.num_cached,
+            num_cached_free=self.allocator.num_cached_free,
+            num_shared=self.allocator.num_shared,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            enable_prefix_caching=self.scheduler.enable_prefix_caching,
         )
 
     def shutdown(self, log_close_timeout_s: float | None = None) -> None:

@@ -180,6 +180,14 @@ SETTINGS: tuple[Setting, ...] = (
         "KV cache budget in bytes (suffixes KiB, MiB, GiB allowed)",
         default_help="1GiB",
     ),
+    Setting(
+        "enable_prefix_caching",
+        "engine",
+        _bool,
+        True,
+        "reuse the KV of full prompt blocks computed before (automatic prefix caching); "
+        "--no-enable-prefix-caching keeps the plain LIFO pool",
+    ),
     # engine: scheduler
     Setting("max_num_seqs", "engine", int, 128, "sequences decoded together at most (batch size)"),
     Setting(

@@ -36,7 +36,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.GenerateRequest, context: GenerateContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         prompt = convert.to_prompt(request)
-        params = convert.to_sampling_params(request.sampling)
+        params = convert.to_sampling_params(request.sampling, request.cache_salt)
         request_id = request.request_id or uuid.uuid4().hex
         async for output in self._streamer.outputs(request_id, prompt, params, context, API):
             yield convert.to_response(output)

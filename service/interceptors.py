@@ -31,6 +31,7 @@ from nanoserve.engine.errors import (
     EventLogNotDurableError,
     InvalidRequestError,
     JournalDisabledError,
+    PrefixCacheResetRefusedError,
     QueueFullError,
     RequestNotFoundError,
 )
@@ -54,6 +55,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LogDamagedError, grpc.StatusCode.DATA_LOSS),  # WatchEvents meeting a damaged record
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
     (JournalDisabledError, grpc.StatusCode.FAILED_PRECONDITION),  # Resume without a journal
+    (PrefixCacheResetRefusedError, grpc.StatusCode.FAILED_PRECONDITION),  # blocks held, or caching off
     (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
 )
 # method prefix -> how that contract spells the engine's field names; the rest are nanoserve.v1's

@@ -195,6 +195,9 @@ class NanoServer:
                 pending_bytes=status.pending_bytes,
                 log_durable=None if status.epoch is None else self._not_durable is None,
             )
+            self.metrics.observe_prefix_cache(
+                status.num_cached, status.num_shared, status.prefix_cache_queries, status.prefix_cache_hits
+            )
             self._watch_backlog(status.num_pending_batches, status.pending_bytes)
             await asyncio.sleep(MONITOR_INTERVAL_S)
 

@@ -356,14 +356,15 @@ class LogWriter:
             for event in batch.events:
                 record = encode_block_record(seq, batch_seq, event, step, wall_ns, mono_ns)
                 previous = chain_hash(previous, record)
-                rows.append((pool_id, epoch, seq, event.kind.value, event.owner, record, previous))
+                key = event.keys[0] if event.keys else None
+                rows.append((pool_id, epoch, seq, event.kind.value, event.owner, record, previous, key))
                 seq += 1
             if batch.data_kind is not None:
                 record = encode_data_record(seq, batch_seq, batch.data_kind, batch.data, step, wall_ns, mono_ns)
                 previous = chain_hash(previous, record)
                 if batch.data_kind is EventKind.POOL_CLOSE:
                     closed_seq = seq
-                rows.append((pool_id, epoch, seq, batch.data_kind.value, None, record, previous))
+                rows.append((pool_id, epoch, seq, batch.data_kind.value, None, record, previous, None))
                 seq += 1
         self._head_hash = previous
         self._chained_seq = seq - 1
@@ -504,7 +505,9 @@ class LogWriter:
             subscribers = list(self._subscribers)
         if not subscribers:
             return
-        events = [decode_event(pool_id, epoch, seq, record, hash_) for pool_id, epoch, seq, _, _, record, hash_ in rows]
+        events = [
+            decode_event(pool_id, epoch, seq, record, hash_) for pool_id, epoch, seq, _, _, record, hash_, _ in rows
+        ]
         for callback in subscribers:
             try:
                 callback(events)

@@ -64,7 +64,9 @@ class AllocatorEvent(Base):
     the canonical payload that ``hash`` = sha256(previous hash + record) covers,
     so replay hashes the stored text as it is and parses it once. ``kind`` and
     ``owner`` repeat two of its fields so that SQL can filter on them; replay
-    checks that they agree with the record.
+    checks that they agree with the record. ``block_key`` repeats the first
+    block key of a prefix-cache event likewise (NULL for other kinds and for
+    rows written before migration 0002).
     """
 
     __tablename__ = "allocator_events"
@@ -77,6 +79,8 @@ class AllocatorEvent(Base):
     owner: Mapped[str | None] = mapped_column(String(256))
     record: Mapped[str] = mapped_column(Text)
     hash: Mapped[bytes] = mapped_column(LargeBinary(32))
+    # the first key of a prefix-cache event (migration 0002), for SQL; the record holds them all
+    block_key: Mapped[str | None] = mapped_column(String(64), index=True)
 
 
 class RequestJournalEntry(Base):

@@ -27,11 +27,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from nanoserve.allocator import EventKind
+from nanoserve.allocator import EventKind, PoolState
 from nanoserve.service.commands import log_plot, log_requests
 
 EVENT_KINDS = tuple(kind.value for kind in EventKind)
@@ -222,7 +222,7 @@ def run_show(args: argparse.Namespace) -> int:
                 prefix = [str(epoch)] if len(epochs) > 1 else []
                 if isinstance(item, Damage):
                     damage.append(item)
-                    rows.append([*prefix, str(item.seq), "", "", "", "DAMAGED", "", "", ""])
+                    rows.append([*prefix, str(item.seq), "", "", "", "DAMAGED", "", "", "", ""])
                     continue
                 rows.append([*prefix, *_event_cells(item)])
                 if args.limit is not None and len(rows) >= args.limit:
@@ -231,7 +231,10 @@ def run_show(args: argparse.Namespace) -> int:
             scan.close()
         if args.limit is not None and len(rows) >= args.limit:
             break
-    header = ["seq", "batch", "step", "time (UTC)", "kind", "blocks", "owner", "reason"]
+    header = ["seq", "batch", "step", "time (UTC)", "kind", "blocks", "owner", "reason", "keys (=count, <-parent)"]
+    if not any(row[-1] for row in rows):  # no prefix-cache event: the table of the plain pool
+        header.pop()
+        rows = [row[:-1] for row in rows]
     print(_table(["epoch", *header] if len(epochs) > 1 else header, rows))
     for item in damage:
         print(f"damaged: {item}")
@@ -251,6 +254,7 @@ def _event_cells(item: Any) -> list[str]:
         ",".join(map(str, item.block_ids)),
         item.owner or "",
         item.reason or "",
+        cache_detail(item.keys, item.parent_keys, item.ref_counts),
     ]
 
 
@@ -299,6 +303,8 @@ def run_state(args: argparse.Namespace) -> int:
         print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
     else:
         print("free blocks: " + (block_ranges(state.free_block_ids) or "none"))
+    if state.block_keys:
+        _print_cache(state, args.full)
     for violation in state.violations:
         print(f"violation: {violation}")
     status = EXIT_CLEAN if not state.violations else EXIT_VIOLATIONS
@@ -344,6 +350,40 @@ def run_epochs(args: argparse.Namespace) -> int:
     ]
     print(_table(["pool", "epoch", "num_blocks", "block_size", "model", "opened (UTC)", "durable_seq", "status"], rows))
     return EXIT_CLEAN
+
+
+def _print_cache(state: PoolState, full: bool) -> None:
+    """The prefix cache of a replayed pool: cached-free blocks, shared blocks and who shares them, keys."""
+    print(
+        f"prefix cache: {len(state.block_keys)} blocks registered, {state.num_cached_free} of them free "
+        f"(evicted first: {','.join(map(str, state.cached_free)) or 'none'})"
+    )
+    shared = state.shared_blocks()
+    if shared:
+        rows = [[str(b), str(len(h)), ",".join(h), state.block_keys[b][0][:KEY_CHARS]] for b, h in shared.items()]
+        print(_table(["shared block", "count", "held by", "key"], rows))
+    if full:
+        rows = [
+            [str(block_id), str(state.ref_count(block_id)), key, parent or ""]
+            for block_id, (key, parent) in sorted(state.block_keys.items())
+        ]
+        print(_table(["block", "count", "key", "parent key"], rows))
+
+
+# hex characters of a key shown where a whole key (64) would not fit
+KEY_CHARS = 12
+
+
+def cache_detail(keys: Sequence[str], parent_keys: Sequence[str | None], ref_counts: Sequence[int]) -> str:
+    """A prefix-cache event's keys, shortened: ``key=count`` (SHARE, RELEASE), ``key<-parent`` (REGISTER;
+    a sequence's first block has no parent)."""
+    if parent_keys:
+        return " ".join(
+            f"{k[:KEY_CHARS]}<-{p[:KEY_CHARS]}" if p else k[:KEY_CHARS] for k, p in zip(keys, parent_keys, strict=False)
+        )
+    if ref_counts:
+        return " ".join(f"{k[:KEY_CHARS]}={c}" for k, c in zip(keys, ref_counts, strict=False))
+    return " ".join(k[:KEY_CHARS] for k in keys)
 
 
 def block_ranges(block_ids: Iterable[int]) -> str:
