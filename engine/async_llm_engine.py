@@ -215,6 +215,7 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._streams: dict[int, RequestStream] = {}  # serial -> stream handed to the engine thread
         self._open: set[RequestStream] = set()  # every stream not yet finished
+        self._recovered: list[RequestStream] = []  # streams of recovered requests, until the server takes them
         self._all_done: asyncio.Event | None = None  # set while no stream is open
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -348,11 +349,21 @@ class AsyncLLMEngine:
             stream.detached = True
             self._streams[request.serial] = stream
             self._open.add(stream)
+            self._recovered.append(stream)
             self._all_done.clear()
             stream.finished.add_done_callback(functools.partial(self._close_finished, stream))
             if request.deadline_wall_ns is not None:
                 delay_s = max(0.0, (request.deadline_wall_ns - time.time_ns()) / 1e9)
                 self._loop.call_later(delay_s, stream.abort, AbortCause.DEADLINE)
+
+    def take_recovered_streams(self) -> list[RequestStream]:
+        """The streams of the requests recovery re-admitted at start (each once: the list is emptied).
+
+        Nobody iterates them; the server records each one's ending from its
+        ``finished`` (one ``request_finished`` line, one count), like any other request.
+        """
+        streams, self._recovered = self._recovered, []
+        return streams
 
     # ---- requests ----------------------------------------------------------
 

@@ -15,12 +15,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 DEFAULT_SERVER = "localhost:50051"
 
 
+# gRPC backs off between reconnects up to 120 s by default: a CLI waiting for a restarting server
+# (`--wait-ready`) would see it SERVING up to two minutes late, or not within its wait. Retry each second.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 def open_channel(server: str, tls: bool = False, ca_cert: str | None = None) -> grpc.Channel:
     """A channel to ``host:port``; TLS with the system roots or ``ca_cert`` (PEM) when asked."""
     if tls or ca_cert:
         roots = Path(ca_cert).read_bytes() if ca_cert else None
-        return grpc.secure_channel(server, grpc.ssl_channel_credentials(root_certificates=roots))
-    return grpc.insecure_channel(server)
+        return grpc.secure_channel(server, grpc.ssl_channel_credentials(root_certificates=roots), CHANNEL_OPTIONS)
+    return grpc.insecure_channel(server, CHANNEL_OPTIONS)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import structlog
 
-from nanoserve.engine import AbortCause, AsyncLLMEngine, RequestOutput, SamplingParams
+from nanoserve.engine import AbortCause, AsyncLLMEngine, RequestOutput, RequestStream, SamplingParams
 from nanoserve.engine.prompts import Prompt
 from nanoserve.service import convert
 from nanoserve.service.metrics import ServerMetrics
@@ -71,6 +71,12 @@ class RequestStreamer:
                 yield output
         finally:
             stream.abort(_client_cause(deadline_s))  # a no-op once the request has ended
+
+    def record_recovered(self, streams: list[RequestStream]) -> None:
+        """Records each request recovery re-admitted when it ends, as ``api`` ``recovered``: nobody streams
+        it (a client follows it with Resume), yet it is logged and counted once like any other."""
+        for stream in streams:
+            stream.finished.add_done_callback(lambda finished: self._record(finished, "recovered"))
 
     def _record(self, finished: asyncio.Future[RequestOutput], api: str) -> None:
         """Counts and logs one request from its final output; the engine resolves it exactly once.

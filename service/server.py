@@ -108,6 +108,7 @@ class NanoServer:
             interceptors=interceptors, options=[("grpc.max_receive_message_length", self.max_request_bytes)]
         )
         streamer = RequestStreamer(self.engine, self.metrics)
+        streamer.record_recovered(self.engine.take_recovered_streams())
         if self.owns_engine:
             self.engine.observe_durability_wait = self.metrics.journal_wait.observe
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.engine, streamer), server)

@@ -189,7 +189,6 @@ def run(args: argparse.Namespace) -> int:
                     printer.print(response)
                 return 0
             except grpc.RpcError as exc:
-                printer.end_line()
                 if resuming and exc.code() == grpc.StatusCode.NOT_FOUND and printer.num_tokens == 0:
                     # the crash came before the journal held the request: nothing was sent, so send it again
                     print(
@@ -199,14 +198,19 @@ def run(args: argparse.Namespace) -> int:
                     call = stub.Generate(request, timeout=_remaining(deadline), metadata=metadata)
                     continue
                 if not (resumable and exc.code() == grpc.StatusCode.UNAVAILABLE):
+                    printer.end_line()
                     print(_error_line(exc), file=sys.stderr)
                     return 1
-                print(f"{_error_line(exc)}; waiting up to {args.wait_ready:g} s to resume", file=sys.stderr)
+                # the text's line stays open: the resumed stream continues it, so stdout is the uninterrupted text
+                # (on a terminal, where both streams meet, the message starts a line of its own)
+                gap = "\n" if printer.line_open and sys.stderr.isatty() else ""
+                print(f"{gap}{_error_line(exc)}; waiting up to {args.wait_ready:g} s to resume", file=sys.stderr)
                 if not wait_ready(channel, args.wait_ready):
+                    printer.end_line()
                     print(f"error: {args.server} not SERVING again within {args.wait_ready:g} s", file=sys.stderr)
                     return 1
                 print(
-                    f"resumed request {request.request_id} after {printer.num_tokens} tokens (the server came back)",
+                    f"resuming request {request.request_id} after {printer.num_tokens} tokens (the server is back)",
                     file=sys.stderr,
                 )
                 resume = pb.ResumeRequest(request_id=request.request_id, after_token_index=printer.num_tokens)
@@ -245,6 +249,11 @@ class _Printer:
         if response.HasField("finish"):
             self.end_line()
             print(_finish_line(response.finish), file=sys.stderr)
+
+    @property
+    def line_open(self) -> bool:
+        """Text was written since the last newline."""
+        return self._line_open
 
     def end_line(self) -> None:
         """Ends the streamed text's line, if any text is on it."""

@@ -281,6 +281,11 @@ def test_sigkilled_streams_resume_exactly_across_several_crashes(
             assert ended.token_ids == aborted.token_ids
             assert aborted.finish is not None
     assert server.stop() == 0
+    server._reader.join(30)
+    # nobody streams a recovered request, yet it is logged and counted once, as every request is
+    finished = [r for r in server.records if r.get("event") == "request_finished"]
+    assert sorted(r["request_id"] for r in finished if r["api"] == "recovered") == sorted(_recovered_ids(server))
+    assert {r["finish_reason"] for r in finished if r["api"] == "recovered"} == {"length"}
 
     # every stream, concatenated over its calls, is the uninterrupted run: no gap, no repeat
     for client in clients:
@@ -366,6 +371,35 @@ def test_generate_resumes_by_itself_when_the_server_comes_back(
     messages = [json.loads(line) for line in lines + out.splitlines() if line.strip()]
     token_ids = [t for m in messages for t in m.get("token_ids", [])]
     assert cli.returncode == 0, err
-    assert "resumed request" in err
+    assert "resuming request" in err
     assert token_ids == reference[0]
     assert messages[-1]["finish"]["reason"] == "FINISH_REASON_LENGTH"
+
+
+def test_generate_resumed_text_is_the_uninterrupted_text(
+    reference: list[list[int]], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Text mode: stdout across the crash is byte for byte what an uninterrupted run prints (no line break
+    where the stream was cut); what happened is said on stderr."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    port = free_port()
+    command = serve_command(url, tiny_model_dir, "cli-text", port)
+    flags = ["--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--temperature", "0", "--server", f"127.0.0.1:{port}"]
+    generate = [sys.executable, "-m", "nanoserve.service.cli", "generate", PROMPTS[0], *flags]
+    server = Server(command)
+    cli = subprocess.Popen(
+        [*generate, "--wait-ready", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+    )
+    assert cli.stdout is not None
+    first = cli.stdout.read(8)  # some text has been streamed
+    server.kill()
+    server = Server(command)
+    out = cli.stdout.read()  # through the same reader as `first` (communicate() would skip what it buffered)
+    assert cli.stderr is not None
+    err = cli.stderr.read()
+    cli.wait(30)
+    uninterrupted = subprocess.run(generate, capture_output=True, text=True, env=clean_env(), timeout=120, check=True)
+    server.stop()
+    assert cli.returncode == 0, err
+    assert "resuming request" in err
+    assert first + out == uninterrupted.stdout
