@@ -79,7 +79,8 @@ async def test_a_prompts_blocks_are_stored_chained_with_their_token_ids_and_a_fl
     assert stored_second.stored == _stored([(keys[3].key, (412, 413, 414, 415))], parent=keys[2].key)
     assert stored_second.event_id > stored_first.event_id
     assert [event.WhichOneof("data") for event in cleared.events] == ["cleared"]
-    assert first.dp_rank == 0 and first.timestamp > 0
+    assert first.dp_rank == 0
+    assert first.timestamp > 0
 
 
 async def test_a_subscription_from_a_batch_number_starts_with_that_batch(tiny_served: Served) -> None:
