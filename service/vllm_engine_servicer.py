@@ -156,7 +156,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if start > num_batches + 1:
                     raise InvalidRequestError(
                         "start_sequence_number",
-                        f"must be at most {num_batches + 1} (the next batch of this epoch), got {start}",
+                        f"must be at most {num_batches + 1} (the next batch of this epoch), got {start}: "
+                        "the server restarted since, or the number is not one it sent; resubscribe from 0",
                     )
                 continue
             pending.append(event)
