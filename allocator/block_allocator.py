@@ -365,6 +365,7 @@ class BlockAllocator:
                     owner,
                     keys=tuple(key.key for key in used),
                     parent_keys=tuple(key.parent for key in used),
+                    token_ids=tuple(key.token_ids for key in used),
                 )
             )
         return len(registered)

@@ -58,6 +58,9 @@ class BlockEvent(NamedTuple):
         block of a sequence).
     ref_counts: SHARE and RELEASE only: each block's reference count after
         the event; replay checks them against the holders it rebuilt.
+    token_ids: REGISTER only: each block's ``block_size`` token ids (what a
+        gateway's prefix index of the replica needs); empty in records written
+        before they were logged.
 
     An event carries no sequence number, step or time: the event log stamps
     those when the engine hands it a step's events (``EventLog.append_batch``).
@@ -72,3 +75,4 @@ class BlockEvent(NamedTuple):
     keys: tuple[str, ...] = ()
     parent_keys: tuple[str | None, ...] = ()
     ref_counts: tuple[int, ...] = ()
+    token_ids: tuple[tuple[int, ...], ...] = ()

@@ -10,3 +10,8 @@ class EventLogDisabledError(RuntimeError):
 class UnimplementedError(RuntimeError):
     """An RPC of a contract nanoserve speaks that it does not serve (-> UNIMPLEMENTED); the
     message says what is missing."""
+
+
+class KvEventsUnavailableError(RuntimeError):
+    """The log cannot say what the prefix cache holds in a gateway's terms (a REGISTER logged
+    without token ids) (-> FAILED_PRECONDITION)."""

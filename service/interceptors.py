@@ -36,7 +36,7 @@ from nanoserve.engine.errors import (
     RequestNotFoundError,
 )
 from nanoserve.service import convert, vllm_convert
-from nanoserve.service.errors import EventLogDisabledError, UnimplementedError
+from nanoserve.service.errors import EventLogDisabledError, KvEventsUnavailableError, UnimplementedError
 
 log = structlog.get_logger("nanoserve.service")
 
@@ -54,6 +54,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LogNotFoundError, grpc.StatusCode.NOT_FOUND),  # Audit of an epoch the log does not hold
     (LogDamagedError, grpc.StatusCode.DATA_LOSS),  # WatchEvents meeting a damaged record
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
+    (KvEventsUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),  # a REGISTER logged without token ids
     (JournalDisabledError, grpc.StatusCode.FAILED_PRECONDITION),  # Resume without a journal
     (PrefixCacheResetRefusedError, grpc.StatusCode.FAILED_PRECONDITION),  # blocks held, or caching off
     (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),

@@ -25,19 +25,16 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
+from nanoserve.allocator.log import Event
 from nanoserve.engine import AsyncLLMEngine
 from nanoserve.engine.errors import InvalidRequestError, PrefixCacheResetRefusedError, RequestNotFoundError
-from nanoserve.service import vllm_convert
-from nanoserve.service.errors import UnimplementedError
+from nanoserve.service import kv_events, vllm_convert
+from nanoserve.service.errors import EventLogDisabledError, UnimplementedError
+from nanoserve.service.event_follower import follow_events
 from nanoserve.service.request_streamer import RequestStreamer
 
 API = "vllm.grpc.engine"
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-# what SubscribeKvEvents would report: the cached blocks' token ids, which the log does not keep
-NO_KV_EVENTS = (
-    "nanoserve's event log records each cached block's key and parent, not its token ids, which a "
-    "cache-aware router's prefix index needs"
-)
 # how often FlushCache retries while blocks are held, seconds
 FLUSH_RETRY_S = 0.05
 
@@ -137,11 +134,41 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: cpb.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[cpb.KvEventBatch]:
-        raise UnimplementedError(
-            f"SubscribeKvEvents: {NO_KV_EVENTS} (the cache's events, keys and counts are on "
-            "nanoserve.v1.AllocationService/WatchEvents)"
-        )
-        yield cpb.KvEventBatch()  # unreachable: makes this an async generator, as a server-streaming method is
+        """The prefix cache's stored / removed / cleared events, from the durable event log only.
+
+        Each logged batch (a scheduler step's events, a reset, an epoch's
+        boundary) that holds a KV event is one KvEventBatch; the epoch's such
+        batches are numbered 1, 2, 3, ... from its start, so a number names
+        the same batch on every subscription. start_sequence_number: the first
+        batch to send (0 and 1: from the epoch's start, POOL_INIT's ``cleared``
+        first, which rebuilds what the replica holds now); a number past the
+        next batch to come is INVALID_ARGUMENT. The stream ends after
+        POOL_CLOSE; no load records are sent (GetLoads answers them).
+        """
+        event_log = self._engine.event_log
+        if event_log is None:
+            raise EventLogDisabledError("SubscribeKvEvents: the server keeps no event log (--event-log-url none)")
+        start = request.start_sequence_number
+        num_batches = 0  # KV batches of the epoch so far
+        pending: list[Event] = []  # the events of the logged batch being read
+        async for event in follow_events(event_log, 1):
+            if event is None:  # caught up with the store: what is there to resume from is known
+                if start > num_batches + 1:
+                    raise InvalidRequestError(
+                        "start_sequence_number",
+                        f"must be at most {num_batches + 1} (the next batch of this epoch), got {start}: "
+                        "the server restarted since, or the number is not one it sent; resubscribe from 0",
+                    )
+                continue
+            pending.append(event)
+            if event.seq != event.batch_seq:  # batch_seq is the seq of its batch's last event
+                continue
+            batch = kv_events.to_kv_event_batch(num_batches + 1, pending)
+            pending = []
+            if batch is not None:
+                num_batches += 1
+                if num_batches >= start:
+                    yield batch
 
     async def Embed(self, request: vpb.EmbedRequest, context: Context) -> vpb.EmbedResponse:
         raise UnimplementedError("Embed: nanoserve serves generation only; it computes no embeddings")

@@ -25,6 +25,8 @@ class Event:
     keys, parent_keys, ref_counts: the prefix-cache kinds' block keys (hex),
         REGISTER's parent keys and SHARE/RELEASE's counts after the event
         (see ``BlockEvent``); empty for the other kinds.
+    token_ids: REGISTER only: each block's token ids; empty for the other
+        kinds and for REGISTER records written before they were logged.
     """
 
     pool_id: str
@@ -43,3 +45,4 @@ class Event:
     keys: tuple[str, ...] = ()
     parent_keys: tuple[str | None, ...] = ()
     ref_counts: tuple[int, ...] = ()
+    token_ids: tuple[tuple[int, ...], ...] = ()

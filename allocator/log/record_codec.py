@@ -7,14 +7,19 @@ An event is stored as one line of text, its *record*::
 ``block_ids`` is comma-separated; ``step`` and ``reason`` are empty when
 None. For the prefix-cache kinds (REGISTER, SHARE, RELEASE, EVICT,
 CACHE_RESET) the ``reason`` field holds ``reason;entries``: the free reason
-(empty but for RELEASE), then one comma-separated entry per block: ``key:parent``
-for REGISTER (parent empty for a first block), ``key=count`` (the reference
+(empty but for RELEASE), then one comma-separated entry per block:
+``key:parent:token_ids`` for REGISTER (parent empty for a first block, the
+block's token ids joined by ``.``; records written before the token ids were
+logged end at ``key:parent``, and still decode, with no token ids),
+``key=count`` (the reference
 count after the event) for SHARE and RELEASE, ``key`` for EVICT and
 CACHE_RESET. Keys are hex, so neither ``|`` nor ``,`` nor ``;`` occurs in them.
 A CACHE_RESET of an empty cache has no block ids. ``tail`` is the owner for block events and canonical JSON ``data``
 (sorted keys, no spaces) for POOL_INIT, SNAPSHOT and POOL_CLOSE. The tail is
 last, so it may hold any character. The record is what the hash chain covers
-(``event_chain``), so its encoding never changes for a kind once written.
+(``event_chain``), so a record once written always decodes to the same event:
+a kind gains information only as an optional suffix of its entries (REGISTER's
+token ids), which older records lack.
 
 Readers get an ``Event`` (``decode_event``); replay splits the text itself
 (``split_record``) and turns block records into the allocator's
@@ -24,7 +29,7 @@ Readers get an ``Event`` (``decode_event``); replay splits the text itself
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.log.event import Event
@@ -49,6 +54,9 @@ def encode_detail(event: BlockEvent) -> str:
         return reason
     if event.parent_keys:
         entries = [f"{key}:{parent or ''}" for key, parent in zip(event.keys, event.parent_keys, strict=True)]
+        if event.token_ids:
+            tokens = (".".join(map(str, block_tokens)) for block_tokens in event.token_ids)
+            entries = [f"{entry}:{text}" for entry, text in zip(entries, tokens, strict=True)]
     elif event.ref_counts:
         entries = [f"{key}={count}" for key, count in zip(event.keys, event.ref_counts, strict=True)]
     else:
@@ -56,25 +64,37 @@ def encode_detail(event: BlockEvent) -> str:
     return f"{reason};{','.join(entries)}"
 
 
-def decode_detail(kind: str, detail: str) -> tuple[str, tuple[str, ...], tuple[str | None, ...], tuple[int, ...]]:
-    """(reason text, keys, parent keys, ref counts) of a block record's reason field.
+class Detail(NamedTuple):
+    """A block record's reason field, decoded: the reason text and the prefix-cache entries."""
 
-    ValueError naming the field when a prefix-cache record's entries are malformed.
+    reason: str
+    keys: tuple[str, ...] = ()
+    parent_keys: tuple[str | None, ...] = ()
+    ref_counts: tuple[int, ...] = ()
+    token_ids: tuple[tuple[int, ...], ...] = ()
+
+
+def decode_detail(kind: str, detail: str) -> Detail:
+    """The reason, keys, parent keys, ref counts and token ids of a block record's reason field.
+
+    ValueError naming the field when a prefix-cache record's entries are malformed
+    (a REGISTER record's entries all carry token ids, or none does).
     """
     if kind not in CACHE_KIND_VALUES:
-        return detail, (), (), ()
+        return Detail(detail)
     reason, separator, entry_text = detail.partition(";")
     if not separator:
         raise ValueError(f"reason {detail!r} of a {kind} record lacks its ';keys'")
     keys: list[str] = []
     parents: list[str | None] = []
     counts: list[int] = []
+    tokens: list[tuple[int, ...]] = []
     for entry in entry_text.split(",") if entry_text else ():
         if kind == EventKind.REGISTER.value:
-            key, colon, parent = entry.partition(":")
-            if not colon:
-                raise ValueError(f"register entry {entry!r} is not key:parent")
-            parents.append(parent or None)
+            key, parent, block_tokens = _decode_register_entry(entry)
+            parents.append(parent)
+            if block_tokens is not None:
+                tokens.append(block_tokens)
         elif kind in (EventKind.SHARE.value, EventKind.RELEASE.value):
             key, equals, count = entry.partition("=")
             if not equals or not count.isdigit():
@@ -83,7 +103,23 @@ def decode_detail(kind: str, detail: str) -> tuple[str, tuple[str, ...], tuple[s
         else:
             key = entry
         keys.append(key)
-    return reason, tuple(keys), tuple(parents), tuple(counts)
+    if tokens and len(tokens) != len(keys):
+        raise ValueError(f"register record has token ids for {len(tokens)} of its {len(keys)} blocks")
+    return Detail(reason, tuple(keys), tuple(parents), tuple(counts), tuple(tokens))
+
+
+def _decode_register_entry(entry: str) -> tuple[str, str | None, tuple[int, ...] | None]:
+    """(key, parent or None, token ids or None when the entry predates them) of a REGISTER entry."""
+    parts = entry.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"register entry {entry!r} is not key:parent:token_ids")
+    if len(parts) == 2:
+        return parts[0], parts[1] or None, None
+    try:
+        block_tokens = tuple(map(int, parts[2].split(".")))
+    except ValueError:
+        raise ValueError(f"register entry {entry!r}: token_ids {parts[2]!r} is not a list of token ids") from None
+    return parts[0], parts[1] or None, block_tokens
 
 
 def encode_block_record(
@@ -141,12 +177,21 @@ def decode_block_event(kind: str, block_text: str, reason_text: str, owner: str)
             block_ids = tuple(map(int, block_text.split(",")))
     except ValueError:
         raise ValueError(f"block_ids {block_text!r} is not a list of block ids") from None
-    reason_text, keys, parents, counts = decode_detail(kind, reason_text)
-    if reason_text not in REASONS:
-        raise ValueError(f"reason {reason_text!r} is not a FreeReason")
-    if kind in CACHE_KIND_VALUES and len(keys) != len(block_ids):
-        raise ValueError(f"{len(keys)} keys for {len(block_ids)} block_ids")
-    return BlockEvent(BLOCK_KINDS[kind], block_ids, owner, REASONS[reason_text], keys, parents, counts)
+    detail = decode_detail(kind, reason_text)
+    if detail.reason not in REASONS:
+        raise ValueError(f"reason {detail.reason!r} is not a FreeReason")
+    if kind in CACHE_KIND_VALUES and len(detail.keys) != len(block_ids):
+        raise ValueError(f"{len(detail.keys)} keys for {len(block_ids)} block_ids")
+    return BlockEvent(
+        BLOCK_KINDS[kind],
+        block_ids,
+        owner,
+        REASONS[detail.reason],
+        detail.keys,
+        detail.parent_keys,
+        detail.ref_counts,
+        detail.token_ids,
+    )
 
 
 def decode_event(pool_id: str, epoch: int, seq: int, record: str, hash_: bytes) -> Event:
@@ -156,7 +201,7 @@ def decode_event(pool_id: str, epoch: int, seq: int, record: str, hash_: bytes) 
         raise ValueError(f"seq {seq}: record has {len(fields)} fields, expected {NUM_FIELDS}")
     _, batch_seq, kind, block_ids, step, reason, wall_ns, mono_ns, tail = fields
     is_data = kind in DATA_KINDS
-    reason, keys, parents, counts = decode_detail(kind, reason)
+    detail = decode_detail(kind, reason)
     return Event(
         pool_id=pool_id,
         epoch=epoch,
@@ -166,14 +211,15 @@ def decode_event(pool_id: str, epoch: int, seq: int, record: str, hash_: bytes) 
         block_ids=decode_block_ids(block_ids),
         owner=None if is_data else tail,
         step=int(step) if step else None,
-        reason=reason or None,
+        reason=detail.reason or None,
         wall_time_ns=int(wall_ns),
         monotonic_ns=int(mono_ns),
         data=json.loads(tail) if is_data else None,
         hash=bytes(hash_),
-        keys=keys,
-        parent_keys=parents,
-        ref_counts=counts,
+        keys=detail.keys,
+        parent_keys=detail.parent_keys,
+        ref_counts=detail.ref_counts,
+        token_ids=detail.token_ids,
     )
 
 

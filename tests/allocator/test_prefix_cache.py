@@ -114,6 +114,7 @@ def test_every_cache_kind_round_trips_through_its_record() -> None:
     keys = ("ab" * 32, "cd" * 32)
     events = [
         BlockEvent(EventKind.REGISTER, (3, 4), "r|1", None, keys, (None, keys[0])),
+        BlockEvent(EventKind.REGISTER, (3, 4), "r|1", None, keys, (None, keys[0]), (), ((7, 0), (65535, 12))),
         BlockEvent(EventKind.SHARE, (3, 4), "r2", None, keys, (), (2, 3)),
         BlockEvent(EventKind.RELEASE, (4, 3), "r2", FreeReason.PREEMPTED, keys, (), (1, 0)),
         BlockEvent(EventKind.EVICT, (3,), "r3", None, keys[:1]),
@@ -123,6 +124,35 @@ def test_every_cache_kind_round_trips_through_its_record() -> None:
         record = encode_block_record(9, 9, event, 2, 0, 0)
         _, _, kind, block_text, _, reason_text, _, _, tail = split_record(record)
         assert decode_block_event(kind, block_text, reason_text, tail) == event
+
+
+def test_register_records_carry_each_blocks_token_ids() -> None:
+    pool = BlockAllocator(4, BLOCK_SIZE)
+    cached_table(pool, "A", [5, 6, 7, 8, 9])
+    register = pool.take_events()[-1]
+    keys = extend_block_keys([], [5, 6, 7, 8], BLOCK_SIZE)
+    assert register == BlockEvent(
+        EventKind.REGISTER, (0, 1), "A", None, (keys[0].key, keys[1].key), (None, keys[0].key), (), ((5, 6), (7, 8))
+    )
+    record = encode_block_record(3, 3, register, 1, 0, 0)
+    assert split_record(record)[5] == f";{keys[0].key}::5.6,{keys[1].key}:{keys[0].key}:7.8"
+
+
+def test_a_register_record_written_before_token_ids_still_decodes() -> None:
+    key, parent = "ab" * 32, "cd" * 32
+    event = decode_block_event("register", "3,4", f";{parent}:,{key}:{parent}", "A")
+    assert event == BlockEvent(EventKind.REGISTER, (3, 4), "A", None, (parent, key), (None, parent))
+    assert event.token_ids == ()
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [f"{'ab' * 32}::1.2,{'cd' * 32}:{'ab' * 32}", f"{'ab' * 32}::1.x", f"{'ab' * 32}::1:2"],
+    ids=["tokens_on_some_blocks", "not_a_token_id", "too_many_parts"],
+)
+def test_a_malformed_register_entry_is_refused(entries: str) -> None:
+    with pytest.raises(ValueError, match="register"):
+        decode_block_event("register", "3,4" if "," in entries else "3", f";{entries}", "A")
 
 
 def collect(state: PoolState, *events: BlockEvent) -> list[tuple[str, int | None]]:

@@ -285,6 +285,30 @@ def test_the_second_request_sharing_a_long_system_prompt_reports_cached_tokens(g
     assert usages[1].prompt_tokens_details.cached_tokens >= len(SYSTEM_PROMPT) // 8
 
 
+def test_smg_follows_each_replicas_kv_events_and_learns_its_block_size_from_them(gateway: Gateway) -> None:
+    """smg subscribes to SubscribeKvEvents on every worker that offers it; a stored event's
+    block_size reaches it, and its KV event monitor logs no warning or error."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Which block is cached?"}]
+    gateway.client.chat.completions.create(model=_model(gateway), messages=messages, max_tokens=2, temperature=0)
+    block_size = gateway.pool_status(gateway.replicas[0]).block_size
+    deadline = time.monotonic() + 10
+    while True:
+        lines = _json_lines((gateway.log_dir / "smg.log").read_text())
+        learned = [line for line in lines if line.get("message") == "Learned block_size from KV event"]
+        if learned or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    connected = {line.get("worker_url") for line in lines if line.get("message") == "KV event stream connected"}
+    assert connected >= {f"grpc://{replica['address']}" for replica in gateway.replicas}, gateway.tails()
+    assert [line["block_size"] for line in learned][:1] == [block_size], gateway.tails()
+    monitor_trouble = [
+        line
+        for line in lines
+        if "kv_event_monitor" in str(line.get("target")) and line.get("level") in ("WARN", "ERROR")
+    ]
+    assert monitor_trouble == []
+
+
 def _long_stream(client: Any, model: str, index: int, outcomes: dict[int, Any]) -> None:
     try:
         stream = client.chat.completions.create(

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from smg_grpc_proto.generated import common_pb2 as cpb
 
 from nanoserve.allocator import EventKind
 from nanoserve.allocator.log import Event
-from nanoserve.service.kv_events import KV_EVENT_CONVERTERS, to_kv_event_batch, to_kv_events
+from nanoserve.service.errors import KvEventsUnavailableError
+from nanoserve.service.kv_events import KV_EVENT_CONVERTERS, block_hash, to_kv_event_batch, to_kv_events
 
 
 def _event(seq: int, kind: EventKind, block_ids: tuple[int, ...] = (), owner: str | None = None, **extra: Any) -> Event:
@@ -47,7 +49,7 @@ def test_an_epochs_boundaries_clear_the_cache_and_blocks_held_by_one_request_are
 
 
 def test_every_kind_is_either_converted_or_known_to_have_no_kv_event() -> None:
-    """A new kind (prefix caching's) must be decided on: converted, or added here as having none."""
+    """A new kind must be decided on: converted, or added here as having none."""
     without_kv_event = {
         EventKind.ALLOCATE,
         EventKind.ALLOCATE_FOR,
@@ -57,10 +59,74 @@ def test_every_kind_is_either_converted_or_known_to_have_no_kv_event() -> None:
         EventKind.SHARE,  # references change no block's KV: a router's index sees stores and removals only
         EventKind.RELEASE,
     }
-    # stored / removed / cleared once REGISTER records carry token ids (SubscribeKvEvents is UNIMPLEMENTED until then)
-    awaiting_token_ids = {EventKind.REGISTER, EventKind.EVICT, EventKind.CACHE_RESET}
-    decided = set(KV_EVENT_CONVERTERS) | {kind.value for kind in without_kv_event | awaiting_token_ids}
+    decided = set(KV_EVENT_CONVERTERS) | {kind.value for kind in without_kv_event}
     assert decided == {kind.value for kind in EventKind}
+
+
+KEY_A, KEY_B, KEY_C = "00" * 7 + "01" + "aa" * 24, "ff" * 32, "80" + "00" * 31
+
+
+def test_a_block_hash_is_the_keys_first_8_bytes_signed() -> None:
+    assert (block_hash(KEY_A), block_hash(KEY_B), block_hash(KEY_C)) == (1, -1, -(2**63))
+
+
+def test_a_register_is_stored_blocks_with_their_token_ids_after_their_parent() -> None:
+    register = _event(
+        7,
+        EventKind.REGISTER,
+        (3, 4),
+        owner="r1",
+        keys=(KEY_B, KEY_C),
+        parent_keys=(KEY_A, KEY_B),
+        token_ids=((1, 2, 3, 4), (5, 6, 7, 8)),
+    )
+    assert to_kv_events([register]) == [
+        cpb.KvCacheEvent(
+            event_id=7,
+            stored=cpb.KvBlocksStored(
+                blocks=[
+                    cpb.KvBlock(block_hash=-1, token_ids=[1, 2, 3, 4], block_size=4),
+                    cpb.KvBlock(block_hash=-(2**63), token_ids=[5, 6, 7, 8], block_size=4),
+                ],
+                parent_block_hash=1,
+            ),
+        )
+    ]
+
+
+def test_a_first_block_is_stored_without_a_parent_and_a_break_in_the_chain_starts_another_event() -> None:
+    register = _event(
+        7,
+        EventKind.REGISTER,
+        (3, 4),
+        owner="r1",
+        keys=(KEY_A, KEY_C),
+        parent_keys=(None, KEY_B),
+        token_ids=((1, 2), (5, 6)),
+    )
+    stored = [event.stored for event in to_kv_events([register])]
+    assert stored == [
+        cpb.KvBlocksStored(blocks=[cpb.KvBlock(block_hash=1, token_ids=[1, 2], block_size=2)]),
+        cpb.KvBlocksStored(
+            blocks=[cpb.KvBlock(block_hash=-(2**63), token_ids=[5, 6], block_size=2)], parent_block_hash=-1
+        ),
+    ]
+    assert not stored[0].HasField("parent_block_hash")
+
+
+def test_an_evict_is_removed_and_a_cache_reset_is_cleared() -> None:
+    evict = _event(8, EventKind.EVICT, (3, 4), owner="r2", keys=(KEY_A, KEY_B))
+    reset = _event(9, EventKind.CACHE_RESET, (5,), owner="reset", keys=(KEY_C,))
+    assert to_kv_events([evict, reset]) == [
+        cpb.KvCacheEvent(event_id=8, removed=cpb.KvBlocksRemoved(block_hashes=[1, -1])),
+        cpb.KvCacheEvent(event_id=9, cleared=cpb.KvCacheCleared()),
+    ]
+
+
+def test_a_register_logged_without_token_ids_cannot_be_converted() -> None:
+    register = _event(7, EventKind.REGISTER, (3,), owner="r1", keys=(KEY_A,), parent_keys=(None,))
+    with pytest.raises(KvEventsUnavailableError, match="seq 7 was logged without its blocks' token ids"):
+        to_kv_events([register])
 
 
 def test_a_batch_takes_the_streams_number_and_its_last_events_wall_time() -> None:

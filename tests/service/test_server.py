@@ -631,7 +631,7 @@ async def test_watch_events_catches_up_from_the_log_after_falling_behind(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from nanoserve.allocator.log import EventStream
-    from nanoserve.service import allocation_servicer
+    from nanoserve.service import event_follower
     from nanoserve.service.allocation_servicer import AllocationServicer
 
     subscriptions = []
@@ -641,7 +641,7 @@ async def test_watch_events_catches_up_from_the_log_after_falling_behind(
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             subscriptions.append(self)
 
-    monkeypatch.setattr(allocation_servicer, "EventStream", CountedEventStream)
+    monkeypatch.setattr(event_follower, "EventStream", CountedEventStream)
     # a subscriber allowed to buffer 2 live events falls behind at once
     servicer = AllocationServicer(served.engine, max_queued_events=2)
     start = await wait_pool_free(served)

@@ -26,7 +26,6 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from nanoserve.service.vllm_engine_servicer import NO_KV_EVENTS
 from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import allocation_pb2_grpc, generation_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
@@ -340,10 +339,10 @@ REFUSALS: list[tuple[str, Call, grpc.StatusCode, str]] = [
         "timeout_s: must be a finite number of seconds >= 0, got -1",
     ),
     (
-        "SubscribeKvEvents",
-        lambda stub: _stream(stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest())),
-        grpc.StatusCode.UNIMPLEMENTED,
-        f"SubscribeKvEvents: {NO_KV_EVENTS}",
+        "SubscribeKvEvents: a start past the next batch",
+        lambda stub: _stream(stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(start_sequence_number=10**12))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "start_sequence_number: must be at most ",
     ),
     (
         "Embed",
