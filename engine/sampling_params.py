@@ -96,7 +96,7 @@ class SamplingParams:
             type(self.cache_salt) is not str or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
         ):
             raise InvalidRequestError(
-                "cache_salt", f"must be a string of 1..{MAX_CACHE_SALT_CHARS} characters, got {self.cache_salt!r:.300}"
+                "cache_salt", f"must be a string of 1..{MAX_CACHE_SALT_CHARS} characters, got {_shown(self.cache_salt)}"
             )
 
     @property
@@ -199,3 +199,12 @@ def _as_float(value: object) -> float | None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: object, limit: int = 40) -> str:
+    """``value`` for an error message: its repr, cut to ``limit`` characters with its length when longer."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+    return f"{text[:limit]}... ({size})"

@@ -104,6 +104,11 @@ def register(subparsers: Any) -> None:
     sampling.add_argument(
         "--logprobs", type=int, default=None, help="return the chosen token's logprob and the top N (0..20)"
     )
+    parser.add_argument(
+        "--cache-salt",
+        default="",
+        help="prefix caching shares KV blocks only between requests with the same salt (1..256 characters)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -111,7 +116,7 @@ def build_request(args: argparse.Namespace) -> Any:
     """The GenerateRequest the flags describe."""
     from nanoserve.v1 import generation_pb2 as pb
 
-    request = pb.GenerateRequest(request_id=args.request_id)
+    request = pb.GenerateRequest(request_id=args.request_id, cache_salt=args.cache_salt)
     if args.chat or args.system is not None:
         messages = [pb.ChatMessage(role=pb.CHAT_ROLE_SYSTEM, content=args.system)] if args.system else []
         messages.append(pb.ChatMessage(role=pb.CHAT_ROLE_USER, content=args.prompt))
@@ -136,7 +141,8 @@ def _finish_line(finish: Any) -> str:
     reason = pb.FinishReason.Name(finish.reason).removeprefix("FINISH_REASON_").lower()
     t = finish.timings
     return (
-        f"[{reason}; {finish.usage.prompt_tokens} prompt + {finish.usage.completion_tokens} completion tokens; "
+        f"[{reason}; {finish.usage.prompt_tokens} prompt ({finish.usage.cached_tokens} cached) + "
+        f"{finish.usage.completion_tokens} completion tokens; "
         f"ttft {_seconds(t, 'ttft')}; total {_seconds(t, 'total_time')}]"
     )
 

@@ -49,6 +49,20 @@ def test_generate_plain_prompt() -> None:
     assert request.sampling == pb.SamplingParameters(max_tokens=256)
 
 
+def test_generate_cache_salt_flag() -> None:
+    request = build_request(build_parser().parse_args(["generate", "--cache-salt", "tenant-a", "Hi"]))
+    assert request.cache_salt == "tenant-a"
+    assert build_request(build_parser().parse_args(["generate", "Hi"])).cache_salt == ""  # unset: the shared default
+
+
+def test_generate_finish_line_says_how_many_prompt_tokens_were_cached() -> None:
+    from nanoserve.service.commands.generate import _finish_line
+
+    finish = pb.Finish(reason=pb.FINISH_REASON_LENGTH)
+    finish.usage.prompt_tokens, finish.usage.cached_tokens, finish.usage.completion_tokens = 413, 400, 8
+    assert _finish_line(finish).startswith("[length; 413 prompt (400 cached) + 8 completion tokens; ")
+
+
 def test_generate_cli_default_max_tokens_is_256() -> None:
     assert build_request(build_parser().parse_args(["generate", "Hi"])).sampling.max_tokens == 256
 
