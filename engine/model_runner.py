@@ -19,10 +19,14 @@ from nanoserve.engine.device import resolve_device, resolve_dtype
 from nanoserve.engine.forward_batch import ForwardBatch
 from nanoserve.engine.kv_cache import KVCache, KVCacheSpec
 from nanoserve.engine.models.llama import LlamaForCausalLM
+from nanoserve.engine.threads import ThreadTuner, configure_threads
 from nanoserve.engine.tokenizer import Tokenizer
 from nanoserve.engine.weights import load_checkpoint, resolve_model_path
 
 log = structlog.get_logger(__name__)
+# An int4 layer could also keep a dense copy for steps of many tokens (faster prefill and big batches on some
+# CPUs); off: the weights are the point of the quantization, and the dense copy would triple their memory.
+DENSE_FOR_LARGE_STEPS = False
 
 
 class ModelRunner:
@@ -35,10 +39,23 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
+        threads = configure_threads(config.model.num_threads)
+        log.info(
+            "model_runner.threads",
+            num_threads=threads.num_threads,
+            available_cpus=threads.available_cpus,
+            wait_policy=threads.wait_policy,
+            source=threads.source,
+            tuned=config.model.num_threads is None,
+        )
+        # the thread count adapts per step size unless the setting fixed it
+        self.thread_tuner = ThreadTuner(threads.num_threads) if config.model.num_threads is None else None
+        self._num_threads = threads.num_threads
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.quantization = config.model.quantization
         path = resolve_model_path(config.model.model)
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, self.quantization)
         arch = checkpoint.config
         self.model_name = checkpoint.name
         self.vocab_size = arch.vocab_size
@@ -49,7 +66,7 @@ class ModelRunner:
             )
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         self.model = LlamaForCausalLM(arch, self.dtype, self.device, checkpoint.rope_freq_factors)
-        self.model.load_weights(checkpoint.weights)
+        self.model.load_weights(checkpoint.weights, self.quantization, DENSE_FOR_LARGE_STEPS)
         self.tokenizer = Tokenizer.from_path(path, checkpoint.eos_token_ids)
         del checkpoint
 
@@ -64,6 +81,7 @@ class ModelRunner:
             architecture=arch.architecture,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quantization,
             attention_backend=self.attention.name,
             attention_backend_reason=backend_reason,
             num_kv_blocks=self.num_kv_blocks,
@@ -81,6 +99,19 @@ class ModelRunner:
         Returns [num_logits, vocab_size] float32, one row per ``logits_indices`` entry,
         in batch order.
         """
+        num_tokens = int(batch.input_ids.shape[0])
+        if self.thread_tuner is None or self.device.type != "cpu":
+            return self._forward(batch)
+        num_threads = self.thread_tuner.choose(num_tokens)
+        if num_threads != self._num_threads:
+            torch.set_num_threads(num_threads)
+            self._num_threads = num_threads
+        started = time.perf_counter()
+        logits = self._forward(batch)
+        self.thread_tuner.record(num_tokens, num_threads, time.perf_counter() - started)
+        return logits
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         with torch.inference_mode():
             metadata = self.attention.prepare(batch, self.block_size)
             logits = self.model(
