@@ -90,8 +90,14 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache.num_bytes,
             bytes_per_block=spec.bytes_per_block,
             max_model_len=self.max_model_len,
+            weight_bytes=self.weight_bytes,
             load_s=round(time.perf_counter() - started, 2),
         )
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights take in memory (not the KV cache)."""
+        return self.model.num_weight_bytes()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One step: write the batch's K/V into its slots, return logits.

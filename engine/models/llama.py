@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from nanoserve.engine.attention import AttentionBackend
 from nanoserve.engine.kv_cache import KVCache
 from nanoserve.engine.models.embedding import Embedding
-from nanoserve.engine.models.quantized_linear import AnyLinear, QuantizedWeight, make_linear
+from nanoserve.engine.models.quantized_linear import AnyLinear, QuantizedWeight, linear_tensors, make_linear
 from nanoserve.engine.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -186,6 +186,19 @@ class LlamaForCausalLM:
         hidden = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         return self.lm_head(hidden)
 
+    def num_weight_bytes(self) -> int:
+        """Bytes the loaded weights take in memory (quantized codes and scales, dense copies, norms)."""
+        tensors: list[torch.Tensor | None] = [self.norm]
+        embed = self.embed_tokens
+        tensors += [embed.weight, embed.quantized.blocks if embed.quantized is not None else None]
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+            tensors += [layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm]
+        for linear in linears:
+            tensors += linear_tensors(linear)
+        return sum(_nbytes(t) for t in tensors if t is not None)
+
     @torch.no_grad()
     def load_weights(
         self,
@@ -234,3 +247,9 @@ class LlamaForCausalLM:
         self.lm_head = linear([(head_name, embed_shape)], None)
         for layer in self.layers:
             layer.load(tensor, linear, c)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    if tensor.is_mkldnn:  # an opaque oneDNN layout: as many elements as the plain tensor, maybe padded
+        return tensor.numel() * tensor.element_size()
+    return tensor.untyped_storage().nbytes()

@@ -183,6 +183,16 @@ class Int8Linear:
 AnyLinear = Linear | Int4Linear | Int8Linear
 
 
+def linear_tensors(linear: AnyLinear) -> list[torch.Tensor | None]:
+    """Every tensor a linear holds (for counting its memory)."""
+    if isinstance(linear, Int4Linear):
+        dense = linear_tensors(linear.dense) if linear.dense is not None else []
+        return [linear.packed, linear.scale_and_zero, linear.bias, *dense]
+    if isinstance(linear, Int8Linear):
+        return [linear.codes, linear.scale, linear.bias]
+    return [linear.weight, linear.packed, linear.bias]
+
+
 def _log_fallback(reason: str, detail: str) -> None:
     if (reason, detail) not in _fallbacks_logged:
         _fallbacks_logged.add((reason, detail))
