@@ -8,6 +8,7 @@ budget, and picks the attention backend. Each step the scheduler hands over a
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import structlog
@@ -20,7 +21,7 @@ from nanoserve.engine.forward_batch import ForwardBatch
 from nanoserve.engine.kv_cache import KVCache, KVCacheSpec
 from nanoserve.engine.models.llama import LlamaForCausalLM
 from nanoserve.engine.threads import ThreadTuner, configure_threads
-from nanoserve.engine.tokenizer import Tokenizer
+from nanoserve.engine.tokenizer import Tokenizer, load_hf_tokenizer
 from nanoserve.engine.weights import load_checkpoint, resolve_model_path
 
 log = structlog.get_logger(__name__)
@@ -55,6 +56,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.quantization = config.model.quantization
         path = resolve_model_path(config.model.model)
+        # transformers' import and the tokenizer's files load on a thread while the weights convert
+        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer-load")
+        hf_tokenizer = loader.submit(load_hf_tokenizer, path)
+        loader.shutdown(wait=False)
         checkpoint = load_checkpoint(path, self.quantization)
         arch = checkpoint.config
         self.model_name = checkpoint.name
@@ -67,7 +72,7 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         self.model = LlamaForCausalLM(arch, self.dtype, self.device, checkpoint.rope_freq_factors)
         self.model.load_weights(checkpoint.weights, self.quantization, DENSE_FOR_LARGE_STEPS)
-        self.tokenizer = Tokenizer.from_path(path, checkpoint.eos_token_ids)
+        self.tokenizer = Tokenizer.from_path(path, checkpoint.eos_token_ids, hf_tokenizer.result())
         del checkpoint
 
         self.block_size = config.cache.block_size

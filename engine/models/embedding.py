@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.engine.models.quantized_linear import GROUP_SIZE, Q8_0, QuantizedWeight, unpack_q4, unpack_q8
+from nanoserve.engine.models.quantized_linear import QuantizedWeight, unpacked_float
 
 
 class Embedding:
@@ -29,12 +29,4 @@ class Embedding:
         if self.weight is not None:
             return F.embedding(input_ids, self.weight)
         assert self.quantized is not None, "an Embedding holds a dense or a quantized table"
-        rows = self.quantized.rows(input_ids)
-        num_tokens, dim = rows.shape
-        if rows.quant_type == Q8_0:
-            codes, scale = unpack_q8(rows)  # [T, K] int8, [T, G]
-            values = codes.float().view(num_tokens, -1, GROUP_SIZE) * scale[..., None]
-        else:
-            codes4, scale, zero = unpack_q4(rows)
-            values = (codes4.float() - 8).view(num_tokens, -1, GROUP_SIZE) * scale[..., None] + zero[..., None]
-        return values.view(num_tokens, dim).to(self.dtype)
+        return unpacked_float(self.quantized.rows(input_ids)).to(self.dtype)  # [T, hidden]

@@ -109,6 +109,16 @@ def unpack_q8(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return payload.contiguous().view(torch.int8).reshape(n, k), _fp16_pair(header, 0)
 
 
+def unpacked_float(weight: QuantizedWeight) -> torch.Tensor:
+    """The dense weight [N, K] float32 by the torch unpackers above: gguf's values (tests prove it), faster."""
+    n, k = weight.shape
+    if weight.quant_type == Q8_0:
+        codes8, scale = unpack_q8(weight)
+        return (codes8.float().view(n, -1, GROUP_SIZE) * scale[..., None]).view(n, k)
+    codes, scale, zero = unpack_q4(weight)
+    return ((codes.float() - 8).view(n, -1, GROUP_SIZE) * scale[..., None] + zero[..., None]).view(n, k)
+
+
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A dense weight [N, K] -> asymmetric 4-bit groups of 32 (codes, scale, zero) as ``unpack_q4`` returns.
 
@@ -231,7 +241,7 @@ def make_linear(
         _log_fallback("device", f"{device.type}: no quantized layout here yet, weights dequantized")
         return dense()
     if want == "int8":
-        values = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+        values = unpacked_float(weight) if isinstance(weight, QuantizedWeight) else weight
         return Int8Linear(values, dtype, bias)
     if not int4_shape_ok(out_features, in_features):
         _log_fallback("shape", f"int4 kernel cannot take [{out_features}, {in_features}]")
