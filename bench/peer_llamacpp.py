@@ -139,18 +139,17 @@ def nanoserve_startup(quantization: str) -> tuple[float, int]:
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"nanoserve serve exited with {proc.returncode}")
+        while True:  # a fresh channel per try: a failed connect would otherwise wait out grpc's reconnect backoff
+            if proc.poll() is not None:
+                raise RuntimeError(f"nanoserve serve exited with {proc.returncode}")
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         break
                 except grpc.RpcError:
                     pass
-                time.sleep(0.02)
+            time.sleep(0.02)
         elapsed = time.perf_counter() - start
         return elapsed, _vm_hwm_bytes(proc.pid)
     finally:
