@@ -37,6 +37,9 @@ class ModelConfig:
         path), ``int8`` / ``int4`` also quantize float weights at load.
     num_threads: CPU threads for the model's math; ``None`` takes the CPUs this
         process may use (affinity mask and cgroup quota).
+    dense_large_steps: int4 layers also keep a dense ``dtype`` copy, used for steps
+        of more than 8 tokens (prefill, big batches), where the int4 CPU kernel is
+        compute-bound and slower than oneDNN's dense matmul; costs that copy's memory.
     """
 
     model: str | None = None
@@ -45,6 +48,7 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str = "auto"
     num_threads: int | None = None
+    dense_large_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -25,9 +25,6 @@ from nanoserve.engine.tokenizer import Tokenizer, load_hf_tokenizer
 from nanoserve.engine.weights import load_checkpoint, resolve_model_path
 
 log = structlog.get_logger(__name__)
-# An int4 layer could also keep a dense copy for steps of many tokens (faster prefill and big batches on some
-# CPUs); off: the weights are the point of the quantization, and the dense copy would triple their memory.
-DENSE_FOR_LARGE_STEPS = False
 
 
 class ModelRunner:
@@ -71,7 +68,7 @@ class ModelRunner:
             )
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         self.model = LlamaForCausalLM(arch, self.dtype, self.device, checkpoint.rope_freq_factors)
-        self.model.load_weights(checkpoint.weights, self.quantization, DENSE_FOR_LARGE_STEPS)
+        self.model.load_weights(checkpoint.weights, self.quantization, config.model.dense_large_steps)
         self.tokenizer = Tokenizer.from_path(path, checkpoint.eos_token_ids, hf_tokenizer.result())
         del checkpoint
 

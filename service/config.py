@@ -173,6 +173,14 @@ SETTINGS: tuple[Setting, ...] = (
         default_help="auto",
     ),
     Setting(
+        "dense_large_steps",
+        "engine",
+        _bool,
+        True,
+        "int4 layers also keep a dense --dtype copy for steps of more than 8 tokens (prefill, big batches), "
+        "faster there than the int4 kernel; --no-dense-large-steps keeps only the quantized weights",
+    ),
+    Setting(
         "max_model_len",
         "engine",
         _optional_int,

@@ -34,6 +34,7 @@ GROUP_SIZE = 32  # weights per GGUF block and per int4 scale group
 INNER_K_TILES = 2  # int4 packing tiles: K must be a multiple of INNER_K_TILES * 16
 Q4_0, Q4_1, Q8_0 = "Q4_0", "Q4_1", "Q8_0"
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+DENSE_MIN_TOKENS = 9  # steps of this many tokens or more use an Int4Linear's dense copy, when it has one
 _fallbacks_logged: set[tuple[str, str]] = set()
 
 
@@ -142,7 +143,7 @@ class Int4Linear:
 
     Holds the packed codes ([N, K / 2] bytes in the kernel's tiles) and
     ``scale_and_zero`` [K / 32, N, 2] in the activation dtype. x: [T, K] -> [T, N].
-    ``dense``: an optional oneDNN copy used for steps of more than
+    ``dense``: an optional oneDNN copy used for steps of at least
     ``dense_min_tokens`` tokens, where the int4 kernel is compute-bound and slower.
     """
 
@@ -154,7 +155,7 @@ class Int4Linear:
         dtype: torch.dtype,
         bias: torch.Tensor | None = None,
         dense: Linear | None = None,
-        dense_min_tokens: int = 9,
+        dense_min_tokens: int = DENSE_MIN_TOKENS,
     ) -> None:
         self.out_features, self.in_features = codes.shape
         self.dtype = dtype
@@ -228,8 +229,12 @@ def make_linear(
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     quant_type = weight.quant_type if isinstance(weight, QuantizedWeight) else None
 
-    def dense() -> Linear:
-        values = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+    def dense(fast: bool = False) -> Linear:
+        """Dense in ``dtype``: gguf's dequantization (the reference), or the torch unpacker (equal, faster)."""
+        if isinstance(weight, QuantizedWeight):
+            values = unpacked_float(weight) if fast and weight.quant_type in BLOCK_BYTES else weight.dequantize()
+        else:
+            values = weight
         return Linear(values.to(device=device, dtype=dtype).contiguous(), bias)
 
     want = {"none": None, "auto": None, "int4": "int4", "int8": "int8"}[quantization]
@@ -252,4 +257,4 @@ def make_linear(
     else:
         values = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
         codes, scale, zero = quantize_q4(values)
-    return Int4Linear(codes, scale, zero, dtype, bias, dense() if dense_for_large_steps else None)
+    return Int4Linear(codes, scale, zero, dtype, bias, dense(fast=True) if dense_for_large_steps else None)
