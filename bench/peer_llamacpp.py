@@ -38,10 +38,10 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does, before torch starts its pool
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.workload import WorkloadRequest, build_workload  # noqa: E402
-from nanoserve.engine import LLM, SamplingParams, TokensPrompt  # noqa: E402
-from nanoserve.engine.threads import available_cpus  # noqa: E402
-from nanoserve.engine.weights import default_model_path  # noqa: E402
+from bench.workload import WorkloadRequest, build_workload
+from nanoserve.engine import LLM, SamplingParams, TokensPrompt
+from nanoserve.engine.threads import available_cpus
+from nanoserve.engine.weights import default_model_path
 
 
 class LlamaCpp:
@@ -88,7 +88,9 @@ class LlamaCpp:
 def nanoserve_single_stream(llm: LLM, request: WorkloadRequest, num_tokens: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     metrics = llm.generate([TokensPrompt(request.prompt_token_ids)], params)[0].metrics
-    assert metrics is not None and metrics.first_token_time is not None and metrics.finished_time is not None
+    assert metrics is not None
+    assert metrics.first_token_time is not None
+    assert metrics.finished_time is not None
     return (num_tokens - 1) / (metrics.finished_time - metrics.first_token_time)
 
 
@@ -244,10 +246,13 @@ def main() -> None:
                     results.setdefault((condition, workload_name, engine), []).append(value)
                     print(f"# {condition} round {round_id} {workload_name} {engine}: {value:.1f} tok/s", flush=True)
 
-    print(f"\n| condition | workload | nanoserve tok/s | llama.cpp tok/s | ratio |\n|---|---|---|---|---|")
+    print("\n| condition | workload | nanoserve tok/s | llama.cpp tok/s | ratio |\n|---|---|---|---|---|")
     for condition, _ in conditions:
         for workload_name in ("single", "batch"):
-            ours, theirs = results[(condition, workload_name, "nanoserve")], results[(condition, workload_name, "llama.cpp")]
+            ours, theirs = (
+                results[(condition, workload_name, "nanoserve")],
+                results[(condition, workload_name, "llama.cpp")],
+            )
             print(f"| {condition} | {workload_name} | {_fmt(ours)} | {_fmt(theirs)} | {_ratio(ours, theirs)} |")
     if not args.skip_busy:
         for workload_name in ("single", "batch"):

@@ -151,10 +151,10 @@ def gguf_reader(path: Path) -> Any:
     """
     from gguf import GGUFReader
 
-    class PlainArrayReader(GGUFReader):  # type: ignore[misc]
-        @property
+    class PlainArrayReader(GGUFReader):
+        @property  # type: ignore[override]
         def data(self) -> np.ndarray:
-            return self._plain_data  # type: ignore[no-any-return]
+            return self._plain_data
 
         @data.setter
         def data(self, value: np.ndarray) -> None:

@@ -234,8 +234,9 @@ class LlamaForCausalLM:
         def linear(parts: list[tuple[str, tuple[int, int]]], bias: torch.Tensor | None) -> AnyLinear:
             values = [raw(name, shape) for name, shape in parts]
             fused: torch.Tensor | QuantizedWeight
-            if all(isinstance(v, QuantizedWeight) for v in values) and len({v.quant_type for v in values}) == 1:
-                fused = QuantizedWeight.cat(values)  # type: ignore[arg-type]
+            quantized = [v for v in values if isinstance(v, QuantizedWeight)]
+            if len(quantized) == len(values) and len({v.quant_type for v in quantized}) == 1:
+                fused = QuantizedWeight.cat(quantized)
             else:
                 fused = torch.cat([v.dequantize() if isinstance(v, QuantizedWeight) else v for v in values])
             return make_linear(fused, self.dtype, self.device, quantization, bias, dense_for_large_steps)
