@@ -176,14 +176,16 @@ def _gguf_tokenizer(path: Path) -> Any:
         try:
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError):
-            pass  # a damaged entry: convert again below
+            shutil.rmtree(folder, ignore_errors=True)  # a damaged entry: convert again below
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=folder.parent))
         tok.save_pretrained(str(staging))
-        shutil.rmtree(folder, ignore_errors=True)
-        staging.rename(folder)  # atomic: a reader sees the whole folder or none
+        try:
+            staging.rename(folder)  # atomic: a reader sees the whole folder or none
+        except OSError:  # another process put it there first
+            shutil.rmtree(staging, ignore_errors=True)
     except OSError:
         pass
     return tok
