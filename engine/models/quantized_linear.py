@@ -224,6 +224,7 @@ def make_linear(
     ``auto``: Q4_0/Q4_1 -> ``Int4Linear``, Q8_0 -> ``Int8Linear``, float weights dense.
     ``int4`` / ``int8``: float weights are quantized at load too.
     Shapes or devices the kernels cannot take fall back to dense, logged once per reason.
+    Raises ValueError for ``int4`` / ``int8`` on a device other than the CPU.
     """
     out_features, in_features = weight.shape
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
@@ -243,6 +244,10 @@ def make_linear(
     if want is None:
         return dense()
     if device.type != "cpu":
+        if quantization in ("int4", "int8"):
+            raise ValueError(
+                f"quantization {quantization!r} has CPU kernels only; on {device.type} use 'auto' (dense) or 'none'"
+            )
         _log_fallback("device", f"{device.type}: no quantized layout here yet, weights dequantized")
         return dense()
     if want == "int8":

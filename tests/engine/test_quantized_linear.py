@@ -155,3 +155,10 @@ def test_fused_rows_keep_each_part():
     torch.testing.assert_close(fused.dequantize(), torch.cat([gguf_dense(first), gguf_dense(second)]), rtol=0, atol=0)
     picked = fused.rows(torch.tensor([23, 0]))
     torch.testing.assert_close(picked.dequantize(), fused.dequantize()[[23, 0]], rtol=0, atol=0)
+
+
+def test_explicit_int4_off_the_cpu_is_a_clear_error_and_auto_stays_dense():
+    weight = random_blocks("Q4_1", 16, 64)
+    with pytest.raises(ValueError, match="quantization 'int4' has CPU kernels only; on cuda use 'auto'"):
+        make_linear(weight, torch.float32, torch.device("cuda"), "int4")
+    assert isinstance(make_linear(weight, torch.float32, torch.device("meta"), "auto"), Linear)
