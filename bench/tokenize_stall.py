@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -139,7 +140,11 @@ async def _run(address: str, args: argparse.Namespace, max_token_bytes: int) -> 
         loop = asyncio.get_running_loop()
         # spawned, not forked: a forked child of a process with gRPC threads hangs
         spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as senders:
+        # niced: on a 2-core machine the load generator would otherwise take the server's CPU, and
+        # the gaps would measure the machine, not whether the server's own work stalls the stream
+        with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=spawn, initializer=os.nice, initargs=(args.senders_nice,)
+        ) as senders:
             for phase, text in ((phases[1], "x" * THREE_MB), (phases[2], limit_text)):
                 current[0] = phase
                 phase.num_refused = await loop.run_in_executor(
@@ -160,6 +165,9 @@ def main() -> None:
     parser.add_argument("--health-interval-s", type=float, default=0.05)
     parser.add_argument("--max-request-bytes", default=None, help="the server's --max-request-bytes (default: derived)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--senders-nice", type=int, default=10, help="niceness of the sender process (0: compete with the server)"
+    )
     args = parser.parse_args()
 
     from nanoserve.engine.tokenizer import Tokenizer
@@ -177,7 +185,8 @@ def main() -> None:
         server.terminate()
         server.wait()
     print(
-        f"server --max-request-bytes {args.max_request_bytes or 'derived'}; {args.num_senders} senders; "
+        f"server --max-request-bytes {args.max_request_bytes or 'derived'}; {args.num_senders} senders "
+        f"(nice {args.senders_nice}); load average {os.getloadavg()[0]:.1f}; "
         f"the at-limit text is {limit_bytes} bytes"
     )
     print(
