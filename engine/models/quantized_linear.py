@@ -222,12 +222,16 @@ def make_linear(
 
     ``none``: dense in ``dtype`` (a quantized weight is dequantized by gguf).
     ``auto``: Q4_0/Q4_1 -> ``Int4Linear``, Q8_0 -> ``Int8Linear``, float weights dense.
+    The quantized kernels run in ``dtype``, or bf16 when ``dtype`` is float32 (inputs and
+    outputs stay float32); an ``Int4Linear`` built directly in float32 is the exact path.
     ``int4`` / ``int8``: float weights are quantized at load too.
     Shapes or devices the kernels cannot take fall back to dense, logged once per reason.
     Raises ValueError for ``int4`` / ``int8`` on a device other than the CPU.
     """
     out_features, in_features = weight.shape
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    # torch's int4/int8 CPU kernels are vectorized for bf16 activations; in float32 they ran 10-50x slower here
+    kernel_dtype = torch.bfloat16 if dtype == torch.float32 else dtype
     quant_type = weight.quant_type if isinstance(weight, QuantizedWeight) else None
 
     def dense(fast: bool = False) -> Linear:
@@ -252,7 +256,7 @@ def make_linear(
         return dense()
     if want == "int8":
         values = unpacked_float(weight) if isinstance(weight, QuantizedWeight) else weight
-        return Int8Linear(values, dtype, bias)
+        return Int8Linear(values, kernel_dtype, bias)
     if not int4_shape_ok(out_features, in_features):
         _log_fallback("shape", f"int4 kernel cannot take [{out_features}, {in_features}]")
         return dense()
@@ -262,4 +266,4 @@ def make_linear(
     else:
         values = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
         codes, scale, zero = quantize_q4(values)
-    return Int4Linear(codes, scale, zero, dtype, bias, dense(fast=True) if dense_for_large_steps else None)
+    return Int4Linear(codes, scale, zero, kernel_dtype, bias, dense(fast=True) if dense_for_large_steps else None)

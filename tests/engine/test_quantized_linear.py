@@ -83,8 +83,8 @@ def test_q4_1_repack_equals_gguf_dequantization_exactly_with_fp32_scales():
         q4_1_block(0.25 * (1 + r % 3), -1.5 + r, [(r * 7 + j * 5) % 16 for j in range(32)]) for r in range(32)
     )
     weight = QuantizedWeight(torch.frombuffer(bytearray(blocks), dtype=torch.uint8).reshape(16, 40), "Q4_1", (16, 64))
-    linear = make_linear(weight, torch.float32, CPU, "auto")
-    assert isinstance(linear, Int4Linear)
+    assert isinstance(make_linear(weight, torch.float32, CPU, "auto"), Int4Linear)
+    linear = Int4Linear(*unpack_q4(weight), torch.float32)  # fp32 scales and activations
     recovered = linear(torch.eye(64)).T  # identity in: each output is one weight times 1.0
     torch.testing.assert_close(recovered, gguf_dense(weight), rtol=0, atol=0)
 
@@ -92,7 +92,7 @@ def test_q4_1_repack_equals_gguf_dequantization_exactly_with_fp32_scales():
 @pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
 def test_int4_repack_of_random_blocks_is_exact_in_fp32(quant_type):
     weight = random_blocks(quant_type, 64, 128)
-    linear = make_linear(weight, torch.float32, CPU, "auto")
+    linear = Int4Linear(*unpack_q4(weight), torch.float32)
     torch.testing.assert_close(linear(torch.eye(128)).T, gguf_dense(weight), rtol=0, atol=0)
 
 
@@ -103,11 +103,12 @@ def test_int4_linear_matches_dense_on_random_inputs(quant_type, num_tokens):
     x = torch.randn(num_tokens, 256, generator=torch.Generator().manual_seed(1))
     expected = F.linear(x, gguf_dense(weight))
     scale = expected.abs().max().item()
-    torch.testing.assert_close(
-        make_linear(weight, torch.float32, CPU, "auto")(x), expected, rtol=FP32_RTOL, atol=FP32_RTOL * scale
-    )
-    got = make_linear(weight, torch.bfloat16, CPU, "auto")(x.bfloat16()).float()
-    torch.testing.assert_close(got, expected, rtol=BF16_RTOL, atol=BF16_RTOL * scale)
+    exact = Int4Linear(*unpack_q4(weight), torch.float32)
+    torch.testing.assert_close(exact(x), expected, rtol=FP32_RTOL, atol=FP32_RTOL * scale)
+    for dtype in (torch.float32, torch.bfloat16):  # a float32 model runs the kernel in bf16 too
+        got = make_linear(weight, dtype, CPU, "auto")(x.to(dtype))
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected, rtol=BF16_RTOL, atol=BF16_RTOL * scale)
 
 
 def test_q8_0_unpacks_to_gguf_values_and_int8_linear_stays_within_a_step():
@@ -115,8 +116,8 @@ def test_q8_0_unpacks_to_gguf_values_and_int8_linear_stays_within_a_step():
     codes, scale = unpack_q8(weight)
     dense = gguf_dense(weight)
     torch.testing.assert_close((codes.float().view(64, 4, 32) * scale[..., None]).view(64, 128), dense, rtol=0, atol=0)
-    linear = make_linear(weight, torch.float32, CPU, "auto")
-    assert isinstance(linear, Int8Linear)
+    assert isinstance(make_linear(weight, torch.float32, CPU, "auto"), Int8Linear)
+    linear = Int8Linear(dense, torch.float32)
     step = dense.abs().amax(dim=1, keepdim=True) / 127
     assert ((linear(torch.eye(128)).T - dense).abs() <= step / 2 + 1e-7).all()
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
