@@ -13,6 +13,7 @@ SQLAlchemy nor structlog.
 
 from nanoserve.allocator.arithmetic import cdiv
 from nanoserve.allocator.block_allocator import BlockAllocator, KVCacheExhausted
+from nanoserve.allocator.block_key import BlockKey, extend_block_keys, hash_block
 from nanoserve.allocator.block_table import BlockTable
 from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.pool_state import PoolState, Violation
@@ -22,6 +23,7 @@ __all__ = [
     "BlockAllocator",
     "BlockTable",
     "BlockEvent",
+    "BlockKey",
     "EventKind",
     "FreeReason",
     "KVCacheExhausted",
@@ -30,4 +32,6 @@ __all__ = [
     "Violation",
     "apply",
     "cdiv",
+    "extend_block_keys",
+    "hash_block",
 ]

@@ -13,9 +13,11 @@ never holds the log: it emits, the caller persists.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from nanoserve.allocator.arithmetic import cdiv
+from nanoserve.allocator.block_key import BlockKey
 from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.pool_state import PoolState
 from nanoserve.allocator.transition import apply
@@ -24,6 +26,21 @@ _ALLOCATE = EventKind.ALLOCATE
 _ALLOCATE_FOR = EventKind.ALLOCATE_FOR
 _FREE = EventKind.FREE
 _FREE_ALL = EventKind.FREE_ALL
+
+
+class _Cached(NamedTuple):
+    """What a registered block's KV was computed from: checked on every lookup, never logged.
+
+    serial: this registration's number (unique over the allocator's life);
+    parent_serial: the parent block's registration number, None for a first
+    block. A child whose parent_serial matches proves its KV followed exactly
+    the parent the lookup just verified, whatever the keys say.
+    """
+
+    serial: int
+    parent_serial: int | None
+    token_ids: tuple[int, ...]
+    extra_keys: tuple[str, ...]
 
 
 class KVCacheExhausted(RuntimeError):
@@ -67,6 +84,16 @@ class BlockAllocator:
     the taken events to ``PoolState.fresh(num_blocks, block_size)`` with
     ``transition.apply`` gives ``state()``.
 
+    Prefix caching (vLLM's automatic prefix caching): ``register`` indexes
+    full blocks under their ``BlockKey``; ``share_prefix`` looks a prompt's
+    keys up and takes a reference on every hit in one call, so nothing can
+    evict a block between the two; ``release`` drops an owner's references,
+    and a registered block whose count reaches 0 keeps its KV and key on the
+    cached-free list. New blocks come from the free stack of never-cached
+    blocks first; only when it is short are cached-free blocks evicted, least
+    recently used first (EVICT, then the allocation). With nothing registered
+    the pool behaves exactly as the plain LIFO pool.
+
     Errors: ``KVCacheExhausted`` when too few blocks are free (nothing is
     reserved); ``ValueError`` naming the block on a double free or a block id
     that is not in the pool, and on a bad owner, token count or reason. A call
@@ -82,6 +109,8 @@ class BlockAllocator:
         self._free = self._state.free_block_ids  # the state's free stack, top at the end
         self._owners = self._state.owners  # block_id -> owner (request id) of every allocated block
         self._pending: list[BlockEvent] = []  # emitted, not yet taken; in order
+        self._cached: dict[int, _Cached] = {}  # block_id -> content of every registered block
+        self._num_registrations = 0
 
     @property
     def num_blocks(self) -> int:
@@ -93,7 +122,23 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out: never-cached ones and cached-free ones."""
+        return len(self._free) + len(self._state.cached_free)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that keep their KV and key until the pool needs them."""
+        return len(self._state.cached_free)
+
+    @property
+    def num_shared(self) -> int:
+        """Blocks held by more than one owner."""
+        return len(self._state.sharers)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks, held or cached-free."""
+        return len(self._state.block_keys)
 
     @property
     def num_allocated(self) -> int:
@@ -105,8 +150,8 @@ class BlockAllocator:
         return len(self._pending)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        """True when ``num_blocks`` blocks are free right now."""
-        return num_blocks <= len(self._free)
+        """True when ``num_blocks`` blocks are free right now (cached-free ones count)."""
+        return num_blocks <= len(self._free) + len(self._state.cached_free)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
@@ -120,7 +165,9 @@ class BlockAllocator:
         """Reserve one block for ``owner``; returns its id. Emits ALLOCATE. Raises KVCacheExhausted."""
         _check_owner(owner)
         if not self._free:
-            raise KVCacheExhausted(1, 0)
+            if not self._state.cached_free:
+                raise KVCacheExhausted(1, 0)
+            self._evict(1, owner)
         block_id = self._free[-1]
         self._emit(BlockEvent(_ALLOCATE, (block_id,), owner))
         return block_id
@@ -139,17 +186,23 @@ class BlockAllocator:
         num_needed = cdiv(num_tokens, self._state.block_size)
         free = self._free
         if num_needed > len(free):
-            raise KVCacheExhausted(num_needed, len(free))
+            available = len(free) + len(self._state.cached_free)
+            if num_needed > available:
+                raise KVCacheExhausted(num_needed, available)
+            self._evict(num_needed - len(free), owner)
         block_ids = free[-1 : -num_needed - 1 : -1]
         self._emit(BlockEvent(_ALLOCATE_FOR, tuple(block_ids), owner))
         return block_ids
 
     def free(self, block_id: int, reason: FreeReason | None = None) -> None:
-        """Return ``block_id`` to the pool. Emits FREE. ValueError on a double free or a foreign block."""
+        """Return ``block_id`` to the pool. Emits FREE. ValueError on a double free, a foreign block, or a
+        registered or shared block (those go back through ``release``)."""
         _check_reason(reason)
         owner = self._owners.get(block_id)
         if owner is None:
             raise self._bad_free(block_id)
+        if block_id in self._state.block_keys or block_id in self._state.sharers:
+            raise ValueError(f"block {block_id} is cached or shared: release it with release(owner, ...)")
         self._emit(BlockEvent(_FREE, (block_id,), owner, reason))
 
     def free_all(self, block_ids: Iterable[int], reason: FreeReason | None = None) -> None:
@@ -170,6 +223,8 @@ class BlockAllocator:
             owner = owners.get(block_id)
             if owner is None:
                 raise self._bad_free(block_id)
+            if block_id in self._state.block_keys or block_id in self._state.sharers:
+                raise ValueError(f"block {block_id} is cached or shared: release it with release(owner, ...)")
             if runs and runs[-1][0] == owner:
                 runs[-1][1].append(block_id)
             else:
@@ -179,6 +234,166 @@ class BlockAllocator:
             raise ValueError(f"block {twice} is listed twice in free_all (it would be freed twice)")
         for owner, run in runs:
             self._emit(BlockEvent(_FREE_ALL, tuple(run), owner, reason))
+
+    def release(self, owner: str, block_ids: Sequence[int], reason: FreeReason | None = None) -> None:
+        """``owner`` lets go of ``block_ids`` (its block table, in logical order), all or none.
+
+        Blocks nobody else holds and that were never registered go back on the
+        free stack in the order given (one FREE_ALL, as ``free_all``); the others
+        (registered or shared) are released tail first (one RELEASE), so that a
+        sequence's tail is evicted before its head. ValueError, freeing nothing,
+        when ``owner`` does not hold a block or a block is listed twice.
+        """
+        _check_owner(owner)
+        _check_reason(reason)
+        state = self._state
+        for block_id in block_ids:
+            if owner not in state.holders(block_id):
+                if block_id in self._owners:
+                    raise ValueError(f"block {block_id} is not held by {owner!r} (holders {state.holders(block_id)})")
+                raise self._bad_free(block_id)
+        if len(set(block_ids)) != len(block_ids):
+            twice = next(b for b in block_ids if block_ids.count(b) > 1)
+            raise ValueError(f"block {twice} is listed twice in release (it would be released twice)")
+        keys, sharers = state.block_keys, state.sharers
+        plain = tuple(b for b in block_ids if b not in keys and b not in sharers)
+        cached = tuple(b for b in reversed(block_ids) if b in keys or b in sharers)
+        if plain:
+            self._emit(BlockEvent(_FREE_ALL, plain, owner, reason))
+        if cached:
+            self._emit(
+                BlockEvent(
+                    EventKind.RELEASE,
+                    cached,
+                    owner,
+                    reason,
+                    keys=tuple(keys[b][0] for b in cached),
+                    ref_counts=tuple(state.ref_count(b) - 1 for b in cached),
+                )
+            )
+
+    def count_prefix_hits(self, owner: str, keys: Sequence[BlockKey]) -> tuple[int, int]:
+        """(blocks of ``keys`` a ``share_prefix`` would hit now, how many of them are cached-free). Emits nothing."""
+        hits = self._lookup(owner, keys)
+        return len(hits), sum(1 for block_id in hits if block_id not in self._owners)
+
+    def share_prefix(self, owner: str, keys: Sequence[BlockKey]) -> list[int]:
+        """Look up ``keys`` (a prompt's full blocks, in order) and take a reference on each hit.
+
+        Stops at the first block whose key is not indexed, or whose stored
+        token ids, extra keys or parent differ from the key's (a hash
+        collision, or a parent that was evicted and reused): such a block is a
+        miss, never served. Lookup and references are one call, so no eviction
+        comes between them. Returns the hit blocks in order; emits one SHARE
+        when there is any.
+        """
+        _check_owner(owner)
+        hits = self._lookup(owner, keys)
+        if hits:
+            state = self._state
+            self._emit(
+                BlockEvent(
+                    EventKind.SHARE,
+                    tuple(hits),
+                    owner,
+                    keys=tuple(state.block_keys[b][0] for b in hits),
+                    ref_counts=tuple(state.ref_count(b) + 1 for b in hits),
+                )
+            )
+        return hits
+
+    def _lookup(self, owner: str, keys: Sequence[BlockKey]) -> list[int]:
+        key_blocks, cached = self._state.key_blocks, self._cached
+        hits: list[int] = []
+        parent_serial: int | None = None
+        for key in keys:
+            block_id = key_blocks.get(key.key)
+            if block_id is None:
+                break
+            content = cached[block_id]
+            if (
+                content.parent_serial != parent_serial
+                or content.token_ids != key.token_ids
+                or content.extra_keys != key.extra_keys
+                or owner in self._state.holders(block_id)
+            ):
+                break
+            hits.append(block_id)
+            parent_serial = content.serial
+        return hits
+
+    def register(
+        self, owner: str, parent_block_id: int | None, block_ids: Sequence[int], keys: Sequence[BlockKey]
+    ) -> int:
+        """Index full blocks that ``owner`` holds and a finished forward pass wrote, under ``keys``.
+
+        ``block_ids[i]`` holds the tokens of ``keys[i]``; ``parent_block_id`` is
+        the registered block before the first one (None for a sequence's first
+        block). Registration stops at the first key that already indexes
+        another block (the same content computed twice): later blocks could
+        not be chained. Returns how many blocks were registered; emits one
+        REGISTER when there is any. ValueError when ``owner`` does not hold a
+        block, the parent is not registered, or a block is registered already.
+        """
+        _check_owner(owner)
+        if len(block_ids) != len(keys):
+            raise ValueError(f"{len(block_ids)} block_ids but {len(keys)} keys")
+        state = self._state
+        parent_serial: int | None = None
+        if parent_block_id is not None:
+            if parent_block_id not in self._cached:
+                raise ValueError(f"parent block {parent_block_id} is not registered")
+            parent_serial = self._cached[parent_block_id].serial
+        registered: list[int] = []
+        for block_id, key in zip(block_ids, keys, strict=True):
+            if owner not in state.holders(block_id):
+                raise ValueError(f"block {block_id} is not held by {owner!r}")
+            if block_id in state.block_keys:
+                raise ValueError(f"block {block_id} is registered already")
+            if key.key in state.key_blocks or any(key.key == done.key for done in keys[: len(registered)]):
+                break
+            self._num_registrations += 1
+            self._cached[block_id] = _Cached(self._num_registrations, parent_serial, key.token_ids, key.extra_keys)
+            parent_serial = self._num_registrations
+            registered.append(block_id)
+        if registered:
+            used = keys[: len(registered)]
+            self._emit(
+                BlockEvent(
+                    EventKind.REGISTER,
+                    tuple(registered),
+                    owner,
+                    keys=tuple(key.key for key in used),
+                    parent_keys=tuple(key.parent for key in used),
+                )
+            )
+        return len(registered)
+
+    def reset_prefix_cache(self, owner: str = "reset") -> bool:
+        """Drop every cached-free block's key (they go on the free stack); emits CACHE_RESET.
+
+        Refuses (returns False, changing nothing) while any block is held:
+        a held block's key may be about to be shared. True when reset.
+        """
+        _check_owner(owner)
+        if self._owners:
+            return False
+        state = self._state
+        block_ids = tuple(state.cached_free)
+        keys = tuple(state.block_keys[b][0] for b in block_ids)
+        for block_id in block_ids:
+            del self._cached[block_id]
+        self._emit(BlockEvent(EventKind.CACHE_RESET, block_ids, owner, keys=keys))
+        return True
+
+    def _evict(self, num_blocks: int, owner: str) -> None:
+        """Evict the ``num_blocks`` least recently used cached-free blocks for ``owner`` (one EVICT)."""
+        state = self._state
+        block_ids = tuple(state.cached_free[:num_blocks])
+        keys = tuple(state.block_keys[b][0] for b in block_ids)
+        for block_id in block_ids:
+            del self._cached[block_id]
+        self._emit(BlockEvent(EventKind.EVICT, block_ids, owner, keys=keys))
 
     def take_events(self) -> list[BlockEvent]:
         """The events emitted since the last call, in order; the pending list is left empty."""

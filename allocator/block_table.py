@@ -12,10 +12,11 @@ ids the allocator handed out (PagedAttention, Kwon et al., SOSP 2023)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from nanoserve.allocator.arithmetic import cdiv
 from nanoserve.allocator.block_allocator import BlockAllocator
+from nanoserve.allocator.block_key import BlockKey
 from nanoserve.allocator.events import FreeReason
 
 
@@ -24,7 +25,9 @@ class BlockTable:
 
     Invariant: ``len(block_ids) == ceil(num_tokens / block_size)``: the table
     holds exactly the blocks its tokens need, so the last block is the only one
-    with free slots.
+    with free slots. With prefix caching, the first ``num_registered_blocks``
+    blocks are registered (shared from the cache, or registered by this table
+    after their KV was written), each chained to the one before.
     """
 
     def __init__(self, allocator: BlockAllocator, owner: str) -> None:
@@ -33,6 +36,43 @@ class BlockTable:
         self.owner = owner
         self._block_ids: list[int] = []  # logical block index -> physical block id
         self._num_tokens = 0
+        self._num_registered = 0  # leading blocks that are in the key index, chained
+        self._chain_broken = False  # a block's key indexed another block: later ones cannot be chained
+
+    @property
+    def num_registered_blocks(self) -> int:
+        return self._num_registered
+
+    def share_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Take the cached blocks of ``keys`` (a prompt's leading full blocks) into this empty table.
+
+        Returns the tokens they hold (``block_size`` per hit); the table then
+        holds exactly those tokens. The caller passes only keys of blocks that
+        leave at least one prompt token to compute.
+        """
+        assert not self._block_ids, f"share_prefix on a table that holds {self._block_ids}"
+        hits = self._allocator.share_prefix(self.owner, keys)
+        self._block_ids.extend(hits)
+        self._num_tokens = len(hits) * self._block_size
+        self._num_registered = len(hits)
+        return self._num_tokens
+
+    def register(self, keys: Sequence[BlockKey], num_computed_tokens: int) -> None:
+        """Register the full blocks whose KV is written (the first ``num_computed_tokens`` tokens).
+
+        ``keys`` are the sequence's block keys (at least one per full computed
+        block). Blocks registered already are skipped; once a key turns out
+        to index another block (the same prefix computed twice at once), this
+        table registers no more.
+        """
+        num_full = min(num_computed_tokens // self._block_size, len(keys), len(self._block_ids))
+        if self._chain_broken or num_full <= self._num_registered:
+            return
+        start = self._num_registered
+        parent = self._block_ids[start - 1] if start else None
+        num_new = self._allocator.register(self.owner, parent, self._block_ids[start:num_full], keys[start:num_full])
+        self._num_registered += num_new
+        self._chain_broken = self._num_registered < num_full
 
     @property
     def block_ids(self) -> list[int]:
@@ -97,11 +137,13 @@ class BlockTable:
         return slots
 
     def release(self, reason: FreeReason | None = None) -> None:
-        """Free every block back to the pool and empty the table."""
+        """Release every block and empty the table (``BlockAllocator.release``: cached ones stay cached)."""
         if self._block_ids:
-            self._allocator.free_all(self._block_ids, reason)
+            self._allocator.release(self.owner, self._block_ids, reason)
         self._block_ids = []
         self._num_tokens = 0
+        self._num_registered = 0
+        self._chain_broken = False
 
     def __repr__(self) -> str:
         return f"BlockTable(owner={self.owner!r}, num_tokens={self._num_tokens}, block_ids={self._block_ids})"

@@ -3,8 +3,9 @@
 The allocator emits one ``BlockEvent`` per change to the pool and keeps it
 pending until its caller takes it (``BlockAllocator.take_events``); the same
 events, applied by ``nanoserve.allocator.transition.apply``, rebuild the pool.
-Kinds are short strings so that the stored log can gain new ones (prefix
-caching's shared blocks, for example) without touching the existing rows.
+Kinds are short strings so that the stored log gains new ones without
+touching the existing rows: prefix caching added REGISTER, SHARE, RELEASE,
+EVICT and CACHE_RESET (migration 0002).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ class EventKind(str, enum.Enum):
     ALLOCATE_FOR = "allocate_for"  # ceil(num_tokens / block_size) blocks taken at once
     FREE = "free"  # one block returned
     FREE_ALL = "free_all"  # several blocks of one owner returned at once
+    REGISTER = "register"  # full blocks whose KV a forward pass wrote, indexed under their keys
+    SHARE = "share"  # a reference taken on cached blocks (held by others, or cached-free)
+    RELEASE = "release"  # owner drops its reference on cached blocks; at count 0 they stay cached-free
+    EVICT = "evict"  # cached-free blocks lose their keys and go back on the free stack, for owner
+    CACHE_RESET = "cache_reset"  # every cached-free block loses its key (the Allocation service's reset)
     SNAPSHOT = "snapshot"  # the full pool state, so replay can start here
     POOL_CLOSE = "pool_close"  # the epoch ended cleanly
 
@@ -44,7 +50,14 @@ class BlockEvent(NamedTuple):
     block_ids: the blocks touched, in the allocator's order: the order they
         were taken off the free stack, or pushed back onto it.
     owner: the request id that took the blocks, or held them until now.
-    reason: why blocks were freed; None on allocations and unexplained frees.
+    reason: why blocks were freed (FREE, FREE_ALL, RELEASE); None on
+        allocations and unexplained frees.
+    keys: the prefix-cache kinds only: each block's key (hex sha256), in
+        ``block_ids`` order; empty for the other kinds.
+    parent_keys: REGISTER only: each block's parent key (None for the first
+        block of a sequence).
+    ref_counts: SHARE and RELEASE only: each block's reference count after
+        the event; replay checks them against the holders it rebuilt.
 
     An event carries no sequence number, step or time: the event log stamps
     those when the engine hands it a step's events (``EventLog.append_batch``).
@@ -56,3 +69,6 @@ class BlockEvent(NamedTuple):
     block_ids: tuple[int, ...]
     owner: str
     reason: FreeReason | None = None
+    keys: tuple[str, ...] = ()
+    parent_keys: tuple[str | None, ...] = ()
+    ref_counts: tuple[int, ...] = ()

@@ -37,21 +37,32 @@ class Violation:
 
 @dataclass(slots=True)
 class PoolState:
-    """Free stack and owner map of a pool of ``num_blocks`` blocks.
+    """Free stack, owner map and prefix-cache index of a pool of ``num_blocks`` blocks.
 
     Invariant (kept by ``transition.apply`` on a pool that starts whole):
-    every block id in ``range(num_blocks)`` is on the free stack or in the
-    owner map, never both, and no block is on the stack twice.
+    every block id in ``range(num_blocks)`` is in exactly one of the free
+    stack, the cached-free list and the owner map (free + cached-free + held
+    == num_blocks); a block's reference count is ``1 + len(sharers[block])``
+    while held and 0 while free; only registered blocks are shared or
+    cached-free; ``key_blocks`` is the inverse of ``block_keys``.
 
-    free_block_ids: the free stack from bottom to top (the next block handed
-        out is the last one).
-    owners: block_id -> owner (request id) of every allocated block.
+    free_block_ids: the free stack of never-cached blocks from bottom to top
+        (the next block handed out is the last one).
+    owners: block_id -> owner (request id) of every held block: the holder
+        that took it from the pool, or, once that one let go, the longest-standing
+        remaining holder.
+    sharers: block_id -> the block's other holders, in the order they took
+        their references (prefix caching; absent for a block with one holder).
+    cached_free: free blocks that keep their KV and their key, least recently
+        used first (the next one evicted is the first).
+    block_keys: block_id -> (key, parent key or None) of every registered block.
+    key_blocks: key -> block_id, the index a prefix lookup reads.
     last_seq: sequence number of the last logged event applied; None for a
         pool that was not rebuilt from a log.
     pool_id, epoch: the log a replayed state came from.
     violations: broken rules met while rebuilding this state from a log.
 
-    ``==`` compares the pool itself (shape, free stack, owners), not where it
+    ``==`` compares the pool itself (shape, free stack, holders, cache index), not where it
     came from (last_seq, pool_id, epoch) nor the violations on the way.
     """
 
@@ -59,6 +70,10 @@ class PoolState:
     block_size: int
     free_block_ids: list[int]
     owners: dict[int, str] = field(default_factory=dict)
+    sharers: dict[int, list[str]] = field(default_factory=dict)
+    cached_free: list[int] = field(default_factory=list)
+    block_keys: dict[int, tuple[str, str | None]] = field(default_factory=dict)
+    key_blocks: dict[str, int] = field(default_factory=dict)
     last_seq: int | None = field(default=None, compare=False)
     pool_id: str | None = field(default=None, compare=False)
     epoch: int | None = field(default=None, compare=False)
@@ -76,6 +91,10 @@ class PoolState:
             block_size=self.block_size,
             free_block_ids=list(self.free_block_ids),
             owners=dict(self.owners),
+            sharers={block_id: list(holders) for block_id, holders in self.sharers.items()},
+            cached_free=list(self.cached_free),
+            block_keys=dict(self.block_keys),
+            key_blocks=dict(self.key_blocks),
             last_seq=self.last_seq,
             pool_id=self.pool_id,
             epoch=self.epoch,
@@ -84,15 +103,37 @@ class PoolState:
 
     @property
     def num_free(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks that can be handed out: the free stack's and the cached-free ones."""
+        return len(self.free_block_ids) + len(self.cached_free)
 
     @property
     def num_allocated(self) -> int:
         return len(self.owners)
 
+    @property
+    def num_cached_free(self) -> int:
+        return len(self.cached_free)
+
+    def ref_count(self, block_id: int) -> int:
+        """Holders of ``block_id``: 0 when free (cached or not)."""
+        if block_id not in self.owners:
+            return 0
+        return 1 + len(self.sharers.get(block_id, ()))
+
+    def holders(self, block_id: int) -> list[str]:
+        """Every owner holding ``block_id``, the first holder first; [] when free."""
+        owner = self.owners.get(block_id)
+        return [] if owner is None else [owner, *self.sharers.get(block_id, ())]
+
+    def shared_blocks(self) -> dict[int, list[str]]:
+        """block_id -> its holders, for the blocks held by more than one owner, in block order."""
+        return {block_id: self.holders(block_id) for block_id in sorted(self.sharers)}
+
     def blocks_by_owner(self) -> dict[str, list[int]]:
-        """owner -> its block ids in ascending order."""
+        """owner -> the block ids it holds (shared ones included) in ascending order."""
         grouped: dict[str, list[int]] = {}
         for block_id in sorted(self.owners):
             grouped.setdefault(self.owners[block_id], []).append(block_id)
+            for sharer in self.sharers.get(block_id, ()):
+                grouped.setdefault(sharer, []).append(block_id)
         return grouped

@@ -71,6 +71,11 @@ def take(state: PoolState, event: BlockEvent, report: Report) -> None:
         else:
             if free and free[-1] == block_id:
                 free.pop()
+            elif block_id in state.block_keys:
+                key = state.block_keys[block_id][0]
+                report("stale_key", f"block is handed out while still cached under key {key[:16]}", block_id, owner)
+                state.cached_free.remove(block_id)
+                _drop_key(state, block_id)
             else:
                 assert block_id in free, f"block {block_id} is neither free nor allocated: {state} broke its invariant"
                 free.remove(block_id)
@@ -85,6 +90,9 @@ def release(state: PoolState, event: BlockEvent, report: Report) -> None:
     """
     free, owners, owner, num_blocks = state.free_block_ids, state.owners, event.owner, state.num_blocks
     for block_id in event.block_ids:
+        if block_id in state.sharers or block_id in state.block_keys:  # a prefix-cache block freed as a plain one
+            _free_cached(state, block_id, owner, report)
+            continue
         holder = owners.pop(block_id, None)
         if holder == owner:
             free.append(block_id)
@@ -96,10 +104,168 @@ def release(state: PoolState, event: BlockEvent, report: Report) -> None:
             free.append(block_id)
 
 
+def _free_cached(state: PoolState, block_id: int, owner: str, report: Report) -> None:
+    """FREE of a shared or registered block: reported, then applied as far as it can be."""
+    holders = state.holders(block_id)
+    if owner not in holders:
+        report(
+            "owner_mismatch", f"block is held by {holders!r}" if holders else "block is not allocated", block_id, owner
+        )
+        return
+    if len(holders) > 1:
+        report("ref_count_mismatch", f"block freed to the pool while {holders!r} hold it", block_id, owner)
+        _drop_reference(state, block_id, owner)
+        return
+    key = state.block_keys[block_id][0]
+    report("stale_key", f"block freed as never-cached while indexed under key {key[:16]}", block_id, owner)
+    del state.owners[block_id]
+    _drop_key(state, block_id)
+    state.free_block_ids.append(block_id)
+
+
+def _drop_key(state: PoolState, block_id: int) -> None:
+    key, _ = state.block_keys.pop(block_id)
+    if state.key_blocks.get(key) == block_id:
+        del state.key_blocks[key]
+
+
+def _drop_reference(state: PoolState, block_id: int, owner: str) -> None:
+    """``owner`` (a holder) lets go of ``block_id``; the last holder leaves it cached-free (or free, unkeyed)."""
+    others = state.sharers.get(block_id)
+    if state.owners[block_id] == owner:
+        if others:
+            state.owners[block_id] = others.pop(0)
+        else:
+            del state.owners[block_id]
+            if block_id in state.block_keys:
+                state.cached_free.append(block_id)
+            else:
+                state.free_block_ids.append(block_id)
+    else:
+        assert others is not None, f"{owner!r} does not hold block {block_id}"
+        others.remove(owner)
+    if others is not None and not others:
+        del state.sharers[block_id]
+
+
+def _check_count(state: PoolState, event: BlockEvent, index: int, report: Report) -> None:
+    if index < len(event.ref_counts):
+        block_id, count = event.block_ids[index], event.ref_counts[index]
+        held = state.ref_count(block_id)
+        if held != count:
+            report("ref_count_mismatch", f"event says {count} holders, {held} hold it", block_id, event.owner)
+
+
+def register(state: PoolState, event: BlockEvent, report: Report) -> None:
+    """REGISTER: each held block enters the key index under its key and parent key.
+
+    A block not held by the event's owner, a block registered already, or a
+    key that indexes another block is reported and left as it was.
+    """
+    owner = event.owner
+    for index, block_id in enumerate(event.block_ids):
+        key = event.keys[index] if index < len(event.keys) else ""
+        parent = event.parent_keys[index] if index < len(event.parent_keys) else None
+        if owner not in state.holders(block_id):
+            report("register_of_unheld", "block registered by an owner that does not hold it", block_id, owner)
+        elif block_id in state.block_keys:
+            known = state.block_keys[block_id][0]
+            report("double_register", f"block already registered under key {known[:16]}", block_id, owner)
+        elif key in state.key_blocks:
+            other = state.key_blocks[key]
+            report("double_register", f"key {key[:16]} already indexes block {other}", block_id, owner)
+        else:
+            state.block_keys[block_id] = (key, parent)
+            state.key_blocks[key] = block_id
+
+
+def share(state: PoolState, event: BlockEvent, report: Report) -> None:
+    """SHARE: the owner takes a reference on each cached block (held by others, or cached-free).
+
+    A block that is not indexed under the event's key (evicted, reused,
+    never registered) is reported and not taken; so is one the owner holds already.
+    """
+    owner = event.owner
+    for index, block_id in enumerate(event.block_ids):
+        key = event.keys[index] if index < len(event.keys) else ""
+        known = state.block_keys.get(block_id)
+        if known is None or known[0] != key:
+            report("ref_on_evicted", f"reference taken on a block not cached under key {key[:16]}", block_id, owner)
+            continue
+        holders = state.holders(block_id)
+        if owner in holders:
+            report("ref_count_mismatch", "owner takes a second reference on a block it holds", block_id, owner)
+        elif holders:
+            state.sharers.setdefault(block_id, []).append(owner)
+        else:
+            state.cached_free.remove(block_id)
+            state.owners[block_id] = owner
+        _check_count(state, event, index, report)
+
+
+def release_reference(state: PoolState, event: BlockEvent, report: Report) -> None:
+    """RELEASE: the owner drops its reference on each cached block; at count 0 it is cached-free.
+
+    Cached-free blocks join the end of the LRU list in the event's order (the
+    allocator lists a sequence's tail first, so its tail is evicted first).
+    """
+    owner = event.owner
+    for index, block_id in enumerate(event.block_ids):
+        holders = state.holders(block_id)
+        if owner not in holders:
+            if holders:
+                report("owner_mismatch", f"block is held by {holders!r}", block_id, owner)
+            else:
+                rule = "free_of_free_block" if 0 <= block_id < state.num_blocks else "foreign_block"
+                report(rule, "block is not allocated", block_id, owner)
+            continue
+        key = event.keys[index] if index < len(event.keys) else ""
+        known = state.block_keys.get(block_id)
+        if known is None or known[0] != key:
+            report("stale_key", f"block released under key {key[:16]} it is not indexed under", block_id, owner)
+        _drop_reference(state, block_id, owner)
+        _check_count(state, event, index, report)
+
+
+def evict(state: PoolState, event: BlockEvent, report: Report) -> None:
+    """EVICT, CACHE_RESET: each cached-free block loses its key and goes onto the free stack, in order.
+
+    A held block, or one not cached under the event's key, is reported and left.
+    """
+    owner = event.owner
+    for index, block_id in enumerate(event.block_ids):
+        key = event.keys[index] if index < len(event.keys) else ""
+        known = state.block_keys.get(block_id)
+        if block_id in state.owners:
+            report("stale_key", f"evicting a block held by {state.holders(block_id)!r}", block_id, owner)
+        elif known is None or known[0] != key or block_id not in state.cached_free:
+            report("stale_key", f"evicting a block not cached under key {key[:16]}", block_id, owner)
+        else:
+            state.cached_free.remove(block_id)
+            _drop_key(state, block_id)
+            state.free_block_ids.append(block_id)
+
+
+def reset(state: PoolState, event: BlockEvent, report: Report) -> None:
+    """CACHE_RESET: ``evict`` of every cached-free block; any key left afterwards is reported."""
+    evict(state, event, report)
+    for block_id in sorted(state.block_keys):
+        report("stale_key", "block still indexed after the cache reset", block_id, event.owner)
+
+
 # event kind -> its transition; the kinds not here (POOL_INIT, SNAPSHOT, POOL_CLOSE) belong to the log
 TRANSITIONS: dict[EventKind, Transition] = {
     EventKind.ALLOCATE: take,
     EventKind.ALLOCATE_FOR: take,
     EventKind.FREE: release,
     EventKind.FREE_ALL: release,
+    EventKind.REGISTER: register,
+    EventKind.SHARE: share,
+    EventKind.RELEASE: release_reference,
+    EventKind.EVICT: evict,
+    EventKind.CACHE_RESET: reset,
 }
+# the prefix-cache kinds: their records carry keys (``record_codec``)
+CACHE_KINDS = frozenset(
+    (EventKind.REGISTER, EventKind.SHARE, EventKind.RELEASE, EventKind.EVICT, EventKind.CACHE_RESET)
+)

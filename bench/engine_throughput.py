@@ -10,6 +10,12 @@ request, decode tokens per second after the first token.
 
     .venv/bin/python -m bench.engine_throughput            # full run
     .venv/bin/python -m bench.engine_throughput --num-requests 32 --hf-batch-size 16   # quick look
+    .venv/bin/python -m bench.engine_throughput --prefix-caching-ab   # nanoserve only: caching on vs off
+
+``--prefix-caching-ab`` runs the mixed workload (whose prompts share nothing
+but the chat template's first tokens) through two engines, prefix caching on
+and off, alternating ``--ab-repeats`` times, and prints the best rate of each
+and their ratio: the cost of the cache's bookkeeping where it cannot help.
 
 Both sides use the same weights (the runner's, copied into a transformers
 LlamaForCausalLM) in bfloat16.
@@ -59,6 +65,45 @@ def run_transformers(
         )
         elapsed += time.perf_counter() - start
     return elapsed, sum(r.max_tokens for r in workload)
+
+
+def prefix_caching_ab(args: argparse.Namespace) -> None:
+    """The mixed workload with prefix caching on and off, best of ``args.ab_repeats`` alternating runs each."""
+    engines = {
+        enabled: LLM(
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=args.kv_cache_memory,
+            enable_prefix_caching=enabled,
+        )
+        for enabled in (True, False)
+    }
+    workload = build_workload(engines[True].tokenizer, args.num_requests, seed=args.seed)
+    best = dict.fromkeys(engines, 0.0)
+    best_cpu = dict.fromkeys(engines, 0.0)  # tokens per CPU second of this process: immune to other processes
+    for llm in engines.values():
+        run_nanoserve(llm, workload[:2])  # warm-up
+    for _ in range(args.ab_repeats):
+        for enabled, llm in engines.items():
+            if enabled:
+                llm.engine.reset_prefix_cache()  # each run starts cold
+            cpu_start = time.process_time()
+            seconds, num_tokens = run_nanoserve(llm, workload)
+            cpu_seconds = time.process_time() - cpu_start
+            best[enabled] = max(best[enabled], num_tokens / seconds)
+            best_cpu[enabled] = max(best_cpu[enabled], num_tokens / cpu_seconds)
+            _progress(f"prefix caching {'on' if enabled else 'off'}: {seconds:.1f} s, {cpu_seconds:.1f} CPU s")
+    hits = engines[True].engine.pool_status()
+    hit_rate = hits.prefix_cache_hits / hits.prefix_cache_queries
+    print(f"workload: {len(workload)} requests; hit rate with caching on {hit_rate:.3f} (tokens)")
+    print(f"{'run':<34}{'tok/s':>10}{'ratio':>8}{'tok/CPU s':>12}{'ratio':>8}")
+    for enabled in (True, False):
+        name = f"prefix caching {'on' if enabled else 'off'}"
+        ratio, cpu_ratio = best[enabled] / best[False], best_cpu[enabled] / best_cpu[False]
+        print(f"{name:<34}{best[enabled]:>10.1f}{ratio:>8.2f}{best_cpu[enabled]:>12.1f}{cpu_ratio:>8.2f}")
+    for llm in engines.values():
+        llm.shutdown()
 
 
 def single_stream_nanoserve(llm: LLM, request: WorkloadRequest, num_tokens: int) -> float:
@@ -113,10 +158,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="nanoserve's dtype (transformers runs bfloat16)")
     parser.add_argument("--only-single-stream", action="store_true", help="skip the mixed workload")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads for both sides")
+    parser.add_argument("--prefix-caching-ab", action="store_true", help="nanoserve only: caching on vs off")
+    parser.add_argument("--ab-repeats", type=int, default=2, help="alternating runs of --prefix-caching-ab")
     args = parser.parse_args()
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.prefix_caching_ab:
+        prefix_caching_ab(args)
+        return
     torch.manual_seed(args.seed)
     llm = LLM(
         dtype=args.dtype,

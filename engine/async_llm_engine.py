@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import functools
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +48,9 @@ from nanoserve.engine.errors import (
     DuplicateRequestError,
     EngineDeadError,
     EventLogNotDurableError,
+    InvalidRequestError,
+    JournalDisabledError,
+    PrefixCacheResetRefusedError,
     QueueFullError,
     RequestNotFoundError,
 )
@@ -53,11 +58,13 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.prompts import ChatPrompt, Prompt
 from nanoserve.engine.request import Request
+from nanoserve.engine.request_journal import ended_output, history_outputs, slice_output
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.status import ModelInfo, PoolStatus
 
 if TYPE_CHECKING:
     from nanoserve.allocator.log import EventLog, EventLogIncompleteError
+    from nanoserve.allocator.log.journal import RequestHistory
     from nanoserve.engine.tokenizer import Tokenizer
 
 _log = structlog.get_logger(__name__)
@@ -81,6 +88,11 @@ class _Abort:
     cause: AbortCause
     serial: int | None  # None: whichever live request has the id (the Abort RPC)
     reply: asyncio.Future[None] | None  # resolved with the verdict (the Abort RPC waits for it)
+
+
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    reply: asyncio.Future[int]  # resolved with the blocks reset, or PrefixCacheResetRefusedError
 
 
 class _Stop:
@@ -109,6 +121,8 @@ class RequestStream:
         self._outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._last_output: RequestOutput | None = None
         self._engine: AsyncLLMEngine | None = None
+        self.detached = False  # a request recovered after a crash: nobody iterates it (Resume follows it)
+        self.deadline_s: float | None = None  # the call's deadline, time.monotonic(); journaled
 
     def abort(self, cause: AbortCause) -> None:
         """Ends the request with ``cause`` unless it has ended already."""
@@ -134,7 +148,10 @@ class RequestStream:
 
     def _deliver(self, output: RequestOutput) -> None:
         self._last_output = output
-        self._outputs.put_nowait(output)
+        if not self.detached:
+            self._outputs.put_nowait(output)
+        if self._engine is not None:
+            self._engine._to_followers(output)
         if output.finished and not self.finished.done():
             self.finished.set_result(output)
 
@@ -175,7 +192,10 @@ class RequestStream:
         self._last_output = final
         if not self.finished.done():
             self.finished.set_result(final)
-        self._outputs.put_nowait(error if error is not None else final)
+        if self._engine is not None:
+            self._engine._to_followers(final)
+        if not self.detached:
+            self._outputs.put_nowait(error if error is not None else final)
 
 
 class AsyncLLMEngine:
@@ -191,7 +211,7 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
         self._engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | _Stop] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[int, RequestStream] = {}  # serial -> stream handed to the engine thread
         self._open: set[RequestStream] = set()  # every stream not yet finished
@@ -204,6 +224,13 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._log_close_error: EventLogIncompleteError | None = None  # set by the engine thread at shutdown
         self._pool_status: PoolStatus | None = None  # published by the engine thread after each step
+        # durability gate (event loop): (journal seq that must be durable, outputs, refusals, time.monotonic()
+        # at the step's end), in step order
+        self._held: deque[tuple[int, list[RequestOutput], list[tuple[int, BaseException]], float]] = deque()
+        # called with the seconds each step's outputs waited for durability (the server's histogram)
+        self.observe_durability_wait: Callable[[float], None] | None = None
+        # request_id -> queues of Resume calls following the request's live outputs
+        self._followers: dict[str, set[asyncio.Queue[RequestOutput]]] = {}
 
     # ---- lifecycle ---------------------------------------------------------
 
@@ -217,6 +244,10 @@ class AsyncLLMEngine:
         if self._engine is None:
             self._engine = await asyncio.to_thread(LLMEngine, self.config)
         self._pool_status = self._engine.pool_status()
+        self._adopt_recovered(self._engine.recovered_requests)
+        log = self._engine.event_log
+        if log is not None and self._gated:
+            log.add_durable_listener(self._on_durable)
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
         self._state = _State.RUNNING
         self._thread.start()
@@ -297,10 +328,40 @@ class AsyncLLMEngine:
         self._tokenizer_pool.shutdown(wait=False)
         self._state = _State.STOPPED
 
+    @property
+    def _gated(self) -> bool:
+        """Outputs wait for their journal batch to be durable (the journal is kept, and
+        stream_before_durable is off)."""
+        engine = self._engine
+        return engine is not None and engine.journaling and not self.config.event_log.stream_before_durable
+
+    def _adopt_recovered(self, requests: list[Request]) -> None:
+        """Streams for the requests recovery re-admitted: nobody iterates them (a client follows one
+        with ``resume``); each ends at its journaled deadline like the call it came from."""
+        assert self._loop is not None
+        assert self._all_done is not None
+        for request in requests:
+            stream = RequestStream(request.request_id, request.metrics.arrival_time)
+            stream._engine = self
+            stream.request = request
+            stream.submitted = True
+            stream.detached = True
+            self._streams[request.serial] = stream
+            self._open.add(stream)
+            self._all_done.clear()
+            stream.finished.add_done_callback(functools.partial(self._close_finished, stream))
+            if request.deadline_wall_ns is not None:
+                delay_s = max(0.0, (request.deadline_wall_ns - time.time_ns()) / 1e9)
+                self._loop.call_later(delay_s, stream.abort, AbortCause.DEADLINE)
+
     # ---- requests ----------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        deadline_s: float | None = None,
     ) -> RequestStream:
         """Starts a request and returns its stream at once (event loop only).
 
@@ -309,12 +370,14 @@ class AsyncLLMEngine:
         (InvalidRequestError, DuplicateRequestError, QueueFullError,
         EngineDeadError) come out of the stream's iteration and its
         ``finished``. Raises EngineDeadError at once when the engine does not
-        accept requests.
+        accept requests. deadline_s: the caller's deadline (``time.monotonic()``),
+        journaled so that a request recovered after a crash still ends there.
         """
         self._check_accepting()
         assert self._all_done is not None
         stream = RequestStream(request_id, time.monotonic())
         stream._engine = self
+        stream.deadline_s = deadline_s
         self._open.add(stream)
         self._all_done.clear()
         stream.finished.add_done_callback(lambda _: self._close(stream))
@@ -360,6 +423,14 @@ class AsyncLLMEngine:
         """The tokenizer as files (``Tokenizer.export_files``: file name -> content), written out
         on the tokenizer thread, never on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._core.tokenizer.export_files)
+
+    async def reset_prefix_cache(self) -> int:
+        """Resets the prefix cache on the engine thread (``LLMEngine.reset_prefix_cache``); returns the
+        blocks reset. Raises PrefixCacheResetRefusedError while blocks are held or caching is off."""
+        self._check_accepting()
+        reply: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._submit(_ResetPrefixCache(reply))
+        return await reply
 
     def pool_status(self) -> PoolStatus:
         """The pool and queues as of the engine thread's last step (they change only in a step),
@@ -414,9 +485,14 @@ class AsyncLLMEngine:
         if stream.abort_cause is not None:  # aborted while tokenizing: the engine never sees it
             stream._end_without_engine(stream.abort_cause)
             return
+        if stream.deadline_s is not None:
+            stream.request.deadline_wall_ns = time.time_ns() + round((stream.deadline_s - time.monotonic()) * 1e9)
         self._streams[stream.request.serial] = stream
         stream.submitted = True
         self._submit(_Add(stream.request))
+
+    def _close_finished(self, stream: RequestStream, _finished: asyncio.Future[RequestOutput]) -> None:
+        self._close(stream)
 
     def _close(self, stream: RequestStream) -> None:
         self._open.discard(stream)
@@ -425,11 +501,114 @@ class AsyncLLMEngine:
         if not self._open and self._all_done is not None:
             self._all_done.set()
 
-    def _submit(self, message: _Add | _Abort | _Stop) -> None:
+    def _submit(self, message: _Add | _Abort | _ResetPrefixCache | _Stop) -> None:
         self._inbox.put(message)
         self._wakeup.set()
 
+    async def resume(self, request_id: str, after_token_index: int) -> AsyncIterator[RequestOutput]:
+        """Streams request ``request_id`` from output token ``after_token_index`` on: the journaled
+        tokens first, then the live ones, ending with its final output, like ``generate``.
+
+        Works on a finished request (its journaled tail and its ending), on one recovered after a
+        crash, and on one still running here; the same call twice streams the same tokens. Leaving
+        the iteration does not abort the request. Token i is the i-th released output token
+        (``RequestOutput.token_ids[i]``); a resume point inside an output cuts it, and its text is
+        then left out. Raises JournalDisabledError when no journal is kept, RequestNotFoundError
+        when the journal never saw the id and no live request has it.
+        """
+        if self._engine is None or not self._engine.journaling:
+            raise JournalDisabledError(
+                "the server keeps no request journal (--event-log-url none or --no-journal): nothing to resume"
+            )
+        if after_token_index < 0:
+            raise InvalidRequestError("after_token_index", f"must be >= 0, got {after_token_index}")
+        follower: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._followers.setdefault(request_id, set()).add(follower)
+        try:
+            live = any(s.request_id == request_id and not s.finished.done() for s in self._open)
+            history = await asyncio.to_thread(self._read_history, request_id)
+            if history is None and not live:
+                raise RequestNotFoundError(f"request_id: no request {request_id!r} in the journal or running")
+            next_index = after_token_index
+            if history is not None:
+                for output in history_outputs(history, after_token_index):
+                    yield output
+                    next_index = max(next_index, len(output.token_ids))
+                if history.finish is not None:
+                    return
+            if not live:
+                yield ended_output(history, request_id)
+                return
+            while True:
+                output = await follower.get()
+                if len(output.token_ids) > next_index or output.finished:
+                    yield slice_output(output, next_index)
+                    next_index = max(next_index, len(output.token_ids))
+                if output.finished:
+                    return
+        finally:
+            followers = self._followers.get(request_id)
+            if followers is not None:
+                followers.discard(follower)
+                if not followers:
+                    del self._followers[request_id]
+
+    def _read_history(self, request_id: str) -> RequestHistory | None:
+        from nanoserve.allocator.log.journal import read_request_history
+        from nanoserve.allocator.log.log_reader import connect
+
+        url = self.config.event_log.event_log_url
+        assert url is not None
+        with connect(url) as conn:
+            return read_request_history(conn, self.config.event_log.pool_id, request_id)
+
+    def _to_followers(self, output: RequestOutput) -> None:
+        for follower in self._followers.get(output.request_id, ()):
+            follower.put_nowait(output)
+
     # ---- event-loop side of the handover ------------------------------------
+
+    def _dispatch_durable(
+        self,
+        watermark: int | None,
+        outputs: list[RequestOutput],
+        failures: list[tuple[int, BaseException]],
+        made_s: float = 0.0,
+    ) -> None:
+        """Dispatches a step's outputs once the journal records that hold them are durable
+        (``watermark``: the step's last journal seq; None: at once). ``made_s``: the step's end
+        (time.monotonic()), for ``observe_durability_wait``."""
+        if watermark is None:
+            self._dispatch(outputs, failures)
+            return
+        self._held.append((watermark, outputs, failures, made_s))
+        self._release_held()
+
+    def _on_durable(self) -> None:
+        """The writer committed (writer thread): wake the loop only when outputs wait. Skipping is
+        safe: a step held after this check is checked against the then durable seq when it arrives."""
+        if self._held:
+            _call_soon(self._loop, self._release_held)
+
+    def _release_held(self) -> None:
+        """Dispatches held steps, in order, up to the log's durable journal seq."""
+        log = self._engine.event_log if self._engine is not None else None
+        durable = log.durable_journal_seq if log is not None else 0
+        held = self._held
+        observe = self.observe_durability_wait
+        while held and held[0][0] <= durable:
+            _, outputs, failures, made_s = held.popleft()
+            self._dispatch(outputs, failures)
+            if observe is not None and outputs:
+                observe(time.monotonic() - made_s)
+
+    def _release_all(self, outputs: list[RequestOutput]) -> None:
+        """The engine stopped: every held step goes out (the log reports what it could not take),
+        then the final outputs of the shutdown's aborts."""
+        while self._held:
+            _, held_outputs, failures, _ = self._held.popleft()
+            self._dispatch(held_outputs, failures)
+        self._dispatch(outputs, [])
 
     def _dispatch(self, outputs: list[RequestOutput], failures: list[tuple[int, BaseException]]) -> None:
         for output in outputs:
@@ -446,6 +625,7 @@ class AsyncLLMEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         """The engine thread died: every request it held ends here, cause engine_error."""
+        self._held.clear()
         for stream in list(self._streams.values()):
             stream._end_without_engine(AbortCause.ENGINE_ERROR, error)
 
@@ -454,6 +634,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         engine = self._core
         loop = self._loop
+        gated = self._gated
         assert loop is not None
         try:
             while True:
@@ -464,15 +645,16 @@ class AsyncLLMEngine:
                 if engine.has_unfinished_requests() or engine.has_pending_outputs:
                     outputs = engine.step()
                     self._pool_status = engine.pool_status()
-                    loop.call_soon_threadsafe(self._dispatch, outputs, failures)
+                    watermark = engine.event_log.last_journal_seq if gated and engine.event_log is not None else None
+                    loop.call_soon_threadsafe(self._dispatch_durable, watermark, outputs, failures, time.monotonic())
                 else:
                     self._pool_status = engine.pool_status()
                     if failures:
-                        loop.call_soon_threadsafe(self._dispatch, [], failures)
+                        loop.call_soon_threadsafe(self._dispatch_durable, None, [], failures)
                     self._wakeup.wait()
             self._shut_down(engine)
             outputs = engine.step()  # the aborts shutdown made
-            loop.call_soon_threadsafe(self._dispatch, outputs, [])
+            loop.call_soon_threadsafe(self._release_all, outputs)
         except BaseException as exc:
             self._error = exc
             _log.exception("engine_loop_failed")
@@ -519,6 +701,13 @@ class AsyncLLMEngine:
                     engine.add_processed(message.request)
                 except (DuplicateRequestError, QueueFullError) as exc:
                     failures.append((message.request.serial, exc))
+            elif isinstance(message, _ResetPrefixCache):
+                try:
+                    num_reset = engine.reset_prefix_cache()
+                except PrefixCacheResetRefusedError as exc:
+                    loop.call_soon_threadsafe(_resolve_value, message.reply, exc)
+                else:
+                    loop.call_soon_threadsafe(_resolve_value, message.reply, num_reset)
             elif isinstance(message, _Abort):
                 try:
                     engine.abort(message.request_id, message.cause, message.serial)
@@ -527,6 +716,23 @@ class AsyncLLMEngine:
                     verdict = exc
                 if message.reply is not None:
                     loop.call_soon_threadsafe(_resolve, message.reply, verdict)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop | None, callback: Callable[[], None]) -> None:
+    """``callback`` on ``loop`` from another thread; nothing once the loop has closed."""
+    if loop is None:
+        return
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
+
+
+def _resolve_value(reply: asyncio.Future[int], result: int | BaseException) -> None:
+    if reply.done():
+        return
+    if isinstance(result, BaseException):
+        reply.set_exception(result)
+    else:
+        reply.set_result(result)
 
 
 def _resolve(reply: asyncio.Future[None], error: BaseException | None) -> None:

@@ -71,6 +71,10 @@ class PrefillSlice:
     context_len: int
     block_ids: torch.Tensor  # [num_blocks_for_context] int64
     mask: torch.Tensor | None  # [query_len, context_len] bool, None: plain causal from position 0
+    # the mask as SDPA adds it (0 / -inf, the queries' dtype), made at the first layer and reused by the
+    # others: SDPA converts a bool mask on every call, which doubled the time of a prefill that starts
+    # mid-sequence (a chunk, or the tail after a prefix-cache hit) on CPU
+    additive_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -248,11 +252,15 @@ class TorchAttentionBackend:
         else:  # earlier tokens live only in the cache
             keys = key_cache.index_select(0, p.block_ids).flatten(0, 1)[: p.context_len].transpose(0, 1)
             values = value_cache.index_select(0, p.block_ids).flatten(0, 1)[: p.context_len].transpose(0, 1)
+        if p.mask is not None and (p.additive_mask is None or p.additive_mask.dtype != q.dtype):
+            p.additive_mask = torch.zeros(p.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~p.mask, float("-inf")
+            )  # [query_len, context_len]
         out = F.scaled_dot_product_attention(
             queries.unsqueeze(0),
             keys.unsqueeze(0),
             values.unsqueeze(0),
-            attn_mask=p.mask,
+            attn_mask=p.additive_mask,
             is_causal=p.mask is None,
             scale=scale,
             enable_gqa=True,

@@ -68,11 +68,15 @@ class CacheConfig:
 
     Give the pool size directly (``num_kv_blocks``) or as a memory budget in
     bytes (``kv_cache_memory``); ``num_kv_blocks`` wins when both are set.
+    enable_prefix_caching: reuse the KV of full prompt blocks another request
+    computed (vLLM's automatic prefix caching; on by default, as there). Off,
+    the pool is the plain LIFO pool: no block is registered or shared.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30  # bytes
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -117,6 +121,16 @@ class EventLogConfig:
     event_log_close_timeout_s: seconds the log gets at shutdown, once the
         streams have ended, to commit what waits and POOL_CLOSE; after that the
         events not yet in the store are reported lost and the epoch stays open.
+    journal: keep the request journal in the log (admissions, released
+        tokens, endings), recover unfinished requests after a crash and serve
+        Resume; needs a log (``event_log_url``).
+    stream_before_durable: hand outputs to clients as soon as they are made,
+        before their step's batch is durable (lower latency; a crash can then
+        lose tokens a client already has, and a resumed stream may differ from
+        what it saw for an unseeded request). Off: a token reaches a client only
+        once the journal record that holds it is committed.
+    journal_retention_s: unfinished requests that arrived longer ago than
+        this are not recovered after a crash (they end, abort cause not_recovered).
     """
 
     event_log_url: str | None = None
@@ -126,8 +140,18 @@ class EventLogConfig:
     pool_id: str = "default"
     event_log_max_pending_batches: int = 4096
     event_log_close_timeout_s: float = 5.0
+    journal: bool = True
+    stream_before_durable: bool = False
+    journal_retention_s: float = 3600.0
+
+    @property
+    def journal_enabled(self) -> bool:
+        """The journal is kept: a log and the journal setting."""
+        return self.event_log_url is not None and self.journal
 
     def __post_init__(self) -> None:
+        if not self.journal_retention_s > 0:
+            raise ValueError(f"journal_retention_s must be > 0 seconds, got {self.journal_retention_s}")
         _check_positive("num_events_per_snapshot", self.num_events_per_snapshot)
         _check_positive("event_log_max_pending_batches", self.event_log_max_pending_batches)
         if not self.event_log_close_timeout_s >= 0:

@@ -31,6 +31,11 @@ class DuplicateRequestError(ValueError):
     """A live request already has this id (-> ALREADY_EXISTS)."""
 
 
+class PrefixCacheResetRefusedError(RuntimeError):
+    """The prefix cache cannot be reset now: blocks are held by requests, or caching is off
+    (-> FAILED_PRECONDITION)."""
+
+
 class EventLogNotDurableError(RuntimeError):
     """The event log cannot make new events durable now (its store is away, read-only, full, or the
     log failed): new requests are refused (-> UNAVAILABLE) until it recovers."""
@@ -47,3 +52,8 @@ class EventLogUnusableError(RuntimeError):
         super().__init__(f"event log {url} is unusable: {cause}")
         self.url = url
         self.cause = cause
+
+
+class JournalDisabledError(RuntimeError):
+    """The server keeps no request journal (no event log, or the journal turned off): nothing can be
+    resumed (-> FAILED_PRECONDITION)."""

@@ -31,6 +31,7 @@ from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     EventLogUnusableError,
+    PrefixCacheResetRefusedError,
     QueueFullError,
     RequestNotFoundError,
 )
@@ -38,8 +39,15 @@ from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
 from nanoserve.engine.input_processor import InputProcessor
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.outputs import AbortCause, RequestOutput
-from nanoserve.engine.prompts import Prompt
+from nanoserve.engine.prompts import Prompt, TokensPrompt
 from nanoserve.engine.request import Request
+from nanoserve.engine.request_journal import (
+    admit_record,
+    not_recovered_record,
+    output_record,
+    restore_request,
+    sampling_params,
+)
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sampling_params import SamplingParams
 from nanoserve.engine.scheduler import ScheduledChunk, Scheduler
@@ -49,6 +57,8 @@ _log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:
     from nanoserve.allocator.log import EventLog
+    from nanoserve.allocator.log.journal import JournalRecord
+    from nanoserve.allocator.log.recovery import RecoveryPlanner
     from nanoserve.engine.tokenizer import Tokenizer
 
 
@@ -91,9 +101,12 @@ class LLMEngine:
             bos_token_id=self.tokenizer.bos_token_id,
         )
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
+        self.recovery: RecoveryPlanner | None = None  # set by _open_event_log when the journal is kept
         self.event_log: EventLog | None = self._open_event_log()
         self.allocator = BlockAllocator(self.num_blocks, self.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.allocator)
+        self.scheduler = Scheduler(
+            config.scheduler, self.allocator, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
         self.sampler = Sampler()
         # request_id -> live (unfinished) request: the one registry of requests, the one
         # arbiter of duplicate ids and queue room
@@ -102,6 +115,10 @@ class LLMEngine:
         self._serials = itertools.count(1)  # Request.serial; next() on a count is atomic in CPython
         self._step = 0
         self._closed = False
+        # the request journal: records of this step, handed to the log with its events
+        self.journaling = self.event_log is not None and config.event_log.journal
+        self._journal: list[JournalRecord] = []
+        self.recovered_requests: list[Request] = self._readmit_recovered()
 
     def _prepare_event_log(self) -> None:
         """Checks the log's store before the model loads: its filesystem (SQLite), the schema
@@ -118,6 +135,10 @@ class LLMEngine:
 
                 upgrade(url)
             probe_store(url)
+            if self.config.event_log.journal:
+                from nanoserve.allocator.log.journal import check_journal_schema
+
+                check_journal_schema(url)
 
     def _open_event_log(self) -> EventLog | None:
         """Opens a new epoch of the configured log (its store was checked by ``_prepare_event_log``)."""
@@ -126,8 +147,13 @@ class LLMEngine:
             return None
         from nanoserve.allocator.log import EventLog
 
+        if log_config.journal:
+            from nanoserve.allocator.log.recovery import RecoveryPlanner
+
+            self.recovery = RecoveryPlanner(log_config.journal_retention_s)
+        started_s = time.perf_counter()
         with _unusable_log(log_config.event_log_url):
-            return EventLog.open(
+            log = EventLog.open(
                 log_config.event_log_url,
                 pool_id=log_config.pool_id,
                 num_blocks=self.num_blocks,
@@ -137,7 +163,44 @@ class LLMEngine:
                 sync=log_config.event_log_sync,
                 num_events_per_snapshot=log_config.num_events_per_snapshot,
                 max_pending_batches=log_config.event_log_max_pending_batches,
+                prepare_journal=self.recovery,
             )
+        self._log_open_s = time.perf_counter() - started_s  # recovery (audit, journal reads) included
+        return log
+
+    def _readmit_recovered(self) -> list[Request]:
+        """Queues the requests recovery took over from the crashed epoch, in admission order,
+        ahead of any new request: each a preempted request that recomputes prompt + journaled
+        outputs. Their ADMIT records are already in the log (committed with POOL_INIT)."""
+        recovery = self.recovery
+        if recovery is None or recovery.recovered_epoch is None:
+            return []
+        requests = []
+        unfit: list[JournalRecord] = []  # requests this engine cannot take back (another model or limits)
+        for history in recovery.recovered:
+            prompt = TokensPrompt(list(history.admit["prompt_token_ids"]))
+            try:
+                request = self.process_request(history.request_id, prompt, sampling_params(history))
+                request.prompt = history.admit.get("prompt")
+                restore_request(history, request, recovery.recovered_epoch)
+            except Exception as exc:  # the journal was written under another model or other limits
+                _log.warning("request_not_recovered", request_id=history.request_id, error=str(exc))
+                unfit.append(not_recovered_record(history))
+                continue
+            self._requests[request.request_id] = request
+            self.scheduler.add(request)
+            requests.append(request)
+        if unfit and self.event_log is not None:
+            self.event_log.append_batch(None, [], journal=unfit)
+        _log.info(
+            "requests_recovered",
+            epoch=recovery.recovered_epoch,
+            num_recovered=len(requests),
+            num_ended=len(recovery.ended),
+            request_ids=[request.request_id for request in requests],
+            log_open_s=round(self._log_open_s, 3),
+        )
+        return requests
 
     # ---- requests in -------------------------------------------------------
 
@@ -179,6 +242,8 @@ class LLMEngine:
             raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting (max_num_waiting {limit})")
         self._requests[request.request_id] = request
         self.scheduler.add(request)
+        if self.journaling:
+            self._journal.append(admit_record(request))
 
     # ---- stepping ----------------------------------------------------------
 
@@ -223,8 +288,9 @@ class LLMEngine:
         log they are dropped. The log takes a snapshot of the pool when one is due.
         """
         events = self.allocator.take_events()
+        journal, self._journal = self._journal, []
         if self.event_log is not None:
-            self.event_log.append_batch(step, events, self.allocator.snapshot)
+            self.event_log.append_batch(step, events, self.allocator.snapshot, journal)
 
     def _execute(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -247,6 +313,7 @@ class LLMEngine:
         logits = self.runner.forward(batch)  # [len(sampled), vocab_size] float32
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
+            self.scheduler.register_computed(chunk.request)  # only now is the chunk's KV written
         if not sampled:
             return []
         result = self.sampler(logits, sampled)
@@ -263,6 +330,8 @@ class LLMEngine:
                 output = request.make_output(final=False)
             if output is not None:
                 outputs.append(output)
+                if self.journaling:
+                    self._journal.append(output_record(output))
         return outputs
 
     def _finish(self, request: Request, reason: FreeReason, now: float) -> RequestOutput:
@@ -292,9 +361,35 @@ class LLMEngine:
         # Frees outside a scheduler step get a step of their own in the log.
         step = self._begin_step()
         try:
-            self._pending_outputs.append(self._finish(request, FreeReason.ABORTED, time.monotonic()))
+            output = self._finish(request, FreeReason.ABORTED, time.monotonic())
+            self._pending_outputs.append(output)
+            if self.journaling:
+                self._journal.append(output_record(output))
         finally:
             self._persist_events(step)
+
+    def reset_prefix_cache(self, owner: str = "reset_prefix_cache") -> int:
+        """Drops every cached-free block's key (one CACHE_RESET event, a step of its own in the log).
+
+        Returns the blocks reset. Raises PrefixCacheResetRefusedError while any
+        block is held (a held block's key may be shared at any moment), and
+        when prefix caching is off.
+        """
+        if not self.scheduler.enable_prefix_caching:
+            raise PrefixCacheResetRefusedError("prefix caching is off (--no-enable-prefix-caching): nothing to reset")
+        num_held = self.allocator.num_allocated
+        num_cached_free = self.allocator.num_cached_free
+        if num_held:
+            raise PrefixCacheResetRefusedError(
+                f"{num_held} blocks are held by {self.scheduler.num_running} running requests; "
+                "reset the prefix cache when the server is idle"
+            )
+        step = self._begin_step()
+        try:
+            assert self.allocator.reset_prefix_cache(owner), "the allocator refused a reset with no block held"
+        finally:
+            self._persist_events(step)
+        return num_cached_free
 
     # ---- status and shutdown ----------------------------------------------
 
@@ -311,6 +406,12 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             last_seq=log.last_seq if log is not None else None,
             durable_seq=log.durable_seq if log is not None else None,
+            num_cached=self.allocator.num_cached,
+            num_cached_free=self.allocator.num_cached_free,
+            num_shared=self.allocator.num_shared,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            enable_prefix_caching=self.scheduler.enable_prefix_caching,
         )
 
     def shutdown(self, log_close_timeout_s: float | None = None) -> None:

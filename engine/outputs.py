@@ -24,6 +24,7 @@ class AbortCause(str, enum.Enum):
     DEADLINE = "deadline"  # the call's deadline passed
     SHUTDOWN = "shutdown"  # still running when the server's shutdown grace ran out
     ENGINE_ERROR = "engine_error"  # the engine loop failed
+    NOT_RECOVERED = "not_recovered"  # unfinished at a crash and not taken over (past the journal's retention)
     CALLER = "caller"  # the engine's own caller gave up (``LLM.generate`` cleaning up after a bad request)
 
 
@@ -79,6 +80,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
 
     @property
     def ttft_s(self) -> float | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from nanoserve.allocator import BlockTable
+from nanoserve.allocator import BlockKey, BlockTable, extend_block_keys
 from nanoserve.engine.counter_rng import random_seed
 from nanoserve.engine.detokenizer import Decoder
 from nanoserve.engine.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -65,6 +65,18 @@ class Request:
         self.stop_reason: str | int | None = None
         self.abort_cause: AbortCause | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+        # Prefix caching: the keys of the full blocks of token_ids computed so far (they only grow, as
+        # token_ids does), chained over the cache salt
+        self._block_keys: list[BlockKey] = []
+        self._extra_keys: tuple[str, ...] = () if sampling_params.cache_salt is None else (sampling_params.cache_salt,)
+        # journal: when the client's deadline passes (wall clock, ns; None: no deadline), and the
+        # crashed epoch this request was recovered from (None: admitted here)
+        self.deadline_wall_ns: int | None = None
+        self.recovered_from: int | None = None
+
+    def block_keys(self, block_size: int) -> list[BlockKey]:
+        """The ``BlockKey`` of every full block of ``token_ids`` (the list is the request's own: do not change it)."""
+        return extend_block_keys(self._block_keys, self.token_ids, block_size, self._extra_keys)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,6 +120,17 @@ class Request:
             self._set_finish("stop", matched)
         elif num_output >= self.max_tokens:
             self._set_finish("length", None)
+
+    def restore_outputs(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> None:
+        """Re-creates released outputs of an earlier admission (recovery after a crash): the
+        tokens become generated and released, so sampling continues at output position
+        ``len(token_ids)`` and max_tokens / min_tokens / stop strings count them."""
+        for index, token_id in enumerate(token_ids):
+            self.token_ids.append(token_id)
+            self.stream.append(
+                token_id, logprobs[index] if logprobs is not None else None, decode=True, check_stop=False
+            )
+        self.stream.restore_released(text)
 
     def _set_finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason = reason

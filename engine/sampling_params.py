@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20  # most top alternatives returned per generated token
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT_CHARS = 256
 # Below this temperature a request is greedy, exactly: a logit gap of 1e-3 is already a factor of e**100
 # between two tokens, so nothing is lost, and no division by a near-zero temperature is left to overflow
 # (vLLM treats temperature < 1e-5 as greedy too).
@@ -57,6 +58,11 @@ class SamplingParams:
     ignore_eos: keep generating past the model's EOS tokens.
     logprobs: also return the chosen token's log-probability and this many
         most likely alternatives (0: the chosen one only; None: nothing).
+    cache_salt: prefix caching shares KV blocks only between requests with
+        equal salts (None: the shared default); 1..256 characters. Not a
+        sampling setting, but one per request that travels with them (vLLM
+        carries it beside the prompt): a tenant with its own salt cannot learn
+        from time to first token what another tenant sent.
 
     Raises InvalidRequestError(field, message) naming the field and its
     range: "top_p: must be in (0, 1], got nan". NaN and infinities are
@@ -77,6 +83,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +92,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         self._check_ranges()
         self._check_stops()
+        if self.cache_salt is not None and (
+            type(self.cache_salt) is not str or not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise InvalidRequestError(
+                "cache_salt", f"must be a string of 1..{MAX_CACHE_SALT_CHARS} characters, got {self.cache_salt!r:.300}"
+            )
 
     @property
     def greedy(self) -> bool:

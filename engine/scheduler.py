@@ -14,6 +14,12 @@ Order within a step, under the ``max_num_batched_tokens`` budget:
   3. waiting requests, front first, while ``max_num_seqs`` and the pool allow.
 Decodes go first so a long prompt being prefilled never stalls them.
 
+With prefix caching, admission first looks the request's full blocks up
+(all but the block of its last token, so at least one token is computed
+and yields logits) and shares the hits: the request starts with
+``num_computed_tokens`` at the end of the cached prefix and computes only
+the tail. Nothing is taken unless the tail's blocks fit too.
+
 When a running request needs a block and the pool raises KVCacheExhausted,
 the most recently admitted running request is preempted: its blocks are
 freed (reason PREEMPTED) and it goes to the front of the waiting queue. No
@@ -25,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from nanoserve.allocator import BlockAllocator, BlockTable, FreeReason, KVCacheExhausted
+from nanoserve.allocator import BlockAllocator, BlockKey, BlockTable, FreeReason, KVCacheExhausted, cdiv
 from nanoserve.engine.config import SchedulerConfig
 from nanoserve.engine.request import Request, RequestStatus
 
@@ -62,11 +68,18 @@ class Scheduler:
     order, so its last element is the first to be preempted.
     """
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+    def __init__(
+        self, config: SchedulerConfig, allocator: BlockAllocator, *, enable_prefix_caching: bool = False
+    ) -> None:
         self.config = config
         self.allocator = allocator
+        self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # prompt tokens looked up at first admissions, and those found cached (vLLM's
+        # prefix_cache_queries / prefix_cache_hits); a preempted request's recompute counts in neither
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_waiting(self) -> int:
@@ -125,20 +138,44 @@ class Scheduler:
                     return False
 
     def _admit(self, budget: int, chunks: dict[str, ScheduledChunk]) -> int:
+        block_size = self.allocator.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens, budget)
-            table = BlockTable(self.allocator, request.request_id)
-            if not table.can_append(num_new):
+            keys = self._prefix_keys(request)
+            num_hits, num_hits_free = self.allocator.count_prefix_hits(request.request_id, keys) if keys else (0, 0)
+            num_cached = num_hits * block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            # the hits that are cached-free stop being free once shared: the tail must fit in the rest
+            if cdiv(num_cached + num_new, block_size) - num_hits > self.allocator.num_free - num_hits_free:
                 break
+            table = BlockTable(self.allocator, request.request_id)
+            if num_hits:
+                assert table.share_prefix(keys[:num_hits]) == num_cached, "the pool changed between count and share"
             table.append_tokens(num_new)
             self.waiting.popleft()
+            if self.enable_prefix_caching and request.metrics.num_preemptions == 0:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_cached
+                request.metrics.num_cached_tokens = num_cached
             request.block_table = table
+            request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            chunks[request.request_id] = ScheduledChunk(request, 0, num_new)
+            chunks[request.request_id] = ScheduledChunk(request, num_cached, num_new)
             budget -= num_new
         return budget
+
+    def _prefix_keys(self, request: Request) -> list[BlockKey]:
+        """The keys of the request's blocks a cache hit may cover: every full block but the one
+        holding its last token (that token is always computed, to yield logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        return request.block_keys(self.allocator.block_size)[: (request.num_tokens - 1) // self.allocator.block_size]
+
+    def register_computed(self, request: Request) -> None:
+        """Register the request's full blocks whose KV the finished forward pass wrote."""
+        if self.enable_prefix_caching and request.block_table is not None:
+            request.block_table.register(request.block_keys(self.allocator.block_size), request.num_computed_tokens)
 
     def preempt(self, request: Request) -> None:
         """Frees a running request's blocks and puts it at the front of the waiting queue."""

@@ -56,6 +56,11 @@ class PoolStatus:
     None where the engine keeps no log.
     num_pending_batches / pending_bytes: the log's backlog (steps whose events
     are not yet committed, and their records' bytes), read likewise.
+    num_cached / num_cached_free / num_shared: registered blocks, those of
+    them free (counted in num_free too), blocks held by more than one request.
+    prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the
+    prefix cache at first admissions, and those found (vLLM's names); a
+    preempted request's re-admission counts in neither.
     """
 
     pool_id: str
@@ -70,3 +75,9 @@ class PoolStatus:
     durable_seq: int | None
     num_pending_batches: int | None = None
     pending_bytes: int | None = None
+    num_cached: int = 0
+    num_cached_free: int = 0
+    num_shared: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    enable_prefix_caching: bool = False

@@ -103,6 +103,15 @@ class TextStream:
             return None
         return self.logprobs[: self._num_released_tokens]
 
+    def restore_released(self, text: str) -> None:
+        """Marks every token appended so far as released, with ``text`` as their released text
+        (a request re-admitted after a crash: its client has these from the journal).
+        ``text`` must be what the tokens decode to, a prefix of ``self.text``."""
+        assert self.text.startswith(text), "journaled text is not what the journaled tokens decode to"
+        self.released_text = text
+        self.released_token_ids = list(self.token_ids)
+        self._num_released_tokens = len(self.token_ids)
+
     def _extend(self, delta: str) -> None:
         self.text += delta
         # Every token not pending in the detokenizer has its text in self.text now.

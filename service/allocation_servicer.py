@@ -33,6 +33,13 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
     ) -> apb.GetPoolStatusResponse:
         return convert.to_pool_status(self._engine.pool_status())
 
+    async def ResetPrefixCache(
+        self,
+        request: apb.ResetPrefixCacheRequest,
+        context: grpc.aio.ServicerContext[apb.ResetPrefixCacheRequest, apb.ResetPrefixCacheResponse],
+    ) -> apb.ResetPrefixCacheResponse:
+        return apb.ResetPrefixCacheResponse(num_blocks_reset=await self._engine.reset_prefix_cache())
+
     async def WatchEvents(
         self,
         request: apb.WatchEventsRequest,

@@ -206,6 +206,14 @@ SETTINGS: tuple[Setting, ...] = (
         "KV cache budget in bytes (suffixes KiB, MiB, GiB allowed)",
         default_help="1GiB",
     ),
+    Setting(
+        "enable_prefix_caching",
+        "engine",
+        _bool,
+        True,
+        "reuse the KV of full prompt blocks computed before (automatic prefix caching); "
+        "--no-enable-prefix-caching keeps the plain LIFO pool",
+    ),
     # engine: scheduler
     Setting("max_num_seqs", "engine", int, 128, "sequences decoded together at most (batch size)"),
     Setting(
@@ -249,6 +257,29 @@ SETTINGS: tuple[Setting, ...] = (
         "events still unwritten then are reported and the exit status is 4",
     ),
     Setting("pool_id", "engine", str, "default", "name of the KV pool in the event log"),
+    Setting(
+        "journal",
+        "engine",
+        _bool,
+        True,
+        "keep the request journal in the event log: unfinished requests are recovered after a crash and Resume "
+        "serves journaled tokens (--no-journal: neither; needs an event log)",
+    ),
+    Setting(
+        "stream_before_durable",
+        "engine",
+        _bool,
+        False,
+        "send tokens before their journal batch is durable (lower latency; a crash may then lose tokens a client "
+        "already received, and Resume cannot promise a contiguous stream)",
+    ),
+    Setting(
+        "journal_retention_s",
+        "engine",
+        float,
+        3600.0,
+        "seconds after arrival an unfinished request is still recovered after a crash",
+    ),
     # server
     Setting("host", "server", str, "0.0.0.0", "address the gRPC server binds"),
     Setting("port", "server", int, 50051, "gRPC port (0 = any free port)"),

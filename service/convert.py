@@ -47,6 +47,11 @@ EVENT_KINDS: dict[str, apb.EventKind] = {
     EventKind.FREE_ALL.value: apb.EVENT_KIND_FREE_ALL,
     EventKind.SNAPSHOT.value: apb.EVENT_KIND_SNAPSHOT,
     EventKind.POOL_CLOSE.value: apb.EVENT_KIND_POOL_CLOSE,
+    EventKind.REGISTER.value: apb.EVENT_KIND_REGISTER,
+    EventKind.SHARE.value: apb.EVENT_KIND_SHARE,
+    EventKind.RELEASE.value: apb.EVENT_KIND_RELEASE,
+    EventKind.EVICT.value: apb.EVENT_KIND_EVICT,
+    EventKind.CACHE_RESET.value: apb.EVENT_KIND_CACHE_RESET,
 }
 FREE_REASONS: dict[str, apb.FreeReason] = {
     FreeReason.FINISHED.value: apb.FREE_REASON_FINISHED,
@@ -74,6 +79,11 @@ AUDIT_RULES: dict[str, apb.AuditRule] = {
     "missing_close": apb.AUDIT_RULE_MISSING_CLOSE,
     "leaked_block": apb.AUDIT_RULE_LEAKED_BLOCK,
     "unreadable": apb.AUDIT_RULE_UNREADABLE,
+    "ref_count_mismatch": apb.AUDIT_RULE_REF_COUNT_MISMATCH,
+    "ref_on_evicted": apb.AUDIT_RULE_REF_ON_EVICTED,
+    "stale_key": apb.AUDIT_RULE_STALE_KEY,
+    "double_register": apb.AUDIT_RULE_DOUBLE_REGISTER,
+    "register_of_unheld": apb.AUDIT_RULE_REGISTER_OF_UNHELD,
 }
 
 # SamplingParameters fields with presence (`optional`): unset leaves the engine's default
@@ -164,8 +174,11 @@ def to_tokenize_input(request: pb.TokenizeRequest) -> str | ChatPrompt:
     return ChatPrompt(messages=to_messages(request.chat))
 
 
-def to_sampling_params(params: pb.SamplingParameters) -> SamplingParams:
+def to_sampling_params(params: pb.SamplingParameters, cache_salt: str = "") -> SamplingParams:
+    """The engine's SamplingParams, with the request's ``cache_salt`` ("" is none)."""
     kwargs: dict[str, Any] = {name: getattr(params, name) for name in OPTIONAL_SAMPLING_FIELDS if params.HasField(name)}
+    if cache_salt:
+        kwargs["cache_salt"] = cache_salt
     if kwargs.get("top_k") == 0:
         del kwargs["top_k"]  # 0 = off, the engine's None
     if params.min_tokens:
@@ -200,6 +213,7 @@ def finished_request(output: RequestOutput) -> FinishedRequest:
         ttft_s=_elapsed(m.arrival_time, m.first_token_time),
         total_s=_elapsed(m.arrival_time, m.finished_time),
         num_preemptions=m.num_preemptions,
+        num_cached_tokens=m.num_cached_tokens,
     )
 
 
@@ -212,7 +226,11 @@ def to_finish(output: RequestOutput) -> pb.Finish:
     summary = finished_request(output)
     finish = pb.Finish(
         reason=FINISH_REASONS[summary.finish_reason],
-        usage=pb.Usage(prompt_tokens=summary.num_prompt_tokens, completion_tokens=summary.num_completion_tokens),
+        usage=pb.Usage(
+            prompt_tokens=summary.num_prompt_tokens,
+            completion_tokens=summary.num_completion_tokens,
+            cached_tokens=summary.num_cached_tokens,
+        ),
         timings=to_timings(summary),
         num_preemptions=summary.num_preemptions,
     )
@@ -232,6 +250,13 @@ def to_response(output: RequestOutput) -> pb.GenerateResponse:
         response.logprobs.extend(to_token_logprob(logprob) for logprob in output.delta_logprobs)
     if output.finished:
         response.finish.CopyFrom(to_finish(output))
+    return response
+
+
+def to_resume_response(output: RequestOutput) -> pb.ResumeResponse:
+    """One message of a resumed stream: the same fields as ``to_response``."""
+    response = pb.ResumeResponse()
+    response.ParseFromString(to_response(output).SerializeToString())  # the same field numbers and types
     return response
 
 
@@ -283,6 +308,12 @@ def to_pool_status(status: PoolStatus) -> apb.GetPoolStatusResponse:
         num_waiting=status.num_waiting,
         last_seq=status.last_seq or 0,
         durable_seq=status.durable_seq or 0,
+        num_cached=status.num_cached,
+        num_cached_free=status.num_cached_free,
+        num_shared=status.num_shared,
+        prefix_cache_queries=status.prefix_cache_queries,
+        prefix_cache_hits=status.prefix_cache_hits,
+        enable_prefix_caching=status.enable_prefix_caching,
     )
 
 
@@ -303,6 +334,9 @@ def to_event(event: Event) -> apb.AllocationEvent:
         wall_time=wall_time,
         monotonic_time=monotonic_time,
         hash=event.hash.hex(),
+        keys=event.keys,
+        parent_keys=[parent or "" for parent in event.parent_keys],
+        ref_counts=event.ref_counts,
     )
     if event.step is not None:
         message.step = event.step

@@ -36,10 +36,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.GenerateRequest, context: GenerateContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         prompt = convert.to_prompt(request)
-        params = convert.to_sampling_params(request.sampling)
+        params = convert.to_sampling_params(request.sampling, request.cache_salt)
         request_id = request.request_id or uuid.uuid4().hex
         async for output in self._streamer.outputs(request_id, prompt, params, context, API):
             yield convert.to_response(output)
+
+    async def Resume(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[pb.ResumeRequest, pb.ResumeResponse]
+    ) -> AsyncIterator[pb.ResumeResponse]:
+        async for output in self._engine.resume(request.request_id, request.after_token_index):
+            yield convert.to_resume_response(output)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse]

@@ -30,6 +30,8 @@ from nanoserve.engine.errors import (
     EngineDeadError,
     EventLogNotDurableError,
     InvalidRequestError,
+    JournalDisabledError,
+    PrefixCacheResetRefusedError,
     QueueFullError,
     RequestNotFoundError,
 )
@@ -52,6 +54,8 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LogNotFoundError, grpc.StatusCode.NOT_FOUND),  # Audit of an epoch the log does not hold
     (LogDamagedError, grpc.StatusCode.DATA_LOSS),  # WatchEvents meeting a damaged record
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
+    (JournalDisabledError, grpc.StatusCode.FAILED_PRECONDITION),  # Resume without a journal
+    (PrefixCacheResetRefusedError, grpc.StatusCode.FAILED_PRECONDITION),  # blocks held, or caching off
     (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),
 )
 # method prefix -> how that contract spells the engine's field names; the rest are nanoserve.v1's

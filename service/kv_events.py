@@ -7,14 +7,14 @@ parent hash), ``removed`` (hashes evicted) and ``cleared`` (nothing is cached
 any more). This module maps our durable log onto them, one small converter per
 event kind (``KV_EVENT_CONVERTERS``).
 
-Today a KV block holds one request's tokens and is freed when the request
-ends: no allocation is a cached block, so ALLOCATE/FREE/... have no KV event.
-What does map is an epoch's boundaries: POOL_INIT (a fresh pool caches
+What maps today is an epoch's boundaries: POOL_INIT (a fresh pool caches
 nothing) and POOL_CLOSE (the pool and its cache are gone) are ``cleared``.
-Prefix caching (issue 10) adds the kinds that matter (a block cached with its
-hash, tokens and parent; a cached block evicted; the cache reset): each is one
-more entry in the table, and ``SubscribeKvEvents`` then streams
-``to_kv_event_batch`` of each logged batch. Until then the RPC is UNIMPLEMENTED.
+Prefix caching logs the kinds that matter (REGISTER: a block cached with its
+key and parent key; EVICT: a cached block's key dropped; CACHE_RESET), but a
+``stored`` event also needs each block's token ids, which REGISTER records do
+not carry yet: once they do, each kind is one more entry in the table and
+``SubscribeKvEvents`` streams ``to_kv_event_batch`` of each logged batch.
+Until then the RPC is UNIMPLEMENTED.
 """
 
 from __future__ import annotations

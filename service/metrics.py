@@ -31,6 +31,7 @@ class FinishedRequest:
     ttft_s: float | None
     total_s: float | None
     num_preemptions: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def tpot_s(self) -> float | None:
@@ -81,17 +82,53 @@ class ServerMetrics:
         self.event_log_pending_bytes = Gauge(
             "nanoserve_event_log_pending_bytes", "Bytes of the log records that wait for the store", registry=r
         )
+        self.journal_wait = Histogram(
+            "nanoserve_journal_durability_wait_seconds",
+            "Per step with outputs: from the step's end until its request journal batch was durable and its "
+            "tokens went to the clients (the latency the journal adds; not fed with --stream-before-durable)",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.event_log_durable = Gauge(
             "nanoserve_event_log_durable",
             "1 while the event log commits, 0 while it cannot (new requests are refused)",
             registry=r,
         )
 
+        self.kv_blocks_cached = Gauge(
+            "nanoserve_kv_blocks_cached", "KV cache blocks registered in the prefix cache (held or free)", registry=r
+        )
+        self.kv_blocks_shared = Gauge(
+            "nanoserve_kv_blocks_shared", "KV cache blocks held by more than one request", registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "nanoserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "nanoserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r
+        )
+        self.cached_tokens = Counter(
+            "nanoserve_cached_prompt_tokens",
+            "Prompt tokens of finished requests served from the prefix cache",
+            registry=r,
+        )
+        self._prefix_cache_seen = (0, 0)  # the engine's (queries, hits) already counted
+
+    def observe_prefix_cache(self, num_cached: int, num_shared: int, queries: int, hits: int) -> None:
+        """The prefix cache's gauges, and its counters advanced to the engine's running totals."""
+        self.kv_blocks_cached.set(num_cached)
+        self.kv_blocks_shared.set(num_shared)
+        seen_queries, seen_hits = self._prefix_cache_seen
+        self.prefix_cache_queries.inc(max(0, queries - seen_queries))
+        self.prefix_cache_hits.inc(max(0, hits - seen_hits))
+        self._prefix_cache_seen = (max(queries, seen_queries), max(hits, seen_hits))
+
     def observe_finished(self, request: FinishedRequest) -> None:
         self.requests.labels(finish_reason=request.finish_reason).inc()
         self.prompt_tokens.inc(request.num_prompt_tokens)
         self.generation_tokens.inc(request.num_completion_tokens)
         self.preemptions.inc(request.num_preemptions)
+        self.cached_tokens.inc(request.num_cached_tokens)
         if request.ttft_s is not None:
             self.ttft.observe(request.ttft_s)
         if request.tpot_s is not None:

@@ -55,6 +55,7 @@ def draw_occupancy(ax: Any, running_ax: Any, view: TimelineView, num_cells: int,
                 label="a stroke down: a dip too brief to show\n"
                 f"as area (deepest: to {allocated[dip]:,.0f} blocks at {at})",
             )
+        _draw_cache(ax, xs, allocated, timeline, span)
         running_ax.plot(xs, running, drawstyle="steps-post", color=RUNNING_COLOUR, linewidth=1.2)
         note = "event by event"
     else:
@@ -94,6 +95,36 @@ def draw_occupancy(ax: Any, running_ax: Any, view: TimelineView, num_cells: int,
         fontsize="small",
     )
     return note
+
+
+def _draw_cache(ax: Any, xs: np.ndarray, allocated: np.ndarray, timeline: Any, span: slice) -> None:
+    """Prefix caching, where the epoch used it: cached-free blocks as a hatched band above the
+    allocated ones (free, but still holding a prefix's KV), shared blocks as a dashed line."""
+    cached = np.asarray(timeline.num_cached_free[span], dtype=np.float64)
+    shared = np.asarray(timeline.num_shared[span], dtype=np.float64)
+    if not cached.any() and not shared.any():
+        return
+    cached, shared = np.append(cached, cached[-1]), np.append(shared, shared[-1])
+    ax.fill_between(
+        xs,
+        allocated,
+        allocated + cached,
+        step="post",
+        facecolor="none",
+        edgecolor=ALLOCATED_EDGE_COLOUR,
+        hatch="////",
+        linewidth=0,
+        label="free, still cached (prefix)",
+    )
+    ax.plot(
+        xs,
+        shared,
+        drawstyle="steps-post",
+        color=ALLOCATED_EDGE_COLOUR,
+        linestyle="--",
+        linewidth=1.0,
+        label="shared by several requests",
+    )
 
 
 def deepest_brief_dip(xs: np.ndarray, allocated: np.ndarray) -> int | None:

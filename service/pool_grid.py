@@ -174,17 +174,23 @@ def _draw_grid(
         fill = FREE_COLOUR if holder is None else colours[holder]
         ink = "white" if _is_dark(fill) else "black"
         ax.text(column + 0.5, row + 0.5, str(block_id), ha="center", va="center", fontsize=font_size, color=ink)
-        if holder is None:
+        if holder is None and block_id in free_position:
             titles[f"block-{block_id}"] = (
                 f"block {block_id}: free, #{free_position[block_id] + 1} out of the free stack"
+            )
+        elif holder is None:  # prefix caching: free, but its KV and key kept until evicted
+            titles[f"block-{block_id}"] = (
+                f"block {block_id}: free but cached, #{state.cached_free.index(block_id) + 1} to be evicted"
             )
         else:
             _, position, interval = place[block_id]
             since = "" if interval is None else f" since seq {interval.start_seq}"
             if interval is not None and interval.start_step is not None:
                 since += f" (step {interval.start_step})"
+            shared = state.sharers.get(block_id)
+            also = f", shared with {', '.join(shared)}" if shared else ""
             titles[f"block-{block_id}"] = (
-                f"block {block_id}: held by {holder}{since}, logical block {position} of its table"
+                f"block {block_id}: held by {holder}{since}, logical block {position} of its table{also}"
             )
     ax.set_xlim(-0.05, num_columns + 0.05)
     ax.set_ylim(num_rows + 0.05, -0.05)  # block 0 top left, ids run along the rows

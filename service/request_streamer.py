@@ -60,7 +60,7 @@ class RequestStreamer:
         DEADLINE_SLACK_S of the call's deadline) or ``cancelled``.
         """
         deadline_s = _deadline(context)
-        stream = self._engine.add_request(request_id, prompt, params)
+        stream = self._engine.add_request(request_id, prompt, params, deadline_s)
         stream.finished.add_done_callback(lambda finished: self._record(finished, api))
         # grpc may leave the servicer's generator suspended when the call is cancelled;
         # the callback aborts the request at once instead of at garbage collection

@@ -108,6 +108,8 @@ class NanoServer:
             interceptors=interceptors, options=[("grpc.max_receive_message_length", self.max_request_bytes)]
         )
         streamer = RequestStreamer(self.engine, self.metrics)
+        if self.owns_engine:
+            self.engine.observe_durability_wait = self.metrics.journal_wait.observe
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.engine, streamer), server)
         allocation_pb2_grpc.add_AllocationServiceServicer_to_server(AllocationServicer(self.engine), server)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
@@ -192,6 +194,9 @@ class NanoServer:
                 num_pending_batches=status.num_pending_batches,
                 pending_bytes=status.pending_bytes,
                 log_durable=None if status.epoch is None else self._not_durable is None,
+            )
+            self.metrics.observe_prefix_cache(
+                status.num_cached, status.num_shared, status.prefix_cache_queries, status.prefix_cache_hits
             )
             self._watch_backlog(status.num_pending_batches, status.pending_bytes)
             await asyncio.sleep(MONITOR_INTERVAL_S)

@@ -144,7 +144,9 @@ class TimelineView:
     def end_groups(self, reason: str) -> list[tuple[int, int, np.ndarray]]:
         """(freeing event index, holder's owner id, its bars) per holder of the bars freed in view with ``reason``.
 
-        In event order; a free that took blocks of two holders is two groups.
+        In event order; a free that took blocks of two holders is two groups. The events of one holder in
+        one scheduler step are one group, at its first event: with prefix caching a preemption or an abort
+        is a FREE of the holder's uncached blocks and a RELEASE of its cached ones, one ending, not two.
         """
         bars = self.ended_with(reason)
         if not len(bars):
@@ -152,9 +154,14 @@ class TimelineView:
         keys = self.end[bars] * max(1, len(self.timeline.owners)) + self.owner[bars]
         order = np.argsort(keys, kind="stable")
         _, firsts = np.unique(keys[order], return_index=True)
-        return [
-            (int(self.end[group[0]]), int(self.owner[group[0]]), group) for group in np.split(bars[order], firsts[1:])
-        ]
+        merged: dict[tuple[int, int], tuple[int, list[np.ndarray]]] = {}
+        for group in np.split(bars[order], firsts[1:]):
+            event, owner_id = int(self.end[group[0]]), int(self.owner[group[0]])
+            step = self.timeline.step(event)
+            key = (owner_id, -1 - event if step is None else step)
+            _, parts = merged.setdefault(key, (event, []))
+            parts.append(group)
+        return [(event, owner_id, np.concatenate(parts)) for (owner_id, _), (event, parts) in merged.items()]
 
     def held_at_end(self) -> list[tuple[int, np.ndarray]]:
         """(owner id, its bars) per owner still holding blocks after the timeline's last event, in owner order.

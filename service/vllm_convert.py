@@ -31,8 +31,8 @@ constraint, grammar_from_first_token
 ==============================  =====================================================
 
 A request's multimodal inputs, KV-transfer parameters and a data-parallel rank
-other than 0 are refused the same way. ``cached_tokens`` is 0: nanoserve has
-no prefix cache yet (issue 10), so no prompt token is served from one.
+other than 0 are refused the same way. ``cached_tokens`` is the prompt tokens
+the prefix cache served at the request's first admission (0 with caching off).
 """
 
 from __future__ import annotations
@@ -178,13 +178,17 @@ def to_output_logprobs(logprobs: list[TokenLogprob]) -> vpb.OutputLogProbs:
     return message
 
 
+def _cached_tokens(output: RequestOutput) -> int:
+    return output.metrics.num_cached_tokens if output.metrics is not None else 0
+
+
 def to_chunk(output: RequestOutput) -> vpb.GenerateResponse:
     """One streamed message: this step's token ids (a delta, as vLLM's contract has it) and their logprobs."""
     chunk = vpb.GenerateStreamChunk(
         token_ids=output.delta_token_ids,
         prompt_tokens=len(output.prompt_token_ids),
         completion_tokens=len(output.delta_token_ids),
-        cached_tokens=0,
+        cached_tokens=_cached_tokens(output),
     )
     if output.delta_logprobs:
         chunk.output_logprobs.CopyFrom(to_output_logprobs(output.delta_logprobs))
@@ -213,7 +217,7 @@ def to_complete(output: RequestOutput, with_logprobs: bool) -> vpb.GenerateRespo
         finish_reason=completion.finish_reason or "abort",
         prompt_tokens=len(output.prompt_token_ids),
         completion_tokens=len(completion.token_ids),
-        cached_tokens=0,
+        cached_tokens=_cached_tokens(output),
     )
     if with_logprobs and completion.logprobs:
         complete.output_logprobs.CopyFrom(to_output_logprobs(completion.logprobs))

@@ -13,6 +13,7 @@ Errors are domain errors, mapped to status codes by ``ErrorInterceptor``; an
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,15 +26,20 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from nanoserve.engine import AsyncLLMEngine
-from nanoserve.engine.errors import RequestNotFoundError
+from nanoserve.engine.errors import InvalidRequestError, PrefixCacheResetRefusedError, RequestNotFoundError
 from nanoserve.service import vllm_convert
 from nanoserve.service.errors import UnimplementedError
 from nanoserve.service.request_streamer import RequestStreamer
 
 API = "vllm.grpc.engine"
 SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-# the prefix cache (issue 10) is what FlushCache flushes and what SubscribeKvEvents reports
-NO_PREFIX_CACHE = "nanoserve has no prefix cache yet (issue 10: prefix caching)"
+# what SubscribeKvEvents would report: the cached blocks' token ids, which the log does not keep
+NO_KV_EVENTS = (
+    "nanoserve's event log records each cached block's key and parent, not its token ids, which a "
+    "cache-aware router's prefix index needs"
+)
+# how often FlushCache retries while blocks are held, seconds
+FLUSH_RETRY_S = 0.05
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -113,14 +119,26 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return await asyncio.to_thread(vllm_convert.tokenizer_zip, files)
 
     async def FlushCache(self, request: cpb.FlushCacheRequest, context: Context) -> cpb.FlushCacheResponse:
-        raise UnimplementedError(f"FlushCache: {NO_PREFIX_CACHE}; there is no cached KV to flush")
+        """Resets the prefix cache (``ResetPrefixCache``), retrying for up to ``timeout_s`` seconds while
+        blocks are held; success False, with the reason, when they still are (or caching is off)."""
+        if not (request.timeout_s >= 0 and math.isfinite(request.timeout_s)):
+            raise InvalidRequestError("timeout_s", f"must be a finite number of seconds >= 0, got {request.timeout_s}")
+        deadline = time.monotonic() + request.timeout_s
+        while True:
+            try:
+                num_blocks = await self._engine.reset_prefix_cache()
+            except PrefixCacheResetRefusedError as exc:
+                if time.monotonic() >= deadline or not self._engine.config.cache.enable_prefix_caching:
+                    return cpb.FlushCacheResponse(success=False, message=str(exc))
+                await asyncio.sleep(FLUSH_RETRY_S)
+                continue
+            return cpb.FlushCacheResponse(success=True, message=f"prefix cache reset: {num_blocks} cached blocks freed")
 
     async def SubscribeKvEvents(
         self, request: cpb.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[cpb.KvEventBatch]:
         raise UnimplementedError(
-            f"SubscribeKvEvents: {NO_PREFIX_CACHE}; KV blocks hold one request's tokens and are freed when it "
-            "ends, so there are no cached blocks to report (the allocation events are on "
+            f"SubscribeKvEvents: {NO_KV_EVENTS} (the cache's events, keys and counts are on "
             "nanoserve.v1.AllocationService/WatchEvents)"
         )
         yield cpb.KvEventBatch()  # unreachable: makes this an async generator, as a server-streaming method is

@@ -81,8 +81,8 @@ def test_root_commit_is_linted_and_has_nothing_to_break(repo: Path) -> None:
 
 
 def test_added_field_passes(repo: Path) -> None:
-    _edit(repo, "  int32 completion_tokens = 2;\n", "  int32 completion_tokens = 2;\n  int32 cached_tokens = 3;\n")
-    _commit(repo, "usage: cached_tokens")
+    _edit(repo, "  int32 completion_tokens = 2;\n", "  int32 completion_tokens = 2;\n  int32 reasoning_tokens = 99;\n")
+    _commit(repo, "usage: reasoning_tokens")
     assert _check(repo)[0] == 0
 
 

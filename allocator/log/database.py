@@ -14,9 +14,9 @@ from sqlalchemy.engine import Engine
 
 from nanoserve.allocator.log.schema import allocator_events
 
-# one stored event: (pool_id, epoch, seq, kind, owner, record, hash), in ROW_COLUMNS order
-Row = tuple[str, int, int, str, "str | None", str, bytes]
-ROW_COLUMNS = ("pool_id", "epoch", "seq", "kind", "owner", "record", "hash")
+# one stored event: (pool_id, epoch, seq, kind, owner, record, hash, block_key), in ROW_COLUMNS order
+Row = tuple[str, int, int, str, "str | None", str, bytes, "str | None"]
+ROW_COLUMNS = ("pool_id", "epoch", "seq", "kind", "owner", "record", "hash", "block_key")
 
 # The server's default log: a SQLite file in the working directory.
 DEFAULT_EVENT_LOG_URL = "sqlite:///nanoserve-log.db"

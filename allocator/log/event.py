@@ -22,6 +22,9 @@ class Event:
         when the event's batch was appended to the log; for block events the
         end of the scheduler step that made them (``EventLog.append_batch``).
     hash: sha256 of the previous record's hash and this record (the chain).
+    keys, parent_keys, ref_counts: the prefix-cache kinds' block keys (hex),
+        REGISTER's parent keys and SHARE/RELEASE's counts after the event
+        (see ``BlockEvent``); empty for the other kinds.
     """
 
     pool_id: str
@@ -37,3 +40,6 @@ class Event:
     monotonic_ns: int
     data: Any
     hash: bytes
+    keys: tuple[str, ...] = ()
+    parent_keys: tuple[str | None, ...] = ()
+    ref_counts: tuple[int, ...] = ()

@@ -62,6 +62,7 @@ from nanoserve.allocator.log.errors import (
 )
 from nanoserve.allocator.log.event import Event
 from nanoserve.allocator.log.event_chain import genesis_hash
+from nanoserve.allocator.log.journal import JournalRecord, JournalRow, insert_journal_rows
 from nanoserve.allocator.log.log_writer import Batch, LogWriter
 from nanoserve.allocator.log.pool_lock import PoolLock
 from nanoserve.allocator.log.record_codec import snapshot_data
@@ -104,6 +105,7 @@ class EventLog:
         self._sync = sync
         self._num_events_per_snapshot = num_events_per_snapshot
         self._seq = writer.durable_seq
+        self._journal_seq = writer.durable_journal_seq  # last journal seq assigned
         self._snapshot_seq = self._seq  # seq of the last SNAPSHOT (or POOL_INIT)
         self._closed = False
         self.close_error: EventLogIncompleteError | None = None  # set when close found events not durable
@@ -122,6 +124,7 @@ class EventLog:
         num_events_per_snapshot: int = 10_000,
         max_pending_batches: int = 4096,
         epoch: int | None = None,
+        prepare_journal: Callable[[sa.Engine, str, int], Sequence[JournalRecord]] | None = None,
     ) -> EventLog:
         """Open a new epoch of ``pool_id`` in the log at ``url`` and write POOL_INIT.
 
@@ -133,6 +136,12 @@ class EventLog:
         config: JSON-serialisable settings stored in POOL_INIT.
         max_pending_batches: batches that may wait for the writer before
             ``append_batch`` blocks (the bound on memory while the store is slow or away).
+        prepare_journal: called as ``prepare_journal(engine, pool_id, epoch)``
+            once the pool's lock is held and the new epoch's number is known
+            (recovery reads the crashed epoch before it there); the journal
+            records it returns are committed in the same transaction as
+            POOL_INIT, journal seqs 1, 2, ...: the new epoch exists with all of
+            them or not at all.
         Raises LogNotFoundError (a ValueError) when the database has no log
         schema (run ``nanoserve.migrations.upgrade(url)`` first),
         SecondWriterError when another live writer holds the pool (its pool-id
@@ -163,10 +172,17 @@ class EventLog:
                 max_pending_batches,
                 database_file=sqlite_file(url),
             )
-            init = Batch(1, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_INIT, init_data)
+            journal = tuple(prepare_journal(engine, pool_id, epoch)) if prepare_journal is not None else ()
+            init = Batch(1, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_INIT, init_data, journal, 1)
             rows, head_hash = writer.seal_first(init)
-            _insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns)
+            journal_rows = writer.seal_journal([init])
+            _insert_epoch(
+                engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns, journal_rows
+            )
+            writer.durable_journal_seq = len(journal_rows)
         except Exception as exc:
+            if pool_lock is not None:  # the epoch was not opened: the pool is free for the next try
+                pool_lock.release()
             engine.dispose()
             if is_store_unavailable(exc):
                 raise store_error(url, exc) from exc
@@ -195,6 +211,20 @@ class EventLog:
     @property
     def durable_seq(self) -> int:
         return self._writer.durable_seq
+
+    @property
+    def last_journal_seq(self) -> int:
+        """The last request journal seq assigned (engine thread)."""
+        return self._journal_seq
+
+    @property
+    def durable_journal_seq(self) -> int:
+        """The last request journal seq committed: it moves with ``durable_seq``, in the same commits."""
+        return self._writer.durable_journal_seq
+
+    def add_durable_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the writer thread after every commit; it must be quick (hand off)."""
+        self._writer.add_durable_listener(callback)
 
     @property
     def healthy(self) -> bool:
@@ -249,7 +279,11 @@ class EventLog:
 
     # -- the engine's side -------------------------------------------------
     def append_batch(
-        self, step: int | None, events: Sequence[BlockEvent], snapshot: Callable[[], PoolState] | None = None
+        self,
+        step: int | None,
+        events: Sequence[BlockEvent],
+        snapshot: Callable[[], PoolState] | None = None,
+        journal: Sequence[JournalRecord] = (),
     ) -> None:
         """Append ``events`` (in emission order) as one batch stamped with scheduler ``step``.
 
@@ -264,13 +298,17 @@ class EventLog:
         passed since the last SNAPSHOT, which then ends the batch. None writes
         no SNAPSHOT.
 
+        journal: the step's request journal records; they get journal seqs
+        ``last_journal_seq + 1, ...`` and commit with the events (a step with
+        journal records and no events still makes a batch).
+
         Blocks while ``max_pending_batches`` wait for the writer (never once
         ``close`` or ``unbound`` was called). Raises
         EventLogError (SecondWriterError) once the writer failed for good or
         after ``close``; ValueError on a bad step or a snapshot of another
         pool's shape. A call that raises appends nothing (``last_seq`` stays).
         """
-        if not events:
+        if not events and not journal:
             return
         if step is not None and (type(step) is not int or step < 0):
             raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
@@ -279,18 +317,29 @@ class EventLog:
         first_seq = self._seq + 1
         last_seq = self._seq + len(events)
         data = None
-        if snapshot is not None and last_seq - self._snapshot_seq >= self._num_events_per_snapshot:
+        if events and snapshot is not None and last_seq - self._snapshot_seq >= self._num_events_per_snapshot:
             state = snapshot()
             self._check_shape(state)
             data = snapshot_data(state)
             last_seq += 1
-        batch = Batch(first_seq, step, _time_ns(), _monotonic_ns(), events, None if data is None else _SNAPSHOT, data)
+        batch = Batch(
+            first_seq,
+            step,
+            _time_ns(),
+            _monotonic_ns(),
+            events,
+            None if data is None else _SNAPSHOT,
+            data,
+            journal,
+            self._journal_seq + 1,
+        )
         self._writer.submit(batch)
         self._seq = last_seq  # only once the batch is queued: a call that raises appends nothing
+        self._journal_seq += len(journal)
         if data is not None:
             self._snapshot_seq = last_seq
         if self._sync:  # until durable, or until shutdown unbinds the log (close then bounds the wait)
-            while not self._writer.wait_durable(last_seq, 0.5) and self._writer.bounded:
+            while not self._writer.wait_durable(last_seq, 0.5, self._journal_seq) and self._writer.bounded:
                 pass
 
     def _check_shape(self, state: PoolState) -> None:
@@ -303,7 +352,7 @@ class EventLog:
     # -- durability and shutdown -------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every appended event is durable; False on timeout."""
-        return self._writer.wait_durable(self._seq, timeout_s)
+        return self._writer.wait_durable(self._seq, timeout_s, self._journal_seq)
 
     def close(self, timeout_s: float | None = None, final_state: PoolState | None = None) -> None:
         """Write POOL_CLOSE, wait up to ``timeout_s`` for every event to commit, stop the writer.
@@ -428,6 +477,7 @@ def _insert_epoch(
     rows: list[Row],
     head_hash: bytes,
     opened_wall_ns: int,
+    journal_rows: list[JournalRow],
 ) -> None:
     try:
         with engine.begin() as conn:
@@ -446,6 +496,7 @@ def _insert_epoch(
                 )
             )
             insert_rows(conn, rows)
+            insert_journal_rows(conn, journal_rows)
     except sa.exc.IntegrityError as exc:
         raise SecondWriterError(
             f"pool {writer.pool_id!r} epoch {writer.epoch} already has a writer: another server opened it at "

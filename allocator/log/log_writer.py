@@ -41,8 +41,9 @@ from nanoserve.allocator.log.database import Row, insert_rows
 from nanoserve.allocator.log.errors import EventLogError, LogFileLostError, SecondWriterError, store_cause
 from nanoserve.allocator.log.event import Event
 from nanoserve.allocator.log.event_chain import chain_hash
+from nanoserve.allocator.log.journal import JournalRecord, JournalRow, encode_journal, insert_journal_rows
 from nanoserve.allocator.log.record_codec import decode_event, encode_block_record, encode_data_record
-from nanoserve.allocator.log.schema import allocator_events, pool_epochs
+from nanoserve.allocator.log.schema import allocator_events, pool_epochs, request_journal
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,8 @@ class Batch(NamedTuple):
     events: block events, seqs ``first_seq``, ``first_seq + 1``, ...
     data_kind, data: one POOL_INIT, SNAPSHOT or POOL_CLOSE record after the
         events, carrying ``data`` (JSON-serialisable); None for none.
+    journal: request journal records of the same step, journal seqs
+        ``first_journal_seq``, ... (stored in ``request_journal``, same transaction).
     Every record of the batch carries ``step`` and the batch's two times.
     (A NamedTuple: the engine's thread makes one per step, at the cost of a tuple.)
     """
@@ -66,6 +69,8 @@ class Batch(NamedTuple):
     events: Sequence[BlockEvent] = ()
     data_kind: EventKind | None = None
     data: Any = None
+    journal: Sequence[JournalRecord] = ()
+    first_journal_seq: int = 0
 
     @property
     def num_records(self) -> int:
@@ -126,6 +131,10 @@ class LogWriter:
         self.epoch = epoch
         self.writer_id = writer_id
         self.durable_seq = durable_seq
+        # journal records committed (they move with durable_seq: the same commits, under the same lock)
+        self.durable_journal_seq = 0
+        self._journal_rows: list[JournalRow] = []  # journal rows of the group being committed
+        self._durable_listeners: list[Callable[[], None]] = []
         self._written_seq = durable_seq  # the durable_seq this writer last stored in the epoch row
         self._head_hash = head_hash  # hash of the last event handed to a commit
         self._chained_seq = durable_seq
@@ -202,11 +211,12 @@ class LogWriter:
         num_queued = max(0, num_pending_records - (self._chained_seq - self.durable_seq))
         return inflight_bytes + round(num_queued * (mean or _RECORD_BYTES_GUESS))
 
-    def wait_durable(self, seq: int, timeout_s: float | None = None) -> bool:
-        """Wait until ``durable_seq >= seq``; False on timeout. Raises the writer's fatal error."""
+    def wait_durable(self, seq: int, timeout_s: float | None = None, journal_seq: int = 0) -> bool:
+        """Wait until ``durable_seq >= seq`` (and ``durable_journal_seq >= journal_seq``); False on
+        timeout. Raises the writer's fatal error."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._progress:
-            while self.durable_seq < seq:
+            while self.durable_seq < seq or self.durable_journal_seq < journal_seq:
                 if self.error is not None:
                     raise self.error
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -261,6 +271,7 @@ class LogWriter:
                 self._check_file()
                 while self.pending and not self._abandoned:
                     group = self._take_group()
+                    self._journal_rows = self.seal_journal(group)
                     self._commit_with_retry(*self.seal_rows(group))
             except _Abandoned:
                 return
@@ -305,6 +316,33 @@ class LogWriter:
         self.durable_seq = self._written_seq = last_seq
         return rows, head_hash
 
+    def seal_journal(self, batches: list[Batch]) -> list[JournalRow]:
+        """The request journal rows of ``batches``, in journal seq order."""
+        rows: list[JournalRow] = []
+        pool_id, epoch = self.pool_id, self.epoch
+        for batch in batches:
+            journal_seq = batch.first_journal_seq
+            for record in batch.journal:
+                data = encode_journal(record.data)
+                rows.append(
+                    (
+                        pool_id,
+                        epoch,
+                        journal_seq,
+                        record.request_id,
+                        record.kind.value,
+                        batch.step,
+                        batch.wall_time_ns,
+                        data,
+                    )
+                )
+                journal_seq += 1
+        return rows
+
+    def add_durable_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the writer thread after every commit (it must be quick)."""
+        self._durable_listeners.append(callback)
+
     def seal_rows(self, batches: list[Batch]) -> tuple[list[Row], int, bytes, int | None]:
         """Rows with their encoded records and chained hashes; each row's batch_seq is its batch's last seq."""
         rows: list[Row] = []
@@ -318,14 +356,15 @@ class LogWriter:
             for event in batch.events:
                 record = encode_block_record(seq, batch_seq, event, step, wall_ns, mono_ns)
                 previous = chain_hash(previous, record)
-                rows.append((pool_id, epoch, seq, event.kind.value, event.owner, record, previous))
+                key = event.keys[0] if event.keys else None
+                rows.append((pool_id, epoch, seq, event.kind.value, event.owner, record, previous, key))
                 seq += 1
             if batch.data_kind is not None:
                 record = encode_data_record(seq, batch_seq, batch.data_kind, batch.data, step, wall_ns, mono_ns)
                 previous = chain_hash(previous, record)
                 if batch.data_kind is EventKind.POOL_CLOSE:
                     closed_seq = seq
-                rows.append((pool_id, epoch, seq, batch.data_kind.value, None, record, previous))
+                rows.append((pool_id, epoch, seq, batch.data_kind.value, None, record, previous, None))
                 seq += 1
         self._head_hash = previous
         self._chained_seq = seq - 1
@@ -333,7 +372,8 @@ class LogWriter:
 
     def _commit_with_retry(self, rows: list[Row], last_seq: int, head_hash: bytes, closed_seq: int | None) -> None:
         attempt = 0
-        self._inflight_bytes = sum(len(row[5]) for row in rows)
+        journal_rows = self._journal_rows
+        self._inflight_bytes = sum(len(row[5]) for row in rows) + sum(len(row[7]) for row in journal_rows)
         while True:
             if self._abandoned:
                 raise _Abandoned
@@ -344,6 +384,10 @@ class LogWriter:
                 self._check_already_committed(last_seq, head_hash)
                 break
             except (sa.exc.SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error) as exc:
+                # a journal-only commit leaves the guard where it was: a retry after a lost
+                # acknowledgement meets its own journal rows (the driver's IntegrityError)
+                if journal_rows and _is_integrity_error(exc) and self._journal_committed(journal_rows[-1][2]):
+                    break
                 self._note_failure(exc, last_seq, attempt)
                 self._sleep(RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)])
                 attempt += 1
@@ -359,14 +403,19 @@ class LogWriter:
         self.healthy = True
         self.failing_since = None
         self._written_seq = last_seq
-        self._num_committed_records += len(rows)
+        self._num_committed_records += len(rows) + len(journal_rows)
         self._num_committed_bytes += self._inflight_bytes
         with self._progress:
             self.durable_seq = last_seq
+            if journal_rows:
+                self.durable_journal_seq = journal_rows[-1][2]
             self._num_inflight_batches = 0
             self._inflight_bytes = 0
             self._progress.notify_all()
-        self._publish(rows)
+        for listener in self._durable_listeners:
+            listener()
+        if rows:
+            self._publish(rows)
 
     def _note_failure(self, exc: BaseException, last_seq: int, attempt: int) -> None:
         """One failed commit: unhealthy until a commit succeeds; a warning line per attempt."""
@@ -409,7 +458,20 @@ class LogWriter:
         with self._engine.begin() as conn:
             if conn.execute(guard).rowcount != 1:
                 raise _GuardMoved
-            insert_rows(conn, rows)
+            if rows:
+                insert_rows(conn, rows)
+            insert_journal_rows(conn, self._journal_rows)
+
+    def _journal_committed(self, journal_seq: int) -> bool:
+        """Whether this epoch's journal already holds ``journal_seq`` (our own earlier attempt)."""
+        table = request_journal
+        with self._engine.connect() as conn:
+            found = conn.execute(
+                sa.select(table.c.journal_seq).where(
+                    table.c.pool_id == self.pool_id, table.c.epoch == self.epoch, table.c.journal_seq == journal_seq
+                )
+            ).scalar_one_or_none()
+        return found is not None
 
     def _check_already_committed(self, last_seq: int, head_hash: bytes) -> None:
         """After the guard moved: our own earlier attempt (fine) or another writer (fatal)."""
@@ -443,7 +505,9 @@ class LogWriter:
             subscribers = list(self._subscribers)
         if not subscribers:
             return
-        events = [decode_event(pool_id, epoch, seq, record, hash_) for pool_id, epoch, seq, _, _, record, hash_ in rows]
+        events = [
+            decode_event(pool_id, epoch, seq, record, hash_) for pool_id, epoch, seq, _, _, record, hash_, _ in rows
+        ]
         for callback in subscribers:
             try:
                 callback(events)
@@ -460,7 +524,13 @@ class LogWriter:
         with self._progress:
             if isinstance(error, LogFileLostError):
                 self.durable_seq = 0  # what was committed went with the file
+                self.durable_journal_seq = 0
             self._progress.notify_all()
+
+
+def _is_integrity_error(exc: BaseException) -> bool:
+    """A unique key met: SQLAlchemy's IntegrityError, or the driver's (rows inserted through its cursor)."""
+    return any(cls.__name__ == "IntegrityError" for cls in type(exc).__mro__)
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -79,6 +79,13 @@ class PoolTimeline:
     ``interval_reason_codes[j]`` (an index into ``reasons``; 0 is None).
     ``interval(j)`` gives one as a ``BlockInterval``.
 
+    Prefix caching: an interval belongs to a block's first holder (replay's
+    ``PoolState.owners``); the other holders of a shared block are in
+    ``sharers`` and draw no bar of their own. When the first holder releases
+    a shared block, its interval ends and the next holder's begins. After
+    each event, ``num_cached_free[i]`` blocks are free but still cached and
+    ``num_shared[i]`` blocks are held by more than one owner.
+
     Invariant: ``held[b]`` is the index of the open interval on block b, or
     None when b is free; ``num_allocated[-1]`` counts the non-None entries.
     Kinds this timeline does not know are counted in ``unknown_kinds`` and
@@ -96,6 +103,10 @@ class PoolTimeline:
         self.wall_ns = array("q")
         self.num_allocated = array("q")
         self.num_holding = array("q")
+        self.num_cached_free = array("q")
+        self.num_shared = array("q")
+        self.sharers: dict[int, list[str]] = {}  # block_id -> its holders beside the interval's owner
+        self.cached_free: set[int] = set()  # free blocks that keep their key
         self.owners: list[str] = []
         self.reasons: list[str | None] = [None]  # free reasons met, by code
         self.interval_block_ids = array("q")
@@ -118,6 +129,11 @@ class PoolTimeline:
             EventKind.FREE_ALL.value: self._free,
             EventKind.SNAPSHOT.value: _no_change,
             EventKind.POOL_CLOSE.value: self._close,
+            EventKind.REGISTER.value: _no_change,
+            EventKind.SHARE.value: self._share,
+            EventKind.RELEASE.value: self._release,
+            EventKind.EVICT.value: self._evict,
+            EventKind.CACHE_RESET.value: self._evict,
         }
 
     @property
@@ -161,6 +177,8 @@ class PoolTimeline:
                 handler(event)
             num_allocated.append(self._num_allocated_now)
             num_holding.append(len(held_by))
+            self.num_cached_free.append(len(self.cached_free))
+            self.num_shared.append(len(self.sharers))
 
     def _init(self, event: Event) -> None:
         if self.seqs[0] != event.seq:
@@ -170,16 +188,57 @@ class PoolTimeline:
         self.block_size = int(event.data["block_size"])
         self.held = [None] * self.num_blocks
 
+    def _share(self, event: Event) -> None:
+        """A reference on cached blocks: a cached-free block begins an interval, a held one gains a sharer."""
+        owner = event.owner or ""
+        for block_id in event.block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                continue
+            if self.held[block_id] is None:
+                self.cached_free.discard(block_id)
+                self._allocate_blocks(owner, (block_id,))
+            else:
+                self.sharers.setdefault(block_id, []).append(owner)
+
+    def _release(self, event: Event) -> None:
+        """A holder lets go of cached blocks: a sharer leaves; the interval's owner ends its interval,
+        and the next holder's begins (or the block becomes cached-free)."""
+        owner = event.owner or ""
+        for block_id in event.block_ids:
+            interval = self.held[block_id] if 0 <= block_id < self.num_blocks else None
+            if interval is None:
+                continue
+            others = self.sharers.get(block_id, [])
+            if self.owners[self.interval_owner_ids[interval]] != owner:
+                if owner in others:
+                    others.remove(owner)
+                    if not others:
+                        del self.sharers[block_id]
+                continue
+            self._free_blocks((block_id,), event.reason)
+            if others:
+                self._allocate_blocks(others.pop(0), (block_id,))
+                if not others:
+                    del self.sharers[block_id]
+            else:
+                self.cached_free.add(block_id)
+
+    def _evict(self, event: Event) -> None:
+        self.cached_free.difference_update(event.block_ids)
+
     def _allocate(self, event: Event) -> None:
-        owner = event.owner
-        owner_id = self._owner_ids.get(owner)  # type: ignore[arg-type]
+        self.cached_free.difference_update(event.block_ids)  # replay reports a cached block taken without EVICT
+        self._allocate_blocks(event.owner or "", event.block_ids)
+
+    def _allocate_blocks(self, owner: str, block_ids: Iterable[int]) -> None:
+        owner_id = self._owner_ids.get(owner)
         if owner_id is None:
-            owner_id = self._owner_ids[owner] = len(self.owners)  # type: ignore[index]
-            self.owners.append(owner)  # type: ignore[arg-type]
+            owner_id = self._owner_ids[owner] = len(self.owners)
+            self.owners.append(owner)
         index = len(self.seqs) - 1
         held, num_blocks = self.held, self.num_blocks
         taken = 0
-        for block_id in event.block_ids:
+        for block_id in block_ids:
             if not 0 <= block_id < num_blocks or held[block_id] is not None:
                 continue  # foreign block, or allocate of an allocated block: replay keeps the holder
             held[block_id] = len(self.interval_block_ids)
@@ -194,14 +253,17 @@ class PoolTimeline:
             self._num_allocated_now += taken
 
     def _free(self, event: Event) -> None:
+        self._free_blocks(event.block_ids, event.reason)
+
+    def _free_blocks(self, block_ids: Iterable[int], reason: str | None) -> None:
         index = len(self.seqs) - 1
         held, num_blocks, held_by = self.held, self.num_blocks, self._num_held_by
         ends, reason_codes, interval_owner_ids = self.interval_ends, self.interval_reason_codes, self.interval_owner_ids
-        code = self._reason_codes.get(event.reason)
+        code = self._reason_codes.get(reason)
         if code is None:
-            code = self._reason_codes[event.reason] = len(self.reasons)
-            self.reasons.append(event.reason)
-        for block_id in event.block_ids:
+            code = self._reason_codes[reason] = len(self.reasons)
+            self.reasons.append(reason)
+        for block_id in block_ids:
             interval = held[block_id] if 0 <= block_id < num_blocks else None
             if interval is None:
                 continue  # free of a free block: nothing changes

@@ -249,6 +249,7 @@ class Replayer:
         batch_end = self.batch_end
         batch_end_text = str(batch_end)
         free, owners = self.pool.free_block_ids, self.pool.owners
+        block_keys, sharers = self.pool.block_keys, self.pool.sharers
         pop_owner, push_free = owners.pop, free.append
         violate = self.violate
         apply_record = self._apply_record
@@ -300,7 +301,9 @@ class Replayer:
             except ValueError:
                 apply_record(seq, kind, block_text, reason_text, tail)
                 continue
-            if code == _FREE_CODE:  # transition.release, inlined
+            if code == _FREE_CODE and (block_keys or sharers):  # prefix caching in use: the checked path
+                apply_record(seq, kind, block_text, reason_text, tail)
+            elif code == _FREE_CODE:  # transition.release, inlined
                 for block_id in block_ids:
                     holder = pop_owner(block_id, None)
                     if holder == tail:
@@ -329,6 +332,7 @@ class Replayer:
         return (
             len(free) == len(self.pool.free_block_ids)
             and free.isdisjoint(self.pool.owners)
+            and free.isdisjoint(self.pool.cached_free)
             and all(type(block_id) is int and 0 <= block_id < self.pool.num_blocks for block_id in free)
         )
 
@@ -369,10 +373,12 @@ class Replayer:
         replay then starts at genesis instead, and reaching the snapshot reports it.
         """
         pool = decode_snapshot(tail, self.pool.num_blocks, self.pool.block_size)
-        if sorted([*pool.free_block_ids, *pool.owners]) != list(range(pool.num_blocks)) or not all(
+        if sorted([*pool.free_block_ids, *pool.cached_free, *pool.owners]) != list(range(pool.num_blocks)) or not all(
             type(owner) is str and owner for owner in pool.owners.values()
         ):
             raise ValueError("the snapshot does not hold every block of the pool exactly once")
+        if not set(pool.cached_free) <= set(pool.block_keys) or not set(pool.sharers) <= set(pool.owners):
+            raise ValueError("the snapshot's cached-free or shared blocks are not registered and held")
         self.pool = pool
 
     def _snapshot(self, seq: int, tail: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger,
     ForeignKeyConstraint,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -63,7 +64,9 @@ class AllocatorEvent(Base):
     the canonical payload that ``hash`` = sha256(previous hash + record) covers,
     so replay hashes the stored text as it is and parses it once. ``kind`` and
     ``owner`` repeat two of its fields so that SQL can filter on them; replay
-    checks that they agree with the record.
+    checks that they agree with the record. ``block_key`` repeats the first
+    block key of a prefix-cache event likewise (NULL for other kinds and for
+    rows written before migration 0002).
     """
 
     __tablename__ = "allocator_events"
@@ -76,8 +79,39 @@ class AllocatorEvent(Base):
     owner: Mapped[str | None] = mapped_column(String(256))
     record: Mapped[str] = mapped_column(Text)
     hash: Mapped[bytes] = mapped_column(LargeBinary(32))
+    # the first key of a prefix-cache event (migration 0002), for SQL; the record holds them all
+    block_key: Mapped[str | None] = mapped_column(String(64), index=True)
+
+
+class RequestJournalEntry(Base):
+    """One record of the request journal: an admission, a step's released output, an ending.
+
+    Written in the same transaction as the allocator events of the same scheduler
+    step (one group commit), so a request's tokens are durable exactly when its
+    step's block events are. ``journal_seq`` numbers the epoch's journal records
+    1, 2, 3, ... on the engine's thread; ``kind`` is a ``JournalKind`` value and
+    ``record`` its JSON payload (``nanoserve.allocator.log.journal``). The index
+    on (pool_id, request_id) serves ``Resume`` and ``nanoserve log show --owner``
+    across epochs.
+    """
+
+    __tablename__ = "request_journal"
+    __table_args__ = (
+        ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),
+        Index("ix_request_journal_pool_id_request_id", "pool_id", "request_id"),
+    )
+
+    pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    journal_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(256))
+    kind: Mapped[str] = mapped_column(String(16))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    wall_ns: Mapped[int] = mapped_column(BigInteger)
+    record: Mapped[str] = mapped_column(Text)
 
 
 # The Table objects: ``__table__`` is typed as a FromClause, which has no ``name`` and takes no INSERT.
 pool_epochs = Base.metadata.tables[PoolEpoch.__tablename__]
 allocator_events = Base.metadata.tables[AllocatorEvent.__tablename__]
+request_journal = Base.metadata.tables[RequestJournalEntry.__tablename__]

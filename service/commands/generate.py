@@ -3,6 +3,14 @@
 The text is printed as it streams; ``--json`` prints one JSON object per
 streamed message instead (protobuf field names), for scripts. Ctrl-C cancels
 the call (the server aborts the request) and exits 130.
+
+With ``--wait-ready SECONDS``, a stream cut because the server went away
+(UNAVAILABLE: it crashed or was killed) is resumed: the command waits up to
+that long for the server to be SERVING again, then calls ``Resume`` with the
+number of token ids it has received, and says so on stderr. The restarted
+server recovered the request from its journal, so the printed completion has
+no token missing and none repeated. The command picks the request id itself
+then (the server's choice would be lost with the first message).
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ import argparse
 import json
 import os
 import sys
+import time
+import uuid
 from typing import Any
 
 # a CLI user expects a whole answer; API clients that leave max_tokens unset get the engine's default
@@ -62,7 +72,8 @@ def register(subparsers: Any) -> None:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="first wait up to this long for the server's health to be SERVING (for scripts that just started it)",
+        help="first wait up to this long for the server's health to be SERVING (for scripts that just started it); "
+        "a stream cut because the server went away is then resumed when it is SERVING again within this long",
     )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per streamed message instead of the text"
@@ -155,28 +166,61 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from nanoserve.service.client import auth_metadata, open_channel, wait_ready
+    from nanoserve.v1 import generation_pb2 as pb
     from nanoserve.v1 import generation_pb2_grpc
 
     request = build_request(args)
+    resumable = args.wait_ready > 0
+    if resumable and not request.request_id:
+        request.request_id = uuid.uuid4().hex
     with open_channel(args.server, tls=args.tls, ca_cert=args.ca_cert) as channel:
         if args.wait_ready > 0 and not wait_ready(channel, args.wait_ready):
             print(f"error: {args.server} not SERVING after {args.wait_ready} s", file=sys.stderr)
             return 1
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        call = stub.Generate(request, timeout=args.timeout, metadata=auth_metadata(args.token))
+        metadata = auth_metadata(args.token)
+        deadline = None if args.timeout is None else time.monotonic() + args.timeout
+        call: Any = stub.Generate(request, timeout=args.timeout, metadata=metadata)
         printer = _Printer(args.json)
-        try:
-            for response in call:
-                printer.print(response)
-        except grpc.RpcError as exc:
-            printer.end_line()
-            print(_error_line(exc), file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            call.cancel()  # the server sees the cancel and aborts the request
-            printer.end_line()
-            return EXIT_INTERRUPTED
-    return 0
+        resuming = False  # the current call is a Resume
+        while True:
+            try:
+                for response in call:
+                    printer.print(response)
+                return 0
+            except grpc.RpcError as exc:
+                printer.end_line()
+                if resuming and exc.code() == grpc.StatusCode.NOT_FOUND and printer.num_tokens == 0:
+                    # the crash came before the journal held the request: nothing was sent, so send it again
+                    print(
+                        f"request {request.request_id} was not journaled before the crash; sent again", file=sys.stderr
+                    )
+                    resuming = False
+                    call = stub.Generate(request, timeout=_remaining(deadline), metadata=metadata)
+                    continue
+                if not (resumable and exc.code() == grpc.StatusCode.UNAVAILABLE):
+                    print(_error_line(exc), file=sys.stderr)
+                    return 1
+                print(f"{_error_line(exc)}; waiting up to {args.wait_ready:g} s to resume", file=sys.stderr)
+                if not wait_ready(channel, args.wait_ready):
+                    print(f"error: {args.server} not SERVING again within {args.wait_ready:g} s", file=sys.stderr)
+                    return 1
+                print(
+                    f"resumed request {request.request_id} after {printer.num_tokens} tokens (the server came back)",
+                    file=sys.stderr,
+                )
+                resume = pb.ResumeRequest(request_id=request.request_id, after_token_index=printer.num_tokens)
+                call = stub.Resume(resume, timeout=_remaining(deadline), metadata=metadata)
+                resuming = True
+            except KeyboardInterrupt:
+                call.cancel()  # the server sees the cancel and aborts the request
+                printer.end_line()
+                return EXIT_INTERRUPTED
+
+
+def _remaining(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (time.monotonic()); None without one."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class _Printer:
@@ -185,10 +229,12 @@ class _Printer:
     def __init__(self, as_json: bool) -> None:
         self._as_json = as_json
         self._line_open = False  # text written since the last newline
+        self.num_tokens = 0  # token ids received: where a resumed stream starts
 
     def print(self, response: Any) -> None:
         from google.protobuf.json_format import MessageToDict
 
+        self.num_tokens += len(response.token_ids)
         if self._as_json:
             print(json.dumps(MessageToDict(response, preserving_proto_field_name=True)), flush=True)
             return

@@ -5,6 +5,7 @@
                          [--from SEQ] [--to SEQ] [--limit N]
     nanoserve log state  --at SEQ [--url URL] [--pool ID] [--epoch N] [--full]
     nanoserve log epochs [--url URL] [--pool ID]
+    nanoserve log requests [--url URL] [--pool ID] [--epoch N]   (the request journal: see ``log_requests``)
     nanoserve log plot   [--url URL] [--pool ID] [--epoch N] [--from SEQ] [--to SEQ] [--x seq|step|time] -o FILE
     nanoserve log state  --at SEQ --svg FILE ...     (the pictures: see ``log_plot``)
 
@@ -26,12 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from nanoserve.allocator import EventKind
-from nanoserve.service.commands import log_plot
+from nanoserve.allocator import EventKind, PoolState
+from nanoserve.service.commands import log_plot, log_requests
 
 EVENT_KINDS = tuple(kind.value for kind in EventKind)
 
@@ -67,9 +68,10 @@ def register(subparsers: Any) -> None:
         help="print events as a table",
         description="Print the events of one epoch as a table (seq, batch, step, time, kind, blocks, owner, reason), "
         "filtered by owner, block, kind or seq range. A damaged row is printed as DAMAGED in its place and named "
-        "below the table (exit 1).",
+        "below the table (exit 1). With --owner and no --epoch it follows the request across every epoch "
+        "(an epoch column when the log holds several) and prints its request journal records below.",
     )
-    _add_source(show, epoch_help="the epoch whose events to print (default: the newest)")
+    _add_source(show, epoch_help="the epoch whose events to print (default: the newest; with --owner: every epoch)")
     show.add_argument("--owner", help="only events of this owner (request id)")
     show.add_argument("--block", type=int, metavar="BLOCK_ID", help="only events touching this block")
     show.add_argument("--kind", choices=EVENT_KINDS, help="only events of this kind")
@@ -122,6 +124,7 @@ def register(subparsers: Any) -> None:
     epochs.set_defaults(func=run_epochs)
 
     log_plot.add_plot(actions, _add_source).set_defaults(func=run_plot)
+    log_requests.add_requests(actions, _add_source).set_defaults(func=run_requests)
 
 
 def _add_source(parser: argparse.ArgumentParser, epoch_help: str | None) -> None:
@@ -194,44 +197,76 @@ def run_show(args: argparse.Namespace) -> int:
         raise ValueError(f"--from must be >= 1 and --to >= --from, got --from {args.from_seq} --to {args.to_seq}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    from nanoserve.allocator.log.log_reader import connect, list_epochs, resolve_epoch
+
+    pool_id, epochs = args.pool_id, [args.epoch]
+    if args.owner is not None and args.epoch is None:  # follow the request across every epoch
+        with connect(_url(args)) as conn:
+            pool_id = resolve_epoch(conn, args.pool_id, None).pool_id
+            epochs = [info.epoch for info in list_epochs(conn, pool_id)]
     rows: list[list[str]] = []
     damage: list[Damage] = []
-    scan = scan_events(
-        _url(args),
-        args.pool_id,
-        args.epoch,
-        args.from_seq,
-        args.to_seq,
-        owner=args.owner,
-        kind=args.kind,
-        block_id=args.block,
-    )
-    try:
-        for item in scan:
-            if isinstance(item, Damage):
-                damage.append(item)
-                rows.append([str(item.seq), "", "", "", "DAMAGED", "", "", ""])
-                continue
-            rows.append(
-                [
-                    str(item.seq),
-                    str(item.batch_seq),
-                    "" if item.step is None else str(item.step),
-                    _utc(item.wall_time_ns),
-                    item.kind,
-                    ",".join(map(str, item.block_ids)),
-                    item.owner or "",
-                    item.reason or "",
-                ]
-            )
-            if args.limit is not None and len(rows) >= args.limit:
-                break
-    finally:
-        scan.close()
-    print(_table(["seq", "batch", "step", "time (UTC)", "kind", "blocks", "owner", "reason"], rows))
+    for epoch in epochs:
+        scan = scan_events(
+            _url(args),
+            pool_id,
+            epoch,
+            args.from_seq,
+            args.to_seq,
+            owner=args.owner,
+            kind=args.kind,
+            block_id=args.block,
+        )
+        try:
+            for item in scan:
+                prefix = [str(epoch)] if len(epochs) > 1 else []
+                if isinstance(item, Damage):
+                    damage.append(item)
+                    rows.append([*prefix, str(item.seq), "", "", "", "DAMAGED", "", "", "", ""])
+                    continue
+                rows.append([*prefix, *_event_cells(item)])
+                if args.limit is not None and len(rows) >= args.limit:
+                    break
+        finally:
+            scan.close()
+        if args.limit is not None and len(rows) >= args.limit:
+            break
+    header = ["seq", "batch", "step", "time (UTC)", "kind", "blocks", "owner", "reason", "keys (=count, <-parent)"]
+    if not any(row[-1] for row in rows):  # no prefix-cache event: the table of the plain pool
+        header.pop()
+        rows = [row[:-1] for row in rows]
+    print(_table(["epoch", *header] if len(epochs) > 1 else header, rows))
     for item in damage:
         print(f"damaged: {item}")
+    if args.owner is not None and pool_id is not None:
+        for line in log_requests.owner_lines(_url(args), pool_id, args.owner):
+            print(line)
     return EXIT_CLEAN if not damage else EXIT_VIOLATIONS
+
+
+def _event_cells(item: Any) -> list[str]:
+    return [
+        str(item.seq),
+        str(item.batch_seq),
+        "" if item.step is None else str(item.step),
+        _utc(item.wall_time_ns),
+        item.kind,
+        ",".join(map(str, item.block_ids)),
+        item.owner or "",
+        item.reason or "",
+        cache_detail(item.keys, item.parent_keys, item.ref_counts),
+    ]
+
+
+@_guarded
+def run_requests(args: argparse.Namespace) -> int:
+    entries = log_requests.read_entries(_url(args), args.pool_id, args.epoch)
+    rows = log_requests.request_rows(entries)
+    if not rows:
+        print("no journaled requests" + ("" if args.epoch is None else f" in epoch {args.epoch}"))
+        return EXIT_CLEAN
+    print(_table(log_requests.REQUEST_HEADER, rows))
+    return EXIT_CLEAN
 
 
 @_guarded
@@ -268,6 +303,8 @@ def run_state(args: argparse.Namespace) -> int:
         print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
     else:
         print("free blocks: " + (block_ranges(state.free_block_ids) or "none"))
+    if state.block_keys:
+        _print_cache(state, args.full)
     for violation in state.violations:
         print(f"violation: {violation}")
     status = EXIT_CLEAN if not state.violations else EXIT_VIOLATIONS
@@ -288,6 +325,7 @@ def run_epochs(args: argparse.Namespace) -> int:
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)
+        recovered_by = log_requests.recovered_by(conn)
     if not epochs and args.pool_id is not None:
         raise LogNotFoundError(f"the log holds no pool {args.pool_id!r}")
     if not epochs:
@@ -302,12 +340,50 @@ def run_epochs(args: argparse.Namespace) -> int:
             info.model or "",
             _utc(info.opened_wall_ns),
             str(info.durable_seq),
-            f"closed at seq {info.closed_seq}" if info.closed else OPEN_STATUS,
+            f"closed at seq {info.closed_seq}"
+            if info.closed
+            else OPEN_STATUS
+            if (info.pool_id, info.epoch) not in recovered_by
+            else f"crashed; recovered by epoch {recovered_by[(info.pool_id, info.epoch)]}",
         ]
         for info in epochs
     ]
     print(_table(["pool", "epoch", "num_blocks", "block_size", "model", "opened (UTC)", "durable_seq", "status"], rows))
     return EXIT_CLEAN
+
+
+def _print_cache(state: PoolState, full: bool) -> None:
+    """The prefix cache of a replayed pool: cached-free blocks, shared blocks and who shares them, keys."""
+    print(
+        f"prefix cache: {len(state.block_keys)} blocks registered, {state.num_cached_free} of them free "
+        f"(evicted first: {','.join(map(str, state.cached_free)) or 'none'})"
+    )
+    shared = state.shared_blocks()
+    if shared:
+        rows = [[str(b), str(len(h)), ",".join(h), state.block_keys[b][0][:KEY_CHARS]] for b, h in shared.items()]
+        print(_table(["shared block", "count", "held by", "key"], rows))
+    if full:
+        rows = [
+            [str(block_id), str(state.ref_count(block_id)), key, parent or ""]
+            for block_id, (key, parent) in sorted(state.block_keys.items())
+        ]
+        print(_table(["block", "count", "key", "parent key"], rows))
+
+
+# hex characters of a key shown where a whole key (64) would not fit
+KEY_CHARS = 12
+
+
+def cache_detail(keys: Sequence[str], parent_keys: Sequence[str | None], ref_counts: Sequence[int]) -> str:
+    """A prefix-cache event's keys, shortened: ``key=count`` (SHARE, RELEASE), ``key<-parent`` (REGISTER;
+    a sequence's first block has no parent)."""
+    if parent_keys:
+        return " ".join(
+            f"{k[:KEY_CHARS]}<-{p[:KEY_CHARS]}" if p else k[:KEY_CHARS] for k, p in zip(keys, parent_keys, strict=False)
+        )
+    if ref_counts:
+        return " ".join(f"{k[:KEY_CHARS]}={c}" for k, c in zip(keys, ref_counts, strict=False))
+    return " ".join(k[:KEY_CHARS] for k in keys)
 
 
 def block_ranges(block_ids: Iterable[int]) -> str:

@@ -29,6 +29,28 @@ def test_issue_trace_gives_exact_block_ids(pool: BlockAllocator) -> None:
     assert pool.state().owners == {1: "D", 2: "D", 3: "B", 4: "B", 5: "C"}
 
 
+def test_issue_trace_with_prefix_caching_keeps_the_head_of_a_cached_prompt(pool: BlockAllocator) -> None:
+    """The trace above where A's two full blocks were registered: what prefix caching changes."""
+    from nanoserve.allocator import BlockTable, extend_block_keys
+
+    a = BlockTable(pool, "A")
+    a.append_tokens(40)
+    a.register(extend_block_keys([], list(range(40)), 16), 40)  # blocks 0 and 1 are full; 2 is not
+    assert pool.allocate_for(20, "B") == [3, 4]
+    assert pool.allocate_for(16, "C") == [5]
+    a.release()
+    assert (pool.num_free, pool.num_cached_free) == (3, 2)
+    assert pool.state().cached_free == [1, 0]  # A's tail is evicted first
+    pool.take_events()
+    assert pool.allocate_for(30, "D") == [1, 2]  # the never-cached block 2 and block 1, evicted (on top)
+    assert [(e.kind, e.block_ids) for e in pool.take_events()] == [
+        (EventKind.EVICT, (1,)),
+        (EventKind.ALLOCATE_FOR, (1, 2)),
+    ]
+    assert pool.state().owners == {1: "D", 2: "D", 3: "B", 4: "B", 5: "C"}
+    assert list(pool.state().block_keys) == [0]  # A's head stays cached
+
+
 def test_fresh_pool_hands_out_ascending_ids(pool: BlockAllocator) -> None:
     assert [pool.allocate("A") for _ in range(3)] == [0, 1, 2]
 

@@ -18,7 +18,15 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.allocator import BlockAllocator, EventKind, FreeReason, KVCacheExhausted, PoolState
+from nanoserve.allocator import (
+    BlockAllocator,
+    BlockTable,
+    EventKind,
+    FreeReason,
+    KVCacheExhausted,
+    PoolState,
+    extend_block_keys,
+)
 from nanoserve.allocator.log.event_chain import chain_hash, genesis_hash
 from nanoserve.allocator.log.log_reader import EpochInfo
 from nanoserve.allocator.log.log_writer import Batch, LogWriter
@@ -36,6 +44,11 @@ OPERATIONS = st.one_of(
     st.tuples(st.just("release"), st.sampled_from(OWNERS), st.sampled_from([None, *FreeReason])),
     st.tuples(st.just("free"), st.integers(0, NUM_BLOCKS - 1)),
     st.tuples(st.just("step"), st.booleans()),  # end of a step; with a SNAPSHOT or not
+    # prefix caching: a sequence of a two-token vocabulary shares what is cached, takes the rest and
+    # registers its full blocks; it ends (releasing its references) at its owner's next "end"
+    st.tuples(st.just("admit"), st.sampled_from(("D", "E", "F")), st.lists(st.integers(0, 1), min_size=1, max_size=10)),
+    st.tuples(st.just("end"), st.sampled_from(("D", "E", "F")), st.sampled_from([None, *FreeReason])),
+    st.tuples(st.just("reset"), st.just("admin")),
 )
 
 
@@ -53,11 +66,25 @@ def write_log(operations: list[tuple[Any, ...]], close: bool) -> Log:
     init = {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "model": None, "config": None}
     stored, _ = writer.seal_first(Batch(1, None, 1, 1, (), EventKind.POOL_INIT, init))
     batches: list[Batch] = []
+    tables: dict[str, BlockTable] = {}  # owner -> its prefix-cached sequence
     seq = 1
     for step, operation in enumerate([*operations, ("step", False)]):
         name = operation[0]
         try:
-            if name == "allocate":
+            if name == "admit" and operation[1] not in tables:
+                tokens = operation[2]
+                keys = extend_block_keys([], tokens, BLOCK_SIZE)
+                hits, hits_free = pool.count_prefix_hits(operation[1], keys[: (len(tokens) - 1) // BLOCK_SIZE])
+                if -(-len(tokens) // BLOCK_SIZE) - hits > pool.num_free - hits_free:
+                    continue
+                table = tables[operation[1]] = BlockTable(pool, operation[1])
+                table.append_tokens(len(tokens) - table.share_prefix(keys[:hits]))
+                table.register(keys, len(tokens))
+            elif name == "end" and operation[1] in tables:
+                tables.pop(operation[1]).release(operation[2])
+            elif name == "reset":
+                pool.reset_prefix_cache(operation[1])
+            elif name == "allocate":
                 pool.allocate(operation[1])
             elif name == "allocate_for":
                 pool.allocate_for(operation[1], operation[2])
@@ -79,14 +106,17 @@ def write_log(operations: list[tuple[Any, ...]], close: bool) -> Log:
     stored += rows
     info = EpochInfo("p", 1, NUM_BLOCKS, BLOCK_SIZE, None, 0, last_seq if rows else 1, head_hash, closed_seq)
     return Log(
-        [(seq, kind, owner, record, hash_) for _, _, seq, kind, owner, record, hash_ in stored], info, pool.state()
+        [(seq, kind, owner, record, hash_) for _, _, seq, kind, owner, record, hash_, _ in stored], info, pool.state()
     )
 
 
 NUMBERS = ("", "x", "-1", "0", "1", "2", "3", "7", "8", "9", "99", " 2", "1_0")
 BLOCK_LISTS = (*NUMBERS, "0,1", "1,0", "8,0", "0,0", "3,", "2,3,4")
-KINDS = ("allocate", "allocate_for", "free", "free_all", "snapshot", "pool_init", "pool_close", "bogus", "")
-REASONS = ("", "finished", "preempted", "aborted", "abortec", "x")
+KINDS = (
+    "allocate", "allocate_for", "free", "free_all", "snapshot", "pool_init", "pool_close", "bogus", "",
+    "register", "share", "release", "evict", "cache_reset",
+)  # fmt: skip
+REASONS = ("", "finished", "preempted", "aborted", "abortec", "x", ";", "finished;", ";ab=1", ";ab:", ";ab=x,cd=1")
 TAILS = ("A", "B", "C", "", "{}", '{"free_block_ids":[],"owners":{}}', "null")
 # a damaged record field: (index, what it may read); block_ids (3) the most often, replay reads it for every event
 FIELD_EDITS = (
@@ -161,6 +191,10 @@ def outcome(replayer: Replayer) -> tuple[Any, ...]:
     return (
         state.free_block_ids,
         state.owners,
+        state.sharers,
+        state.cached_free,
+        state.block_keys,
+        state.key_blocks,
         replayer.violations,
         replayer.last_seq,
         replayer.batch_end,

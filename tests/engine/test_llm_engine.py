@@ -295,7 +295,7 @@ def test_event_log_of_a_preempting_workload_audits_clean(make_llm: Callable[...,
     from nanoserve.allocator.log import audit, read_events
 
     url = f"sqlite:///{tmp_path / 'log.db'}"
-    llm = make_llm(num_kv_blocks=24, event_log_url=url)
+    llm = make_llm(num_kv_blocks=24, event_log_url=url, enable_prefix_caching=False)
     prompts = _prompts(12, seed=3, low=8, high=30)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     status = llm.engine.pool_status()
@@ -321,7 +321,7 @@ def test_abort_is_logged_with_reason_aborted(make_llm: Callable[..., LLM], tmp_p
     from nanoserve.allocator.log import audit, read_events
 
     url = f"sqlite:///{tmp_path / 'log.db'}"
-    llm = make_llm(num_kv_blocks=16, event_log_url=url)
+    llm = make_llm(num_kv_blocks=16, event_log_url=url, enable_prefix_caching=False)
     llm.engine.add_request("a", TokensPrompt([5, 6, 7, 8, 9]), SamplingParams(max_tokens=8, ignore_eos=True))
     llm.engine.step()
     llm.engine.abort("a", AbortCause.ABORT_RPC)
@@ -337,7 +337,7 @@ def test_each_step_is_one_batch_and_an_abort_between_steps_has_a_step_of_its_own
     from nanoserve.allocator.log import read_events
 
     url = f"sqlite:///{tmp_path / 'log.db'}"
-    engine = make_llm(num_kv_blocks=16, event_log_url=url).engine
+    engine = make_llm(num_kv_blocks=16, event_log_url=url, enable_prefix_caching=False).engine
     engine.add_request("a", TokensPrompt([5, 6, 7, 8, 9]), SamplingParams(max_tokens=8, ignore_eos=True))
     engine.add_request("b", TokensPrompt([5, 6, 7]), SamplingParams(max_tokens=8, ignore_eos=True))
     engine.step()  # step 1: both prefills

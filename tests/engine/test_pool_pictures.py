@@ -28,7 +28,13 @@ BAR_TITLE = re.compile(r"(\S+) held block (\d+) from seq (\d+)(?: to (\d+))?.*?(
 def log_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     url = f"sqlite:///{tmp_path_factory.mktemp('pictures') / 'log.db'}"
     llm = LLM(
-        model=str(tiny_model_dir), dtype="float32", device="cpu", num_kv_blocks=24, block_size=4, event_log_url=url
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=24,
+        block_size=4,
+        event_log_url=url,
+        enable_prefix_caching=False,  # the pictures of the plain pool (test_prefix_cache_log draws shared ones)
     )
     rng = random.Random(3)
     prompts = [TokensPrompt([rng.randrange(3, 49152) for _ in range(rng.randint(8, 30))]) for _ in range(12)]

@@ -62,3 +62,53 @@ def test_check_ignores_tables_of_other_applications(tmp_path: Path) -> None:
         conn.execute(sa.text("CREATE TABLE someone_elses (id INTEGER PRIMARY KEY)"))
     engine.dispose()
     check(url)
+
+
+def test_a_log_written_before_0002_replays_unchanged_after_it(tmp_path: Path) -> None:
+    """A 0001 log (no block_key column) upgraded to 0002 audits clean and replays the same pool."""
+    from alembic import command
+
+    from nanoserve.allocator import BlockAllocator, FreeReason
+    from nanoserve.allocator.log import EventLog, audit, replay
+    from nanoserve.migrations import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(url)
+    log = EventLog.open(url, num_blocks=4, block_size=2)
+    pool = BlockAllocator(4, 2)
+    held = pool.allocate_for(3, "a")
+    log.append_batch(1, pool.take_events(), pool.snapshot)
+    pool.free_all(held, FreeReason.FINISHED)
+    log.append_batch(2, pool.take_events(), pool.snapshot)
+    log.close(final_state=pool.snapshot())
+    command.downgrade(alembic_config(url), "0001")  # the rows as the 0001 schema stores them
+    engine = sa.create_engine(url)
+    try:
+        assert "block_key" not in {c["name"] for c in sa.inspect(engine).get_columns("allocator_events")}
+    finally:
+        engine.dispose()
+    upgrade(url)
+    report = audit(url)
+    assert (report.clean, report.closed, report.num_events) == (True, True, 4)
+    assert replay(url) == pool.state()
+
+
+def test_a_log_written_before_the_journal_still_replays_and_recovers_nothing(tmp_path: Path) -> None:
+    from nanoserve.allocator import BlockEvent, EventKind
+    from nanoserve.allocator.log import EventLog, audit_all
+    from nanoserve.allocator.log.recovery import RecoveryPlanner
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(url, "0002")  # the schema before the request journal (migration 0003)
+    log = EventLog.open(url, pool_id="old", num_blocks=4, block_size=4)
+    log.append_batch(1, [BlockEvent(EventKind.ALLOCATE, (3,), "a")])
+    assert log.flush(10)
+    log._writer.abandon()  # a crash, before the journal existed
+    log._release()
+    upgrade(url)
+    planner = RecoveryPlanner(retention_s=60.0)
+    EventLog.open(url, pool_id="old", num_blocks=4, block_size=4, prepare_journal=planner).close(10)
+    assert (planner.recovered_epoch, planner.recovered, planner.ended) == (1, [], {})
+    reports = audit_all(url, "old")
+    assert [(r.epoch, r.clean, r.closed) for r in reports] == [(1, True, False), (2, True, True)]
+    assert reports[0].state.blocks_by_owner() == {"a": [3]}

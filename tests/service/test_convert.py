@@ -216,7 +216,7 @@ def test_event_without_a_reason_has_no_free_reason() -> None:
 
 
 def test_event_kind_from_a_newer_log_is_unspecified() -> None:
-    assert convert.to_event(_event("share")).kind == apb.EVENT_KIND_UNSPECIFIED
+    assert convert.to_event(_event("adapter_load")).kind == apb.EVENT_KIND_UNSPECIFIED
 
 
 @pytest.mark.parametrize(

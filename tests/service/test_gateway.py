@@ -273,16 +273,12 @@ def test_requests_sharing_a_long_system_prompt_land_on_the_same_replica_under_ca
     assert len(holders) == 1, holders
 
 
-@pytest.mark.skip(
-    reason="waits for prefix caching (issue 10): no replica reuses a cached prefix, so usage.prompt_tokens_details."
-    "cached_tokens is 0 (GenerateComplete.cached_tokens), and SubscribeKvEvents is UNIMPLEMENTED, so cache_aware "
-    "routes on smg's own prefix tree, not on the blocks each replica holds"
-)
 def test_the_second_request_sharing_a_long_system_prompt_reports_cached_tokens(gateway: Gateway) -> None:
     client, model = gateway.client, _model(gateway)
     usages = []
+    system = "A system prompt no earlier test sent. " + SYSTEM_PROMPT  # so the first request is a miss
     for question in ("What does the scheduler preempt first?", "How is a block freed?"):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         usages.append(client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0).usage)
     assert usages[0].prompt_tokens_details.cached_tokens == 0
     # every whole 16-token block of the shared system prompt is served from the replica's cache

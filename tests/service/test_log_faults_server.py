@@ -170,7 +170,9 @@ async def test_postgresql_outage_gives_unavailable_and_a_bounded_shutdown_report
     url = pg_cluster.url(name)
     upgrade(url)
     try:
-        async with running(url, tiny_model_dir, event_log_close_timeout_s=1.0) as serving:
+        # streams in flight go on while the store is away only when tokens need not wait for their
+        # journal batch (with the journal's default, they wait for the store: tests/service/test_journal_server.py)
+        async with running(url, tiny_model_dir, event_log_close_timeout_s=1.0, stream_before_durable=True) as serving:
             await serving.generate("before")
             await eventually(lambda: serving.engine.pool_status().durable_seq == serving.engine.pool_status().last_seq)
             allocation = allocation_pb2_grpc.AllocationServiceStub(serving.channel)

@@ -689,3 +689,27 @@ def test_what_the_last_event_did_is_drawn_with_a_width(url: str) -> None:
     assert occupancy_ax.lines[0].get_xydata().tolist()[-2:] == [[3.0, 3.0], [4.0, 3.0]]  # 3 blocks held up to x 4
     assert running_ax.lines[0].get_ydata().tolist()[-1] == 2
     log.close()
+
+
+def test_a_preemption_that_frees_and_releases_is_one_mark(url: str, tmp_path: Path) -> None:
+    """With prefix caching a preempted request's uncached blocks are one FREE and its registered ones one
+    RELEASE, in the same step: the picture says it was preempted once, with all its blocks."""
+    from nanoserve.allocator.block_key import hash_block
+
+    log = EventLog.open(url, pool_id="p", num_blocks=6, block_size=4)
+    pool = BlockAllocator(6, 4)
+    blocks = pool.allocate_for(12, "A")  # [0, 1, 2]
+    key = hash_block(None, [1, 2, 3, 4], ())
+    pool.register("A", None, blocks[:1], [key])
+    log.append_batch(0, pool.take_events(), pool.snapshot)
+    pool.release("A", blocks, FreeReason.PREEMPTED)
+    ended = pool.take_events()
+    assert [event.kind for event in ended] == [EventKind.FREE_ALL, EventKind.RELEASE]  # two events, one preemption
+    log.append_batch(1, ended, pool.snapshot)
+    log.close()
+
+    out = tmp_path / "plot.svg"
+    main(["log", "plot", "--url", url, "-o", str(out)])
+    marks = {key: text for key, (_, text) in titled(out).items() if key.startswith("preempted-")}
+    assert marks == {"preempted-0": "A preempted at seq 4 (step 1): blocks 0, 1, 2 freed for recompute"}
+    assert any("preempted (its blocks freed for recompute): 1 time, 1 request" in text for text in svg_texts(out))

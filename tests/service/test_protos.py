@@ -45,9 +45,9 @@ def test_services_expose_the_contract_methods() -> None:
         "nanoserve.v1.GenerationService",
         "nanoserve.v1.AllocationService",
     )
-    assert [m.name for m in generation.methods] == ["Generate", "Abort", "Tokenize", "GetModelInfo"]
+    assert [m.name for m in generation.methods] == ["Generate", "Abort", "Tokenize", "GetModelInfo", "Resume"]
     assert generation.methods_by_name["Generate"].server_streaming
-    assert [m.name for m in allocation.methods] == ["GetPoolStatus", "WatchEvents", "Audit"]
+    assert [m.name for m in allocation.methods] == ["GetPoolStatus", "WatchEvents", "Audit", "ResetPrefixCache"]
     assert allocation.methods_by_name["WatchEvents"].server_streaming
 
 

@@ -160,7 +160,13 @@ def test_sigterm_with_postgresql_stopped_is_bounded_reports_the_loss_and_exits_4
     admin.dispose()
     url = pg_cluster.url(name)
     upgrade(url)
-    server = ServeProcess(serve_command(url, tiny_model_dir, "--grace-s", "1", "--event-log-close-timeout-s", "2"))
+    # --stream-before-durable: the request admitted as the store goes away streams to its end (with the
+    # journal's default its tokens would wait for the store, and the call for its deadline)
+    server = ServeProcess(
+        serve_command(
+            url, tiny_model_dir, "--grace-s", "1", "--event-log-close-timeout-s", "2", "--stream-before-durable"
+        )
+    )
     try:
         server.generate("before")
         server.wait_durable()

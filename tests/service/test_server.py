@@ -417,6 +417,17 @@ async def test_metrics_count_finished_requests(served: Served) -> None:
     assert _metric(served, 'nanoserve_requests_total{finish_reason="length"}') == before + 1
 
 
+async def test_metrics_measure_the_wait_for_the_journal(served: Served) -> None:
+    request = pb.GenerateRequest(
+        prompt="Hi", sampling=pb.SamplingParameters(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
+    before = _metric(served, "nanoserve_journal_durability_wait_seconds_count")
+    await _collect(_generation(served), request)
+    # one step per token, each waited for its journal batch (a step may bring outputs of other requests too)
+    assert _metric(served, "nanoserve_journal_durability_wait_seconds_count") >= before + 4
+    assert _metric(served, "nanoserve_journal_durability_wait_seconds_sum") > 0
+
+
 def _metric(served: Served, name: str) -> float:
     port = served.server.metrics_port  # type: ignore[attr-defined]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

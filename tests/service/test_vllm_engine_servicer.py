@@ -26,6 +26,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
+from nanoserve.service.vllm_engine_servicer import NO_KV_EVENTS
 from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import allocation_pb2_grpc, generation_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
@@ -99,7 +100,9 @@ async def test_streamed_generate_sends_our_apis_token_ids_as_deltas_then_complet
     assert {c.prompt_tokens for c in chunks} == {len(prompt_ids)}
     complete = responses[-1].complete
     assert (list(complete.output_ids), complete.finish_reason) == (expected, "length")
-    assert (complete.prompt_tokens, complete.completion_tokens, complete.cached_tokens) == (len(prompt_ids), 24, 0)
+    # the same prompt through nanoserve.v1 just before left its whole blocks (4 tokens) cached, all but the last token's
+    cached = (len(prompt_ids) - 1) // 4 * 4
+    assert (complete.prompt_tokens, complete.completion_tokens, complete.cached_tokens) == (len(prompt_ids), 24, cached)
 
 
 async def test_unstreamed_generate_sends_one_complete_with_every_token_id(tiny_served: Served) -> None:
@@ -274,7 +277,6 @@ def _tokens(ids: list[int], **sampling: Any) -> dict[str, Any]:
     return {"tokenized": vpb.TokenizedInput(input_ids=ids), "sampling_params": vpb.SamplingParams(**sampling)}
 
 
-NO_PREFIX_CACHE = "nanoserve has no prefix cache yet (issue 10: prefix caching)"
 REFUSALS: list[tuple[str, Call, grpc.StatusCode, str]] = [
     ("Generate: no input", _generate(), grpc.StatusCode.INVALID_ARGUMENT, "input: give tokenized or text"),
     (
@@ -332,16 +334,16 @@ REFUSALS: list[tuple[str, Call, grpc.StatusCode, str]] = [
         "dp_rank: must be 0 or unset",
     ),
     (
-        "FlushCache",
-        lambda stub: _unary(stub.FlushCache(cpb.FlushCacheRequest())),
-        grpc.StatusCode.UNIMPLEMENTED,
-        f"FlushCache: {NO_PREFIX_CACHE}",
+        "FlushCache: a negative timeout",
+        lambda stub: _unary(stub.FlushCache(cpb.FlushCacheRequest(timeout_s=-1))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "timeout_s: must be a finite number of seconds >= 0, got -1",
     ),
     (
         "SubscribeKvEvents",
         lambda stub: _stream(stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest())),
         grpc.StatusCode.UNIMPLEMENTED,
-        f"SubscribeKvEvents: {NO_PREFIX_CACHE}",
+        f"SubscribeKvEvents: {NO_KV_EVENTS}",
     ),
     (
         "Embed",
@@ -389,3 +391,32 @@ async def test_the_pool_audits_clean_after_every_vllm_call(tiny_served: Served) 
     await wait_pool_free(tiny_served)
     report = await allocation_pb2_grpc.AllocationServiceStub(tiny_served.channel).Audit(apb.AuditRequest())
     assert report.clean, report.summary
+
+
+async def test_flush_cache_waits_for_the_busy_pool_then_empties_the_cache(tiny_served: Served) -> None:
+    stub = _vllm(tiny_served)
+    await _stream(stub.Generate(vpb.GenerateRequest(**_tokens(list(range(100, 121)), max_tokens=2))))
+    busy = stub.Generate(_long_request("v-flush-busy"))
+    await busy.read()
+    refused = await stub.FlushCache(cpb.FlushCacheRequest(timeout_s=0))
+    assert not refused.success
+    assert "blocks are held by 1 running requests" in refused.message
+    flushing = asyncio.ensure_future(stub.FlushCache(cpb.FlushCacheRequest(timeout_s=30)))
+    await asyncio.sleep(0.2)
+    assert not flushing.done()  # it waits for the running request
+    await stub.Abort(vpb.AbortRequest(request_ids=["v-flush-busy"]))
+    reply = await flushing
+    assert reply.success, reply.message
+    assert reply.message.startswith("prefix cache reset: ")
+    status = await wait_pool_free(tiny_served)
+    assert (status.num_cached, status.num_cached_free) == (0, 0)
+
+
+async def test_the_complete_message_reports_the_cached_prompt_tokens(tiny_served: Served) -> None:
+    stub = _vllm(tiny_served)
+    prompt = list(range(300, 321))  # 5 whole blocks of 4 and one token
+    cached = []
+    for _ in range(2):
+        responses = [r async for r in stub.Generate(vpb.GenerateRequest(**_tokens(prompt, max_tokens=2)))]
+        cached.append(responses[-1].complete.cached_tokens)
+    assert cached == [0, 20]

@@ -26,37 +26,41 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanoserve/v1/allocation.proto\x12\x0cnanoserve.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x16\n\x14GetPoolStatusRequest\"\xd9\x01\n\x15GetPoolStatusResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x10\n\x08num_free\x18\x05 \x01(\x05\x12\x15\n\rnum_allocated\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x10\n\x08last_seq\x18\t \x01(\x03\x12\x13\n\x0b\x64urable_seq\x18\n \x01(\x03\"&\n\x12WatchEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x03\"C\n\x13WatchEventsResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.nanoserve.v1.AllocationEvent\"\xc2\x02\n\x0f\x41llocationEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12%\n\x04kind\x18\x04 \x01(\x0e\x32\x17.nanoserve.v1.EventKind\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\r\n\x05owner\x18\x06 \x01(\t\x12\x11\n\x04step\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12-\n\x0b\x66ree_reason\x18\x08 \x01(\x0e\x32\x18.nanoserve.v1.FreeReason\x12-\n\twall_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0emonotonic_time\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0c\n\x04hash\x18\x0b \x01(\tB\x07\n\x05_step\",\n\x0c\x41uditRequest\x12\x12\n\x05\x65poch\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_epoch\"\xdb\x01\n\tViolation\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x15\n\x08\x62lock_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12%\n\x04rule\x18\x05 \x01(\x0e\x32\x17.nanoserve.v1.AuditRule\x12\x1a\n\rplot_from_seq\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0bplot_to_seq\x18\x07 \x01(\x03H\x02\x88\x01\x01\x42\x0b\n\t_block_idB\x10\n\x0e_plot_from_seqB\x0e\n\x0c_plot_to_seq\"-\n\nBlockOwner\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\r\n\x05owner\x18\x02 \x01(\t\"\xe1\x01\n\rAuditResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\r\n\x05\x63lean\x18\x03 \x01(\x08\x12\x0e\n\x06\x63losed\x18\x04 \x01(\x08\x12\x12\n\nnum_events\x18\x05 \x01(\x03\x12\x10\n\x08last_seq\x18\x06 \x01(\x03\x12+\n\nviolations\x18\x07 \x03(\x0b\x32\x17.nanoserve.v1.Violation\x12-\n\x0bheld_blocks\x18\x08 \x03(\x0b\x32\x18.nanoserve.v1.BlockOwner\x12\x0f\n\x07summary\x18\t \x01(\t*\xd9\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45VENT_KIND_POOL_INIT\x10\x01\x12\x17\n\x13\x45VENT_KIND_ALLOCATE\x10\x02\x12\x1b\n\x17\x45VENT_KIND_ALLOCATE_FOR\x10\x03\x12\x13\n\x0f\x45VENT_KIND_FREE\x10\x04\x12\x17\n\x13\x45VENT_KIND_FREE_ALL\x10\x05\x12\x17\n\x13\x45VENT_KIND_SNAPSHOT\x10\x06\x12\x19\n\x15\x45VENT_KIND_POOL_CLOSE\x10\x07*w\n\nFreeReason\x12\x1b\n\x17\x46REE_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46REE_REASON_FINISHED\x10\x01\x12\x17\n\x13\x46REE_REASON_ABORTED\x10\x02\x12\x19\n\x15\x46REE_REASON_PREEMPTED\x10\x03*\xe7\x04\n\tAuditRule\x12\x1a\n\x16\x41UDIT_RULE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x41UDIT_RULE_MISSING_EVENTS\x10\x01\x12\x1b\n\x17\x41UDIT_RULE_OUT_OF_ORDER\x10\x02\x12\x1c\n\x18\x41UDIT_RULE_HASH_MISMATCH\x10\x03\x12\x1b\n\x17\x41UDIT_RULE_SEQ_MISMATCH\x10\x04\x12\x19\n\x15\x41UDIT_RULE_BAD_RECORD\x10\x05\x12\x1e\n\x1a\x41UDIT_RULE_COLUMN_MISMATCH\x10\x06\x12\x19\n\x15\x41UDIT_RULE_TORN_BATCH\x10\x07\x12\x1a\n\x16\x41UDIT_RULE_AFTER_CLOSE\x10\x08\x12\x1d\n\x19\x41UDIT_RULE_MISPLACED_INIT\x10\t\x12\x1b\n\x17\x41UDIT_RULE_UNKNOWN_KIND\x10\n\x12$\n AUDIT_RULE_ALLOCATE_OF_ALLOCATED\x10\x0b\x12\x1c\n\x18\x41UDIT_RULE_FOREIGN_BLOCK\x10\x0c\x12!\n\x1d\x41UDIT_RULE_FREE_OF_FREE_BLOCK\x10\r\x12\x1d\n\x19\x41UDIT_RULE_OWNER_MISMATCH\x10\x0e\x12\x1b\n\x17\x41UDIT_RULE_BAD_SNAPSHOT\x10\x0f\x12 \n\x1c\x41UDIT_RULE_SNAPSHOT_MISMATCH\x10\x10\x12\x1c\n\x18\x41UDIT_RULE_MISSING_CLOSE\x10\x11\x12\x1b\n\x17\x41UDIT_RULE_LEAKED_BLOCK\x10\x12\x12\x19\n\x15\x41UDIT_RULE_UNREADABLE\x10\x13\x32\x85\x02\n\x11\x41llocationService\x12X\n\rGetPoolStatus\x12\".nanoserve.v1.GetPoolStatusRequest\x1a#.nanoserve.v1.GetPoolStatusResponse\x12T\n\x0bWatchEvents\x12 .nanoserve.v1.WatchEventsRequest\x1a!.nanoserve.v1.WatchEventsResponse0\x01\x12@\n\x05\x41udit\x12\x1a.nanoserve.v1.AuditRequest\x1a\x1b.nanoserve.v1.AuditResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanoserve/v1/allocation.proto\x12\x0cnanoserve.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x19\n\x17ResetPrefixCacheRequest\"4\n\x18ResetPrefixCacheResponse\x12\x18\n\x10num_blocks_reset\x18\x01 \x01(\x05\"\x16\n\x14GetPoolStatusRequest\"\xf2\x02\n\x15GetPoolStatusResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x10\n\x08num_free\x18\x05 \x01(\x05\x12\x15\n\rnum_allocated\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x10\n\x08last_seq\x18\t \x01(\x03\x12\x13\n\x0b\x64urable_seq\x18\n \x01(\x03\x12\x12\n\nnum_cached\x18\x0b \x01(\x05\x12\x17\n\x0fnum_cached_free\x18\x0c \x01(\x05\x12\x12\n\nnum_shared\x18\r \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x03\x12\x1d\n\x15\x65nable_prefix_caching\x18\x10 \x01(\x08\"&\n\x12WatchEventsRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x03\"C\n\x13WatchEventsResponse\x12,\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1d.nanoserve.v1.AllocationEvent\"\xf9\x02\n\x0f\x41llocationEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12%\n\x04kind\x18\x04 \x01(\x0e\x32\x17.nanoserve.v1.EventKind\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\r\n\x05owner\x18\x06 \x01(\t\x12\x11\n\x04step\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12-\n\x0b\x66ree_reason\x18\x08 \x01(\x0e\x32\x18.nanoserve.v1.FreeReason\x12-\n\twall_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0emonotonic_time\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0c\n\x04hash\x18\x0b \x01(\t\x12\x0c\n\x04keys\x18\x0c \x03(\t\x12\x13\n\x0bparent_keys\x18\r \x03(\t\x12\x12\n\nref_counts\x18\x0e \x03(\x05\x42\x07\n\x05_step\",\n\x0c\x41uditRequest\x12\x12\n\x05\x65poch\x18\x01 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_epoch\"\xdb\x01\n\tViolation\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x15\n\x08\x62lock_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12%\n\x04rule\x18\x05 \x01(\x0e\x32\x17.nanoserve.v1.AuditRule\x12\x1a\n\rplot_from_seq\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0bplot_to_seq\x18\x07 \x01(\x03H\x02\x88\x01\x01\x42\x0b\n\t_block_idB\x10\n\x0e_plot_from_seqB\x0e\n\x0c_plot_to_seq\"-\n\nBlockOwner\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\x05\x12\r\n\x05owner\x18\x02 \x01(\t\"\xe1\x01\n\rAuditResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\r\n\x05\x63lean\x18\x03 \x01(\x08\x12\x0e\n\x06\x63losed\x18\x04 \x01(\x08\x12\x12\n\nnum_events\x18\x05 \x01(\x03\x12\x10\n\x08last_seq\x18\x06 \x01(\x03\x12+\n\nviolations\x18\x07 \x03(\x0b\x32\x17.nanoserve.v1.Violation\x12-\n\x0bheld_blocks\x18\x08 \x03(\x0b\x32\x18.nanoserve.v1.BlockOwner\x12\x0f\n\x07summary\x18\t \x01(\t*\xd2\x02\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45VENT_KIND_POOL_INIT\x10\x01\x12\x17\n\x13\x45VENT_KIND_ALLOCATE\x10\x02\x12\x1b\n\x17\x45VENT_KIND_ALLOCATE_FOR\x10\x03\x12\x13\n\x0f\x45VENT_KIND_FREE\x10\x04\x12\x17\n\x13\x45VENT_KIND_FREE_ALL\x10\x05\x12\x17\n\x13\x45VENT_KIND_SNAPSHOT\x10\x06\x12\x19\n\x15\x45VENT_KIND_POOL_CLOSE\x10\x07\x12\x17\n\x13\x45VENT_KIND_REGISTER\x10\x08\x12\x14\n\x10\x45VENT_KIND_SHARE\x10\t\x12\x16\n\x12\x45VENT_KIND_RELEASE\x10\n\x12\x14\n\x10\x45VENT_KIND_EVICT\x10\x0b\x12\x1a\n\x16\x45VENT_KIND_CACHE_RESET\x10\x0c*w\n\nFreeReason\x12\x1b\n\x17\x46REE_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46REE_REASON_FINISHED\x10\x01\x12\x17\n\x13\x46REE_REASON_ABORTED\x10\x02\x12\x19\n\x15\x46REE_REASON_PREEMPTED\x10\x03*\x86\x06\n\tAuditRule\x12\x1a\n\x16\x41UDIT_RULE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x41UDIT_RULE_MISSING_EVENTS\x10\x01\x12\x1b\n\x17\x41UDIT_RULE_OUT_OF_ORDER\x10\x02\x12\x1c\n\x18\x41UDIT_RULE_HASH_MISMATCH\x10\x03\x12\x1b\n\x17\x41UDIT_RULE_SEQ_MISMATCH\x10\x04\x12\x19\n\x15\x41UDIT_RULE_BAD_RECORD\x10\x05\x12\x1e\n\x1a\x41UDIT_RULE_COLUMN_MISMATCH\x10\x06\x12\x19\n\x15\x41UDIT_RULE_TORN_BATCH\x10\x07\x12\x1a\n\x16\x41UDIT_RULE_AFTER_CLOSE\x10\x08\x12\x1d\n\x19\x41UDIT_RULE_MISPLACED_INIT\x10\t\x12\x1b\n\x17\x41UDIT_RULE_UNKNOWN_KIND\x10\n\x12$\n AUDIT_RULE_ALLOCATE_OF_ALLOCATED\x10\x0b\x12\x1c\n\x18\x41UDIT_RULE_FOREIGN_BLOCK\x10\x0c\x12!\n\x1d\x41UDIT_RULE_FREE_OF_FREE_BLOCK\x10\r\x12\x1d\n\x19\x41UDIT_RULE_OWNER_MISMATCH\x10\x0e\x12\x1b\n\x17\x41UDIT_RULE_BAD_SNAPSHOT\x10\x0f\x12 \n\x1c\x41UDIT_RULE_SNAPSHOT_MISMATCH\x10\x10\x12\x1c\n\x18\x41UDIT_RULE_MISSING_CLOSE\x10\x11\x12\x1b\n\x17\x41UDIT_RULE_LEAKED_BLOCK\x10\x12\x12\x19\n\x15\x41UDIT_RULE_UNREADABLE\x10\x13\x12!\n\x1d\x41UDIT_RULE_REF_COUNT_MISMATCH\x10\x14\x12\x1d\n\x19\x41UDIT_RULE_REF_ON_EVICTED\x10\x15\x12\x18\n\x14\x41UDIT_RULE_STALE_KEY\x10\x16\x12\x1e\n\x1a\x41UDIT_RULE_DOUBLE_REGISTER\x10\x17\x12!\n\x1d\x41UDIT_RULE_REGISTER_OF_UNHELD\x10\x18\x32\xe8\x02\n\x11\x41llocationService\x12X\n\rGetPoolStatus\x12\".nanoserve.v1.GetPoolStatusRequest\x1a#.nanoserve.v1.GetPoolStatusResponse\x12T\n\x0bWatchEvents\x12 .nanoserve.v1.WatchEventsRequest\x1a!.nanoserve.v1.WatchEventsResponse0\x01\x12@\n\x05\x41udit\x12\x1a.nanoserve.v1.AuditRequest\x1a\x1b.nanoserve.v1.AuditResponse\x12\x61\n\x10ResetPrefixCache\x12%.nanoserve.v1.ResetPrefixCacheRequest\x1a&.nanoserve.v1.ResetPrefixCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanoserve.v1.allocation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EVENTKIND']._serialized_start=1334
-  _globals['_EVENTKIND']._serialized_end=1551
-  _globals['_FREEREASON']._serialized_start=1553
-  _globals['_FREEREASON']._serialized_end=1672
-  _globals['_AUDITRULE']._serialized_start=1675
-  _globals['_AUDITRULE']._serialized_end=2290
-  _globals['_GETPOOLSTATUSREQUEST']._serialized_start=112
-  _globals['_GETPOOLSTATUSREQUEST']._serialized_end=134
-  _globals['_GETPOOLSTATUSRESPONSE']._serialized_start=137
-  _globals['_GETPOOLSTATUSRESPONSE']._serialized_end=354
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=356
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=394
-  _globals['_WATCHEVENTSRESPONSE']._serialized_start=396
-  _globals['_WATCHEVENTSRESPONSE']._serialized_end=463
-  _globals['_ALLOCATIONEVENT']._serialized_start=466
-  _globals['_ALLOCATIONEVENT']._serialized_end=788
-  _globals['_AUDITREQUEST']._serialized_start=790
-  _globals['_AUDITREQUEST']._serialized_end=834
-  _globals['_VIOLATION']._serialized_start=837
-  _globals['_VIOLATION']._serialized_end=1056
-  _globals['_BLOCKOWNER']._serialized_start=1058
-  _globals['_BLOCKOWNER']._serialized_end=1103
-  _globals['_AUDITRESPONSE']._serialized_start=1106
-  _globals['_AUDITRESPONSE']._serialized_end=1331
-  _globals['_ALLOCATIONSERVICE']._serialized_start=2293
-  _globals['_ALLOCATIONSERVICE']._serialized_end=2554
+  _globals['_EVENTKIND']._serialized_start=1623
+  _globals['_EVENTKIND']._serialized_end=1961
+  _globals['_FREEREASON']._serialized_start=1963
+  _globals['_FREEREASON']._serialized_end=2082
+  _globals['_AUDITRULE']._serialized_start=2085
+  _globals['_AUDITRULE']._serialized_end=2859
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=112
+  _globals['_RESETPREFIXCACHEREQUEST']._serialized_end=137
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_start=139
+  _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=191
+  _globals['_GETPOOLSTATUSREQUEST']._serialized_start=193
+  _globals['_GETPOOLSTATUSREQUEST']._serialized_end=215
+  _globals['_GETPOOLSTATUSRESPONSE']._serialized_start=218
+  _globals['_GETPOOLSTATUSRESPONSE']._serialized_end=588
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=590
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=628
+  _globals['_WATCHEVENTSRESPONSE']._serialized_start=630
+  _globals['_WATCHEVENTSRESPONSE']._serialized_end=697
+  _globals['_ALLOCATIONEVENT']._serialized_start=700
+  _globals['_ALLOCATIONEVENT']._serialized_end=1077
+  _globals['_AUDITREQUEST']._serialized_start=1079
+  _globals['_AUDITREQUEST']._serialized_end=1123
+  _globals['_VIOLATION']._serialized_start=1126
+  _globals['_VIOLATION']._serialized_end=1345
+  _globals['_BLOCKOWNER']._serialized_start=1347
+  _globals['_BLOCKOWNER']._serialized_end=1392
+  _globals['_AUDITRESPONSE']._serialized_start=1395
+  _globals['_AUDITRESPONSE']._serialized_end=1620
+  _globals['_ALLOCATIONSERVICE']._serialized_start=2862
+  _globals['_ALLOCATIONSERVICE']._serialized_end=3222
 # @@protoc_insertion_point(module_scope)

@@ -21,6 +21,11 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_FREE_ALL: _ClassVar[EventKind]
     EVENT_KIND_SNAPSHOT: _ClassVar[EventKind]
     EVENT_KIND_POOL_CLOSE: _ClassVar[EventKind]
+    EVENT_KIND_REGISTER: _ClassVar[EventKind]
+    EVENT_KIND_SHARE: _ClassVar[EventKind]
+    EVENT_KIND_RELEASE: _ClassVar[EventKind]
+    EVENT_KIND_EVICT: _ClassVar[EventKind]
+    EVENT_KIND_CACHE_RESET: _ClassVar[EventKind]
 
 class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +56,11 @@ class AuditRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIT_RULE_MISSING_CLOSE: _ClassVar[AuditRule]
     AUDIT_RULE_LEAKED_BLOCK: _ClassVar[AuditRule]
     AUDIT_RULE_UNREADABLE: _ClassVar[AuditRule]
+    AUDIT_RULE_REF_COUNT_MISMATCH: _ClassVar[AuditRule]
+    AUDIT_RULE_REF_ON_EVICTED: _ClassVar[AuditRule]
+    AUDIT_RULE_STALE_KEY: _ClassVar[AuditRule]
+    AUDIT_RULE_DOUBLE_REGISTER: _ClassVar[AuditRule]
+    AUDIT_RULE_REGISTER_OF_UNHELD: _ClassVar[AuditRule]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_POOL_INIT: EventKind
 EVENT_KIND_ALLOCATE: EventKind
@@ -59,6 +69,11 @@ EVENT_KIND_FREE: EventKind
 EVENT_KIND_FREE_ALL: EventKind
 EVENT_KIND_SNAPSHOT: EventKind
 EVENT_KIND_POOL_CLOSE: EventKind
+EVENT_KIND_REGISTER: EventKind
+EVENT_KIND_SHARE: EventKind
+EVENT_KIND_RELEASE: EventKind
+EVENT_KIND_EVICT: EventKind
+EVENT_KIND_CACHE_RESET: EventKind
 FREE_REASON_UNSPECIFIED: FreeReason
 FREE_REASON_FINISHED: FreeReason
 FREE_REASON_ABORTED: FreeReason
@@ -83,13 +98,28 @@ AUDIT_RULE_SNAPSHOT_MISMATCH: AuditRule
 AUDIT_RULE_MISSING_CLOSE: AuditRule
 AUDIT_RULE_LEAKED_BLOCK: AuditRule
 AUDIT_RULE_UNREADABLE: AuditRule
+AUDIT_RULE_REF_COUNT_MISMATCH: AuditRule
+AUDIT_RULE_REF_ON_EVICTED: AuditRule
+AUDIT_RULE_STALE_KEY: AuditRule
+AUDIT_RULE_DOUBLE_REGISTER: AuditRule
+AUDIT_RULE_REGISTER_OF_UNHELD: AuditRule
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_blocks_reset",)
+    NUM_BLOCKS_RESET_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_reset: int
+    def __init__(self, num_blocks_reset: _Optional[int] = ...) -> None: ...
 
 class GetPoolStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetPoolStatusResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "num_blocks", "block_size", "num_free", "num_allocated", "num_running", "num_waiting", "last_seq", "durable_seq")
+    __slots__ = ("pool_id", "epoch", "num_blocks", "block_size", "num_free", "num_allocated", "num_running", "num_waiting", "last_seq", "durable_seq", "num_cached", "num_cached_free", "num_shared", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +130,12 @@ class GetPoolStatusResponse(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     DURABLE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     num_blocks: int
@@ -110,7 +146,13 @@ class GetPoolStatusResponse(_message.Message):
     num_waiting: int
     last_seq: int
     durable_seq: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free: _Optional[int] = ..., num_allocated: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_seq: _Optional[int] = ..., durable_seq: _Optional[int] = ...) -> None: ...
+    num_cached: int
+    num_cached_free: int
+    num_shared: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    enable_prefix_caching: bool
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free: _Optional[int] = ..., num_allocated: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_seq: _Optional[int] = ..., durable_seq: _Optional[int] = ..., num_cached: _Optional[int] = ..., num_cached_free: _Optional[int] = ..., num_shared: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_seq",)
@@ -125,7 +167,7 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[AllocationEvent, _Mapping]] = ...) -> None: ...
 
 class AllocationEvent(_message.Message):
-    __slots__ = ("seq", "pool_id", "epoch", "kind", "block_ids", "owner", "step", "free_reason", "wall_time", "monotonic_time", "hash")
+    __slots__ = ("seq", "pool_id", "epoch", "kind", "block_ids", "owner", "step", "free_reason", "wall_time", "monotonic_time", "hash", "keys", "parent_keys", "ref_counts")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +179,9 @@ class AllocationEvent(_message.Message):
     WALL_TIME_FIELD_NUMBER: _ClassVar[int]
     MONOTONIC_TIME_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     pool_id: str
     epoch: int
@@ -148,7 +193,10 @@ class AllocationEvent(_message.Message):
     wall_time: _timestamp_pb2.Timestamp
     monotonic_time: _duration_pb2.Duration
     hash: str
-    def __init__(self, seq: _Optional[int] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., step: _Optional[int] = ..., free_reason: _Optional[_Union[FreeReason, str]] = ..., wall_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., monotonic_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., hash: _Optional[str] = ...) -> None: ...
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    parent_keys: _containers.RepeatedScalarFieldContainer[str]
+    ref_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., step: _Optional[int] = ..., free_reason: _Optional[_Union[FreeReason, str]] = ..., wall_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., monotonic_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., hash: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., parent_keys: _Optional[_Iterable[str]] = ..., ref_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AuditRequest(_message.Message):
     __slots__ = ("epoch",)

@@ -59,6 +59,11 @@ class AllocationServiceStub:
                 request_serializer=nanoserve_dot_v1_dot_allocation__pb2.AuditRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_allocation__pb2.AuditResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/nanoserve.v1.AllocationService/ResetPrefixCache',
+                request_serializer=nanoserve_dot_v1_dot_allocation__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_allocation__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class AllocationServiceServicer:
@@ -124,6 +129,21 @@ class AllocationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Drops the prefix cache: every cached-free block loses its key and goes
+        back to the never-cached free blocks (one EVENT_KIND_CACHE_RESET event).
+        Refused while any block is held by a request, since a held block's key may
+        be shared at any moment; retry when the server is idle.
+
+        Status codes:
+        FAILED_PRECONDITION blocks are in use (the message gives how many), or
+        the server runs with prefix caching off.
+        plus the codes every method can return (above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +161,11 @@ def add_AllocationServiceServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=nanoserve_dot_v1_dot_allocation__pb2.AuditRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_allocation__pb2.AuditResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=nanoserve_dot_v1_dot_allocation__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_allocation__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +259,33 @@ class AllocationService:
             '/nanoserve.v1.AllocationService/Audit',
             nanoserve_dot_v1_dot_allocation__pb2.AuditRequest.SerializeToString,
             nanoserve_dot_v1_dot_allocation__pb2.AuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nanoserve.v1.AllocationService/ResetPrefixCache',
+            nanoserve_dot_v1_dot_allocation__pb2.ResetPrefixCacheRequest.SerializeToString,
+            nanoserve_dot_v1_dot_allocation__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanoserve/v1/generation.proto\x12\x0cnanoserve.v1\x1a\x1egoogle/protobuf/duration.proto\"D\n\x0b\x43hatMessage\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.nanoserve.v1.ChatRole\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.nanoserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x03\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"\xd4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.nanoserve.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.nanoserve.v1.ChatMessagesH\x00\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .nanoserve.v1.SamplingParametersB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.nanoserve.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x90\x01\n\x07Timings\x12-\n\nqueue_time\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04ttft\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\ntotal_time\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd8\x01\n\x06\x46inish\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.nanoserve.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.nanoserve.v1.Timings\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x05\x42\r\n\x0bstop_reason\"\x9b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12$\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x14.nanoserve.v1.Finish\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"V\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.nanoserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xce\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\x05*h\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc4\x02\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.nanoserve.v1.AbortRequest\x1a\x1b.nanoserve.v1.AbortResponse\x12I\n\x08Tokenize\x12\x1d.nanoserve.v1.TokenizeRequest\x1a\x1e.nanoserve.v1.TokenizeResponse\x12U\n\x0cGetModelInfo\x12!.nanoserve.v1.GetModelInfoRequest\x1a\".nanoserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanoserve/v1/generation.proto\x12\x0cnanoserve.v1\x1a\x1egoogle/protobuf/duration.proto\"D\n\x0b\x43hatMessage\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.nanoserve.v1.ChatRole\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.nanoserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x03\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.nanoserve.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.nanoserve.v1.ChatMessagesH\x00\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .nanoserve.v1.SamplingParameters\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.nanoserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x90\x01\n\x07Timings\x12-\n\nqueue_time\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04ttft\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\ntotal_time\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd8\x01\n\x06\x46inish\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.nanoserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.nanoserve.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.nanoserve.v1.Timings\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x05\x42\r\n\x0bstop_reason\"\x9b\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12$\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x14.nanoserve.v1.Finish\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\">\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x61\x66ter_token_index\x18\x02 \x01(\x03\"\x99\x01\n\x0eResumeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.nanoserve.v1.TokenLogprob\x12$\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x14.nanoserve.v1.Finish\"V\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1a.nanoserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\xce\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x15\n\reos_token_ids\x18\t \x03(\x05*h\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8b\x03\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.nanoserve.v1.GenerateRequest\x1a\x1e.nanoserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.nanoserve.v1.AbortRequest\x1a\x1b.nanoserve.v1.AbortResponse\x12I\n\x08Tokenize\x12\x1d.nanoserve.v1.TokenizeRequest\x1a\x1e.nanoserve.v1.TokenizeResponse\x12U\n\x0cGetModelInfo\x12!.nanoserve.v1.GetModelInfoRequest\x1a\".nanoserve.v1.GetModelInfoResponse\x12\x45\n\x06Resume\x12\x1b.nanoserve.v1.ResumeRequest\x1a\x1c.nanoserve.v1.ResumeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanoserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATROLE']._serialized_start=2083
-  _globals['_CHATROLE']._serialized_end=2187
-  _globals['_FINISHREASON']._serialized_start=2189
-  _globals['_FINISHREASON']._serialized_end=2309
+  _globals['_CHATROLE']._serialized_start=2346
+  _globals['_CHATROLE']._serialized_end=2450
+  _globals['_FINISHREASON']._serialized_start=2452
+  _globals['_FINISHREASON']._serialized_end=2572
   _globals['_CHATMESSAGE']._serialized_start=79
   _globals['_CHATMESSAGE']._serialized_end=147
   _globals['_CHATMESSAGES']._serialized_start=149
@@ -45,31 +45,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMETERS']._serialized_start=236
   _globals['_SAMPLINGPARAMETERS']._serialized_end=732
   _globals['_GENERATEREQUEST']._serialized_start=735
-  _globals['_GENERATEREQUEST']._serialized_end=947
-  _globals['_TOPLOGPROB']._serialized_start=949
-  _globals['_TOPLOGPROB']._serialized_end=996
-  _globals['_TOKENLOGPROB']._serialized_start=998
-  _globals['_TOKENLOGPROB']._serialized_end=1086
-  _globals['_USAGE']._serialized_start=1088
-  _globals['_USAGE']._serialized_end=1145
-  _globals['_TIMINGS']._serialized_start=1148
-  _globals['_TIMINGS']._serialized_end=1292
-  _globals['_FINISH']._serialized_start=1295
-  _globals['_FINISH']._serialized_end=1511
-  _globals['_GENERATERESPONSE']._serialized_start=1514
-  _globals['_GENERATERESPONSE']._serialized_end=1669
-  _globals['_ABORTREQUEST']._serialized_start=1671
-  _globals['_ABORTREQUEST']._serialized_end=1705
-  _globals['_ABORTRESPONSE']._serialized_start=1707
-  _globals['_ABORTRESPONSE']._serialized_end=1722
-  _globals['_TOKENIZEREQUEST']._serialized_start=1724
-  _globals['_TOKENIZEREQUEST']._serialized_end=1810
-  _globals['_TOKENIZERESPONSE']._serialized_start=1812
-  _globals['_TOKENIZERESPONSE']._serialized_end=1849
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1851
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1872
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1875
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2081
-  _globals['_GENERATIONSERVICE']._serialized_start=2312
-  _globals['_GENERATIONSERVICE']._serialized_end=2636
+  _globals['_GENERATEREQUEST']._serialized_end=967
+  _globals['_TOPLOGPROB']._serialized_start=969
+  _globals['_TOPLOGPROB']._serialized_end=1016
+  _globals['_TOKENLOGPROB']._serialized_start=1018
+  _globals['_TOKENLOGPROB']._serialized_end=1106
+  _globals['_USAGE']._serialized_start=1108
+  _globals['_USAGE']._serialized_end=1188
+  _globals['_TIMINGS']._serialized_start=1191
+  _globals['_TIMINGS']._serialized_end=1335
+  _globals['_FINISH']._serialized_start=1338
+  _globals['_FINISH']._serialized_end=1554
+  _globals['_GENERATERESPONSE']._serialized_start=1557
+  _globals['_GENERATERESPONSE']._serialized_end=1712
+  _globals['_ABORTREQUEST']._serialized_start=1714
+  _globals['_ABORTREQUEST']._serialized_end=1748
+  _globals['_ABORTRESPONSE']._serialized_start=1750
+  _globals['_ABORTRESPONSE']._serialized_end=1765
+  _globals['_RESUMEREQUEST']._serialized_start=1767
+  _globals['_RESUMEREQUEST']._serialized_end=1829
+  _globals['_RESUMERESPONSE']._serialized_start=1832
+  _globals['_RESUMERESPONSE']._serialized_end=1985
+  _globals['_TOKENIZEREQUEST']._serialized_start=1987
+  _globals['_TOKENIZEREQUEST']._serialized_end=2073
+  _globals['_TOKENIZERESPONSE']._serialized_start=2075
+  _globals['_TOKENIZERESPONSE']._serialized_end=2112
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2114
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2135
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2138
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2344
+  _globals['_GENERATIONSERVICE']._serialized_start=2575
+  _globals['_GENERATIONSERVICE']._serialized_end=2970
 # @@protoc_insertion_point(module_scope)

@@ -65,6 +65,11 @@ class GenerationServiceStub:
                 request_serializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/nanoserve.v1.GenerationService/Resume',
+                request_serializer=nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=nanoserve_dot_v1_dot_generation__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -150,6 +155,30 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Streams a request's completion again from output token `after_token_index`
+        on: the tokens the request journal holds first, then the live ones, ending
+        with `finish` like Generate. Works on a request still running, on one the
+        server recovered after a crash (a restarted server re-admits unfinished
+        requests and recomputes them), and on one that ended (its journaled tail and
+        its finish). Idempotent: the same call streams the same tokens. A token
+        reaches a Generate or Resume stream only once the journal holds it (unless
+        the server runs with --stream-before-durable), so a client that resumes
+        from the count of token ids it received misses none and repeats none.
+        Ending the call does not abort the request (Abort does).
+
+        Status codes:
+        NOT_FOUND           the journal holds no request with this `request_id`
+        and none is running.
+        FAILED_PRECONDITION the server keeps no request journal (--event-log-url
+        none, or --no-journal).
+        INVALID_ARGUMENT    `after_token_index` is negative.
+        plus the codes every method can return (above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +201,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=nanoserve_dot_v1_dot_generation__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -293,6 +327,33 @@ class GenerationService:
             '/nanoserve.v1.GenerationService/GetModelInfo',
             nanoserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             nanoserve_dot_v1_dot_generation__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/nanoserve.v1.GenerationService/Resume',
+            nanoserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            nanoserve_dot_v1_dot_generation__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,226 @@
+"""The request journal: what each request was asked, what it released, how it ended.
+
+The engine hands the log one ``JournalRecord`` per admission, per released
+output delta and per ending, beside the allocator events of the same step
+(``EventLog.append_batch(step, events, journal=...)``); the writer stores them
+in ``request_journal`` in the same transaction (one group commit, one durable
+watermark: ``EventLog.durable_journal_seq`` moves with ``durable_seq``).
+
+Payloads (``record``, JSON):
+
+- ADMIT: ``prompt_token_ids``, ``prompt`` (text or None), ``sampling`` (the
+  request's SamplingParams fields, ``seed`` the effective one: the client's, or
+  the server's choice for an unseeded request), ``max_tokens`` (resolved),
+  ``arrival_wall_ns``, ``deadline_wall_ns`` (None: no deadline),
+  ``recovered_from`` (the crashed epoch for a re-admission, else None),
+  ``num_prior_tokens`` (outputs already journaled at a re-admission).
+- OUTPUT: ``start`` (index of the first token of the delta in the request's
+  released output), ``token_ids``, ``text``, ``logprobs`` (``[[token_id,
+  logprob, [[top_id, top_logprob], ...]], ...]``, only when asked for).
+- FINISH: an OUTPUT's fields (the last delta) plus ``finish_reason``,
+  ``stop_reason``, ``abort_cause``, ``queue_s``, ``ttft_s``, ``total_s``,
+  ``num_preemptions``.
+- RECOVER (request_id ""): the crashed epoch this epoch took over
+  (``epoch``), its last durable seq and who held which blocks there
+  (``holders``: owner -> block ids, from the audit), the request ids
+  re-admitted and those left ended (``ended``: id -> cause).
+
+A request's history spans epochs: its latest fresh ADMIT (``recovered_from``
+None), then every record of that id after it, re-admissions included.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import sqlalchemy as sa
+
+from nanoserve.allocator.log.schema import request_journal
+
+
+class JournalKind(str, enum.Enum):
+    ADMIT = "admit"
+    OUTPUT = "output"
+    FINISH = "finish"
+    RECOVER = "recover"
+
+
+class JournalRecord(NamedTuple):
+    """One journal record as the engine makes it; the log stamps journal_seq, step and time."""
+
+    kind: JournalKind
+    request_id: str
+    data: dict[str, Any]
+
+
+# one stored journal row, in JOURNAL_COLUMNS order
+JournalRow = tuple[str, int, int, str, str, "int | None", int, str]
+JOURNAL_COLUMNS = ("pool_id", "epoch", "journal_seq", "request_id", "kind", "step", "wall_ns", "record")
+
+
+def encode_journal(data: dict[str, Any]) -> str:
+    """One record's JSON text (compact, keys in the engine's order)."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def insert_journal_rows(conn: sa.Connection, rows: Sequence[JournalRow]) -> None:
+    """Insert journal rows inside ``conn``'s transaction with one executemany of the driver."""
+    if not rows:
+        return
+    driver = conn.connection.driver_connection
+    assert driver is not None, "a connection inside a transaction has its driver connection"
+    cursor = driver.cursor()
+    columns = ", ".join(JOURNAL_COLUMNS)
+    try:
+        if conn.dialect.name == "postgresql":
+            with cursor.copy(f"COPY {request_journal.name} ({columns}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+        else:
+            marker = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+            placeholders = ", ".join([marker] * len(JOURNAL_COLUMNS))
+            cursor.executemany(f"INSERT INTO {request_journal.name} ({columns}) VALUES ({placeholders})", rows)
+    finally:
+        cursor.close()
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """One released delta of a request: tokens ``start .. start + len(token_ids)``."""
+
+    start: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[Any] | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class RequestHistory:
+    """One request's journal across epochs: its admission, released chunks in order, ending.
+
+    chunks: contiguous from index 0 (a chunk journaled twice, before and after a
+    crash, is kept once). finish: the FINISH payload, None while unfinished.
+    epochs: the epochs that hold records of it, in order.
+    """
+
+    request_id: str
+    admit: dict[str, Any]
+    admit_epoch: int
+    chunks: list[OutputChunk] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    epochs: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.chunks[-1].end if self.chunks else 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [token_id for chunk in self.chunks for token_id in chunk.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(chunk.text for chunk in self.chunks)
+
+    @property
+    def logprobs(self) -> list[Any] | None:
+        if self.admit.get("sampling", {}).get("logprobs") is None:
+            return None
+        return [entry for chunk in self.chunks for entry in (chunk.logprobs or [])]
+
+    def add(self, kind: str, data: dict[str, Any]) -> None:
+        """Applies one later record of this request (OUTPUT, FINISH or a re-admission)."""
+        if kind in (JournalKind.OUTPUT.value, JournalKind.FINISH.value):
+            start = data["start"]
+            token_ids = list(data["token_ids"])
+            if start == self.num_tokens and (token_ids or data.get("text")):
+                self.chunks.append(OutputChunk(start, token_ids, data.get("text", ""), data.get("logprobs")))
+            if kind == JournalKind.FINISH.value and self.finish is None:
+                self.finish = data
+
+
+def request_history(rows: Iterable[tuple[int, str, str]], request_id: str) -> RequestHistory | None:
+    """The history of ``request_id`` from its rows ``(epoch, kind, record)`` in (epoch, journal_seq)
+    order: from its latest fresh admission on; None when it was never admitted."""
+    decoded = [(epoch, kind, json.loads(record)) for epoch, kind, record in rows]
+    fresh = [
+        i
+        for i, (_, kind, data) in enumerate(decoded)
+        if kind == JournalKind.ADMIT.value and data.get("recovered_from") is None
+    ]
+    if not fresh:
+        return None
+    epoch, _, admit = decoded[fresh[-1]]
+    history = RequestHistory(request_id, admit, epoch, epochs=[epoch])
+    for epoch, kind, data in decoded[fresh[-1] + 1 :]:
+        if history.epochs[-1] != epoch:
+            history.epochs.append(epoch)
+        history.add(kind, data)
+    return history
+
+
+def read_request_history(conn: sa.Connection, pool_id: str, request_id: str) -> RequestHistory | None:
+    """``request_id``'s history in ``pool_id`` across every epoch; None when the journal never saw it."""
+    table = request_journal
+    rows = conn.execute(
+        sa.select(table.c.epoch, table.c.kind, table.c.record)
+        .where(table.c.pool_id == pool_id, table.c.request_id == request_id)
+        .order_by(table.c.epoch, table.c.journal_seq)
+    )
+    return request_history(((r.epoch, r.kind, r.record) for r in rows), request_id)
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One stored journal record, decoded."""
+
+    epoch: int
+    journal_seq: int
+    request_id: str
+    kind: str
+    step: int | None
+    wall_ns: int
+    data: dict[str, Any]
+
+
+def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[JournalEntry]:
+    """The journal records of one epoch (None: every epoch) of ``pool_id``, in order."""
+    table = request_journal
+    query = sa.select(table).where(table.c.pool_id == pool_id).order_by(table.c.epoch, table.c.journal_seq)
+    if epoch is not None:
+        query = query.where(table.c.epoch == epoch)
+    return [
+        JournalEntry(r.epoch, r.journal_seq, r.request_id, r.kind, r.step, r.wall_ns, json.loads(r.record))
+        for r in conn.execute(query)
+    ]
+
+
+def check_journal_schema(url: str) -> None:
+    """LogNotFoundError when the log at ``url`` has no journal table (its schema predates migration 0003)."""
+    from nanoserve.allocator.log.database import create_log_engine
+    from nanoserve.allocator.log.errors import LogNotFoundError, safe_url
+
+    engine = create_log_engine(url)
+    try:
+        with engine.connect() as conn:
+            if not has_journal_table(conn):
+                shown = safe_url(url)
+                raise LogNotFoundError(
+                    f"{shown!r} has no request journal table (run `nanoserve db upgrade {shown}`, or serve with "
+                    "--no-journal)"
+                )
+    finally:
+        engine.dispose()
+
+
+def has_journal_table(conn: sa.Connection) -> bool:
+    """Whether the database holds the journal's table (a log older than migration 0003 does not)."""
+    return bool(sa.inspect(conn).has_table(request_journal.name))
