@@ -48,7 +48,7 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str = "auto"
     num_threads: int | None = None
-    dense_large_steps: bool = True
+    dense_large_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

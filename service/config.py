@@ -176,9 +176,9 @@ SETTINGS: tuple[Setting, ...] = (
         "dense_large_steps",
         "engine",
         _bool,
-        True,
+        False,
         "int4 layers also keep a dense --dtype copy for steps of more than 8 tokens (prefill, big batches), "
-        "faster there than the int4 kernel; --no-dense-large-steps keeps only the quantized weights",
+        "faster there than the int4 kernel, but a prompt's logits then depend on how its prefill was split",
     ),
     Setting(
         "max_model_len",

@@ -109,11 +109,11 @@ def test_shown_default_of_every_setting_parses_back_or_explains() -> None:
 
 def test_quantization_threads_and_dense_large_steps_reach_the_model_config() -> None:
     _, engine = build_configs(
-        _parse("--quantization", "none", "--no-dense-large-steps"), environ={"NANOSERVE_NUM_THREADS": "3"}
+        _parse("--quantization", "none", "--dense-large-steps"), environ={"NANOSERVE_NUM_THREADS": "3"}
     )
-    assert (engine.model.quantization, engine.model.num_threads, engine.model.dense_large_steps) == ("none", 3, False)
+    assert (engine.model.quantization, engine.model.num_threads, engine.model.dense_large_steps) == ("none", 3, True)
     _, engine = build_configs(_parse(), environ={})
-    assert (engine.model.quantization, engine.model.num_threads, engine.model.dense_large_steps) == ("auto", None, True)
+    assert (engine.model.quantization, engine.model.num_threads, engine.model.dense_large_steps) == ("auto", None, False)
 
 
 def test_unknown_quantization_is_refused_with_the_choices() -> None:
