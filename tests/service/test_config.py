@@ -111,9 +111,11 @@ def test_quantization_threads_and_dense_large_steps_reach_the_model_config() -> 
     _, engine = build_configs(
         _parse("--quantization", "none", "--dense-large-steps"), environ={"NANOSERVE_NUM_THREADS": "3"}
     )
-    assert (engine.model.quantization, engine.model.num_threads, engine.model.dense_large_steps) == ("none", 3, True)
+    model = engine.model
+    assert (model.quantization, model.num_threads, model.dense_large_steps) == ("none", 3, True)
     _, engine = build_configs(_parse(), environ={})
-    assert (engine.model.quantization, engine.model.num_threads, engine.model.dense_large_steps) == ("auto", None, False)
+    model = engine.model
+    assert (model.quantization, model.num_threads, model.dense_large_steps) == ("auto", None, False)
 
 
 def test_unknown_quantization_is_refused_with_the_choices() -> None:
