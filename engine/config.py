@@ -13,6 +13,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def _check_positive(name: str, value: int | None) -> None:
@@ -31,12 +32,23 @@ class ModelConfig:
         float32 otherwise.
     max_model_len: longest sequence (prompt + generated tokens) served; ``None``
         takes the model's own context length.
+    quantization: ``auto`` keeps a quantized GGUF's Q4_0/Q4_1/Q8_0 weights quantized
+        (int4 / int8 kernels), ``none`` dequantizes everything to ``dtype`` (the exact
+        path), ``int8`` / ``int4`` also quantize float weights at load.
+    num_threads: CPU threads for the model's math; ``None`` takes the CPUs this
+        process may use (affinity mask and cgroup quota).
+    dense_large_steps: int4 layers also keep a dense ``dtype`` copy, used for steps
+        of more than 8 tokens (prefill, big batches), where the int4 CPU kernel is
+        compute-bound and slower than oneDNN's dense matmul; costs that copy's memory.
     """
 
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
+    quantization: str = "auto"
+    num_threads: int | None = None
+    dense_large_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -44,6 +56,10 @@ class ModelConfig:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {DEVICES} or 'cuda:N', got {self.device!r}")
         _check_positive("max_model_len", self.max_model_len)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
+            raise ValueError(f"num_threads must be in [1, 1024], got {self.num_threads}")
 
 
 @dataclass

@@ -8,6 +8,7 @@ budget, and picks the attention backend. Each step the scheduler hands over a
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import structlog
@@ -19,7 +20,8 @@ from nanoserve.engine.device import resolve_device, resolve_dtype
 from nanoserve.engine.forward_batch import ForwardBatch
 from nanoserve.engine.kv_cache import KVCache, KVCacheSpec
 from nanoserve.engine.models.llama import LlamaForCausalLM
-from nanoserve.engine.tokenizer import Tokenizer
+from nanoserve.engine.threads import ThreadTuner, configure_threads
+from nanoserve.engine.tokenizer import Tokenizer, load_hf_tokenizer
 from nanoserve.engine.weights import load_checkpoint, resolve_model_path
 
 log = structlog.get_logger(__name__)
@@ -35,10 +37,27 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
+        threads = configure_threads(config.model.num_threads)
+        log.info(
+            "model_runner.threads",
+            num_threads=threads.num_threads,
+            available_cpus=threads.available_cpus,
+            wait_policy=threads.wait_policy,
+            source=threads.source,
+            tuned=config.model.num_threads is None,
+        )
+        # the thread count adapts per step size unless the setting fixed it
+        self.thread_tuner = ThreadTuner(threads.num_threads) if config.model.num_threads is None else None
+        self._num_threads = threads.num_threads
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.quantization = config.model.quantization
         path = resolve_model_path(config.model.model)
-        checkpoint = load_checkpoint(path)
+        # transformers' import and the tokenizer's files load on a thread while the weights convert
+        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer-load")
+        hf_tokenizer = loader.submit(load_hf_tokenizer, path)
+        loader.shutdown(wait=False)
+        checkpoint = load_checkpoint(path, self.quantization)
         arch = checkpoint.config
         self.model_name = checkpoint.name
         self.vocab_size = arch.vocab_size
@@ -49,8 +68,8 @@ class ModelRunner:
             )
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         self.model = LlamaForCausalLM(arch, self.dtype, self.device, checkpoint.rope_freq_factors)
-        self.model.load_weights(checkpoint.weights)
-        self.tokenizer = Tokenizer.from_path(path, checkpoint.eos_token_ids)
+        self.model.load_weights(checkpoint.weights, self.quantization, config.model.dense_large_steps)
+        self.tokenizer = Tokenizer.from_path(path, checkpoint.eos_token_ids, hf_tokenizer.result())
         del checkpoint
 
         self.block_size = config.cache.block_size
@@ -64,6 +83,7 @@ class ModelRunner:
             architecture=arch.architecture,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quantization,
             attention_backend=self.attention.name,
             attention_backend_reason=backend_reason,
             num_kv_blocks=self.num_kv_blocks,
@@ -72,8 +92,14 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache.num_bytes,
             bytes_per_block=spec.bytes_per_block,
             max_model_len=self.max_model_len,
+            weight_bytes=self.weight_bytes,
             load_s=round(time.perf_counter() - started, 2),
         )
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights take in memory (not the KV cache)."""
+        return self.model.num_weight_bytes()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One step: write the batch's K/V into its slots, return logits.
@@ -81,6 +107,19 @@ class ModelRunner:
         Returns [num_logits, vocab_size] float32, one row per ``logits_indices`` entry,
         in batch order.
         """
+        num_tokens = int(batch.input_ids.shape[0])
+        if self.thread_tuner is None or self.device.type != "cpu":
+            return self._forward(batch)
+        num_threads = self.thread_tuner.choose(num_tokens)
+        if num_threads != self._num_threads:
+            torch.set_num_threads(num_threads)
+            self._num_threads = num_threads
+        started = time.perf_counter()
+        logits = self._forward(batch)
+        self.thread_tuner.record(num_tokens, num_threads, time.perf_counter() - started)
+        return logits
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         with torch.inference_mode():
             metadata = self.attention.prepare(batch, self.block_size)
             logits = self.model(

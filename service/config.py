@@ -155,6 +155,32 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("device", "engine", str, "auto", "device: auto, cpu, cuda or cuda:N"),
     Setting(
+        "quantization",
+        "engine",
+        str,
+        "auto",
+        "weights in memory: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors quantized (int4/int8 kernels), "
+        "none dequantizes to --dtype (exact), int8/int4 also quantize float weights at load",
+        choices=("auto", "none", "int8", "int4"),
+    ),
+    Setting(
+        "num_threads",
+        "engine",
+        _optional_int,
+        None,
+        "CPU threads for the model's math (fixed); unset: up to the CPUs this process may use "
+        "(affinity and cgroup quota), 1, half or all per step size, whichever runs fastest",
+        default_help="auto",
+    ),
+    Setting(
+        "dense_large_steps",
+        "engine",
+        _bool,
+        False,
+        "int4 layers also keep a dense --dtype copy for steps of more than 8 tokens (prefill, big batches), "
+        "faster there than the int4 kernel, but a prompt's logits then depend on how its prefill was split",
+    ),
+    Setting(
         "max_model_len",
         "engine",
         _optional_int,

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from nanoserve.engine.attention import AttentionBackend
 from nanoserve.engine.kv_cache import KVCache
-from nanoserve.engine.models.linear import Linear
+from nanoserve.engine.models.embedding import Embedding
+from nanoserve.engine.models.quantized_linear import AnyLinear, QuantizedWeight, linear_tensors, make_linear
 from nanoserve.engine.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -67,32 +68,37 @@ class LlamaDecoderLayer:
         self.post_attention_norm: torch.Tensor  # [hidden]
         self.q_norm: torch.Tensor | None = None  # [head_dim], Qwen3
         self.k_norm: torch.Tensor | None = None
-        self.qkv_proj: Linear  # hidden -> (H + 2 * Hkv) * D
-        self.o_proj: Linear  # H * D -> hidden
-        self.gate_up_proj: Linear  # hidden -> 2 * intermediate
-        self.down_proj: Linear  # intermediate -> hidden
+        self.qkv_proj: AnyLinear  # hidden -> (H + 2 * Hkv) * D
+        self.o_proj: AnyLinear  # H * D -> hidden
+        self.gate_up_proj: AnyLinear  # hidden -> 2 * intermediate
+        self.down_proj: AnyLinear  # intermediate -> hidden
 
-    def load(self, tensor: Callable[[str, tuple[int, ...]], torch.Tensor], config: LlamaConfig) -> None:
-        """Take this layer's tensors (``tensor(hf_name, expected_shape)``) and fuse them."""
+    def load(
+        self,
+        tensor: Callable[[str, tuple[int, ...]], torch.Tensor],
+        linear: Callable[[list[tuple[str, tuple[int, int]]], torch.Tensor | None], AnyLinear],
+        config: LlamaConfig,
+    ) -> None:
+        """Take this layer's tensors and fuse them.
+
+        ``tensor(hf_name, expected_shape)`` gives a dense tensor, ``linear([(hf_name,
+        shape), ...], bias)`` one linear over the named weights stacked along the output rows.
+        """
         c, p = config, f"model.layers.{self.layer_id}."
         h, q, kv, i = c.hidden_size, self.q_size, self.kv_size, c.intermediate_size
-        qkv = torch.cat(
-            [
-                tensor(f"{p}self_attn.q_proj.weight", (q, h)),
-                tensor(f"{p}self_attn.k_proj.weight", (kv, h)),
-                tensor(f"{p}self_attn.v_proj.weight", (kv, h)),
-            ]
-        )
         bias = None
         if c.attention_bias:
             bias = torch.cat(
                 [tensor(f"{p}self_attn.{n}_proj.bias", (size,)) for n, size in (("q", q), ("k", kv), ("v", kv))]
             )
-        self.qkv_proj = Linear(qkv, bias)
-        self.o_proj = Linear(tensor(f"{p}self_attn.o_proj.weight", (h, q)))
-        gate_up = torch.cat([tensor(f"{p}mlp.gate_proj.weight", (i, h)), tensor(f"{p}mlp.up_proj.weight", (i, h))])
-        self.gate_up_proj = Linear(gate_up)
-        self.down_proj = Linear(tensor(f"{p}mlp.down_proj.weight", (h, i)))
+        attn = f"{p}self_attn."
+        self.qkv_proj = linear(
+            [(f"{attn}q_proj.weight", (q, h)), (f"{attn}k_proj.weight", (kv, h)), (f"{attn}v_proj.weight", (kv, h))],
+            bias,
+        )
+        self.o_proj = linear([(f"{attn}o_proj.weight", (h, q))], None)
+        self.gate_up_proj = linear([(f"{p}mlp.gate_proj.weight", (i, h)), (f"{p}mlp.up_proj.weight", (i, h))], None)
+        self.down_proj = linear([(f"{p}mlp.down_proj.weight", (h, i))], None)
         self.input_norm = tensor(f"{p}input_layernorm.weight", (h,))
         self.post_attention_norm = tensor(f"{p}post_attention_layernorm.weight", (h,))
         if c.qk_norm:
@@ -146,9 +152,9 @@ class LlamaForCausalLM:
         self.dtype = dtype
         self.device = device
         self.layers = [LlamaDecoderLayer(config, i) for i in range(config.num_layers)]
-        self.embed_tokens: torch.Tensor  # [vocab, hidden]
+        self.embed_tokens: Embedding  # [vocab, hidden]
         self.norm: torch.Tensor  # [hidden]
-        self.lm_head: Linear  # hidden -> vocab
+        self.lm_head: AnyLinear  # hidden -> vocab
         self.rope = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -172,7 +178,7 @@ class LlamaForCausalLM:
 
         Returns logits [num_logits, vocab_size] in the model dtype.
         """
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions)
         for layer in self.layers:
             hidden = layer.forward(hidden, cos, sin, kv_cache, attention, attn_metadata)
@@ -180,25 +186,71 @@ class LlamaForCausalLM:
         hidden = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         return self.lm_head(hidden)
 
+    def num_weight_bytes(self) -> int:
+        """Bytes the loaded weights take in memory (quantized codes and scales, dense copies, norms)."""
+        tensors: list[torch.Tensor | None] = [self.norm]
+        embed = self.embed_tokens
+        tensors += [embed.weight, embed.quantized.blocks if embed.quantized is not None else None]
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+            tensors += [layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm]
+        for linear in linears:
+            tensors += linear_tensors(linear)
+        return sum(_nbytes(t) for t in tensors if t is not None)
+
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(
+        self,
+        weights: dict[str, torch.Tensor | QuantizedWeight],
+        quantization: str = "none",
+        dense_for_large_steps: bool = False,
+    ) -> None:
         """Take Hugging Face-named tensors, cast to the model dtype and device, fuse per layer.
+
+        quantization: ``none`` (dense, the exact path), ``auto`` (GGUF Q4_0/Q4_1/Q8_0
+        stay quantized), ``int4`` / ``int8`` (float weights quantized here too); see
+        ``make_linear``. dense_for_large_steps: int4 layers also keep a dense copy for
+        steps of many tokens (prefill, big batches). Tensors are converted one by one:
+        no dense copy of the whole model exists at any moment.
 
         Raises ValueError naming the first missing tensor or a shape mismatch.
         """
         c = self.config
 
-        def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        def raw(name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
             if name not in weights:
                 raise ValueError(f"checkpoint lacks tensor {name!r}")
             value = weights[name]
             if tuple(value.shape) != shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, the config expects {shape}")
-            return value.to(device=self.device, dtype=self.dtype).contiguous()
+            return value
 
-        self.embed_tokens = tensor("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            value = raw(name, shape)
+            dense = value.dequantize() if isinstance(value, QuantizedWeight) else value
+            return dense.to(device=self.device, dtype=self.dtype).contiguous()
+
+        def linear(parts: list[tuple[str, tuple[int, int]]], bias: torch.Tensor | None) -> AnyLinear:
+            values = [raw(name, shape) for name, shape in parts]
+            fused: torch.Tensor | QuantizedWeight
+            quantized = [v for v in values if isinstance(v, QuantizedWeight)]
+            if len(quantized) == len(values) and len({v.quant_type for v in quantized}) == 1:
+                fused = QuantizedWeight.cat(quantized)
+            else:
+                fused = torch.cat([v.dequantize() if isinstance(v, QuantizedWeight) else v for v in values])
+            return make_linear(fused, self.dtype, self.device, quantization, bias, dense_for_large_steps)
+
+        embed_shape = (c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(raw("model.embed_tokens.weight", embed_shape), self.dtype, self.device)
         self.norm = tensor("model.norm.weight", (c.hidden_size,))
-        head = self.embed_tokens if c.tie_word_embeddings else tensor("lm_head.weight", (c.vocab_size, c.hidden_size))
-        self.lm_head = Linear(head.clone() if c.tie_word_embeddings else head)
+        head_name = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = linear([(head_name, embed_shape)], None)
         for layer in self.layers:
-            layer.load(tensor, c)
+            layer.load(tensor, linear, c)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    if tensor.is_mkldnn:  # an opaque oneDNN layout: as many elements as the plain tensor, maybe padded
+        return tensor.numel() * tensor.element_size()
+    return tensor.untyped_storage().nbytes()

@@ -12,7 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # On a few shared cores, torch's default of one OpenMP thread per core stalls at every
 # op's barrier whenever another process holds a core: the engine tests ran 3-4x slower
 # with 2 threads than with 1 on the 2-core CI box. NANOSERVE_TEST_TORCH_THREADS overrides.
-torch.set_num_threads(int(os.environ.get("NANOSERVE_TEST_TORCH_THREADS", "1")))
+TEST_THREADS = int(os.environ.get("NANOSERVE_TEST_TORCH_THREADS", "1"))
+torch.set_num_threads(TEST_THREADS)
 
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice  # noqa: E402
 
@@ -30,6 +31,7 @@ def tiny_runner_factory(tiny_model_dir):
             "device": "cpu",
             "num_kv_blocks": 64,
             "block_size": 4,
+            "num_threads": TEST_THREADS,  # a runner sizes the pool itself; keep the tests' choice
         }
         settings.update(kwargs)
         return ModelRunner(EngineConfig.from_kwargs(**settings))
@@ -39,11 +41,17 @@ def tiny_runner_factory(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def real_runner():
-    """The default SmolLM2-135M-Instruct GGUF in float32 on CPU, loaded once per session."""
+    """The default SmolLM2-135M-Instruct GGUF in float32 on CPU, dequantized (the exact path), loaded once."""
+    return make_real_runner(quantization="none", dtype="float32")
+
+
+def make_real_runner(**kwargs):
+    """A ModelRunner on the default GGUF, CPU, 512 blocks of 16, the tests' thread count; kwargs override."""
     from nanoserve.engine.config import EngineConfig
     from nanoserve.engine.model_runner import ModelRunner
 
-    return ModelRunner(EngineConfig.from_kwargs(dtype="float32", device="cpu", num_kv_blocks=512, block_size=16))
+    settings = {"device": "cpu", "num_kv_blocks": 512, "block_size": 16, "num_threads": TEST_THREADS, **kwargs}
+    return ModelRunner(EngineConfig.from_kwargs(**settings))
 
 
 @pytest.fixture(scope="session")

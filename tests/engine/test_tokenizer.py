@@ -132,3 +132,22 @@ def test_a_gguf_tokenizer_exports_its_chat_template(real_runner, tmp_path):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     assert rebuilt.apply_chat_template(messages) == real_runner.tokenizer.apply_chat_template(messages)
     assert rebuilt.eos_token_ids == {2}
+
+
+@pytest.mark.real_model
+def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    from nanoserve.engine.tokenizer import tokenizer_cache_dir
+    from nanoserve.engine.weights import default_model_path
+
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    converted = Tokenizer.from_path(path, {2})
+    entries = list(tokenizer_cache_dir().iterdir())
+    assert len(entries) == 1
+    assert (entries[0] / "tokenizer.json").is_file()
+    cached = Tokenizer.from_path(path, {2})
+    assert list(tokenizer_cache_dir().iterdir()) == entries
+    assert cached.apply_chat_template(chat) == converted.apply_chat_template(chat)
+    assert cached.encode("Le café coûte 3 € ; 東京") == converted.encode("Le café coûte 3 € ; 東京")
+    assert cached.vocab_size == converted.vocab_size == 49152

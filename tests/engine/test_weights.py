@@ -54,3 +54,21 @@ def test_gguf_metadata_becomes_smollm2_config(real_runner):
     assert not config.qk_norm
     assert real_runner.vocab_size == 49152
     assert real_runner.model_name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.mark.real_model
+def test_gguf_reader_over_a_plain_array_reads_what_gguf_reads():
+    from gguf import GGUFReader
+
+    from nanoserve.engine.weights import gguf_reader
+
+    path = default_model_path()
+    ours, theirs = gguf_reader(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key in ("general.architecture", "tokenizer.ggml.eos_token_id", "llama.block_count"):
+        assert ours.fields[key].contents() == theirs.fields[key].contents()
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[:5] == theirs.fields["tokenizer.ggml.tokens"].contents()[:5]
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in theirs.tensors
+    ]
+    assert bytes(ours.tensors[2].data) == bytes(theirs.tensors[2].data)

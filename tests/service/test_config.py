@@ -105,3 +105,24 @@ def test_shown_default_of_every_setting_parses_back_or_explains() -> None:
     for setting in SETTINGS:
         if setting.default is not None and setting.default_help is not None:
             assert setting.parse(setting.default_help) == setting.default, setting.name
+
+
+def test_quantization_threads_and_dense_large_steps_reach_the_model_config() -> None:
+    _, engine = build_configs(
+        _parse("--quantization", "none", "--dense-large-steps"), environ={"NANOSERVE_NUM_THREADS": "3"}
+    )
+    model = engine.model
+    assert (model.quantization, model.num_threads, model.dense_large_steps) == ("none", 3, True)
+    _, engine = build_configs(_parse(), environ={})
+    model = engine.model
+    assert (model.quantization, model.num_threads, model.dense_large_steps) == ("auto", None, False)
+
+
+def test_unknown_quantization_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"NANOSERVE_QUANTIZATION must be one of \('auto', 'none', 'int8', 'int4'\)"):
+        build_configs(_parse(), environ={"NANOSERVE_QUANTIZATION": "int3"})
+
+
+def test_num_threads_out_of_range_names_the_range() -> None:
+    with pytest.raises(ValueError, match=r"num_threads must be in \[1, 1024\], got 0"):
+        build_configs(_parse("--num-threads", "0"), environ={})

@@ -601,7 +601,7 @@ async def test_generate_cli_ctrl_c_exits_130_quietly_and_the_server_aborts(serve
         process.send_signal(signal.SIGINT)
         rest, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
         await _settle(served)
-    assert process.returncode == 130
+    assert process.returncode == 130, (stderr.decode(), len(first + rest))
     assert stderr.decode() == ""
     assert first
     assert (first + rest).endswith(b"\n")

@@ -1,0 +1,288 @@
+"""nanoserve against llama.cpp's server engine (the ``xllamacpp`` wheel) on the same GGUF and workload.
+
+Both engines load the same file (SmolLM2-135M-Instruct Q4_1 by default) in this
+process and take turns, round by round, so a change in the machine's load hits
+both. Workloads (greedy, ignore_eos):
+
+- single stream: one chat request of ``--single-stream-tokens`` new tokens; decode
+  tokens/s after the first token (ours from the request's metrics, llama.cpp's from
+  its own ``timings.predicted_per_second``);
+- batch: ``--num-requests`` mixed chats (prompts 20-200 tokens, 16-160 new tokens),
+  ``--parallel`` at once; generated tokens / wall seconds (nanoserve runs with
+  ``max_num_seqs = --parallel``, llama.cpp with that many slots);
+
+then both again while a busy process spins on CPU 0 ("one core busy"). Start-up:
+``nanoserve serve`` to health SERVING and llama.cpp's ``Server(...)`` constructor,
+each in a fresh process, with its peak RSS (VmHWM) and, for nanoserve, the bytes
+the loaded weights take (``ModelRunner.weight_bytes``).
+
+    pip install -e '.[bench]'
+    .venv/bin/python -m bench.peer_llamacpp                 # everything, 2 rounds
+    .venv/bin/python -m bench.peer_llamacpp --rounds 1 --skip-busy --skip-startup
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does, before torch starts its pool
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.workload import WorkloadRequest, build_workload
+from nanoserve.engine import LLM, SamplingParams, TokensPrompt
+from nanoserve.engine.threads import available_cpus
+from nanoserve.engine.weights import default_model_path
+
+
+class LlamaCpp:
+    """llama.cpp's server engine in this process: ``n_parallel`` slots, ``num_threads`` threads."""
+
+    def __init__(self, model_path: str, n_parallel: int, slot_tokens: int, num_threads: int) -> None:
+        import xllamacpp
+
+        params = xllamacpp.CommonParams()
+        params.model.path = model_path
+        params.n_parallel = n_parallel
+        params.n_ctx = n_parallel * slot_tokens
+        params.cpuparams.n_threads = num_threads
+        params.cpuparams_batch.n_threads = num_threads
+        self.server = xllamacpp.Server(params)
+
+    def complete(self, prompt_token_ids: list[int], max_tokens: int) -> dict[str, Any]:
+        request = {
+            "prompt": prompt_token_ids,
+            "n_predict": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+        }
+        reply: dict[str, Any] = self.server.handle_completions(request)
+        if "error" in reply:
+            raise RuntimeError(f"llama.cpp refused a request: {reply['error']}")
+        return reply
+
+    def single_stream(self, request: WorkloadRequest, num_tokens: int) -> float:
+        reply = self.complete(request.prompt_token_ids, num_tokens)
+        return float(reply["timings"]["predicted_per_second"])
+
+    def batch(self, workload: list[WorkloadRequest], parallel: int) -> float:
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            replies = list(pool.map(lambda r: self.complete(r.prompt_token_ids, r.max_tokens), workload))
+        elapsed = time.perf_counter() - start
+        generated = sum(int(reply["usage"]["completion_tokens"]) for reply in replies)
+        assert generated == sum(r.max_tokens for r in workload), "ignore_eos: every request runs to max_tokens"
+        return generated / elapsed
+
+
+def nanoserve_single_stream(llm: LLM, request: WorkloadRequest, num_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    metrics = llm.generate([TokensPrompt(request.prompt_token_ids)], params)[0].metrics
+    assert metrics is not None
+    assert metrics.first_token_time is not None
+    assert metrics.finished_time is not None
+    return (num_tokens - 1) / (metrics.finished_time - metrics.first_token_time)
+
+
+def nanoserve_batch(llm: LLM, workload: list[WorkloadRequest]) -> float:
+    prompts = [TokensPrompt(r.prompt_token_ids) for r in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    assert generated == sum(r.max_tokens for r in workload), "ignore_eos: every request runs to max_tokens"
+    return generated / elapsed
+
+
+@contextlib.contextmanager
+def busy_core(cpu: int = 0) -> Iterator[None]:
+    """A process spinning on ``cpu`` for the duration (a neighbour that never sleeps)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"],
+    )
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _vm_hwm_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc status")
+
+
+def nanoserve_startup(quantization: str) -> tuple[float, int]:
+    """Seconds from ``nanoserve serve`` to health SERVING, and the server's peak RSS then."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanoserve.service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--metrics-port", "off", "--event-log-url", "none", "--kv-cache-memory", "64MiB"]
+    cmd += ["--quantization", quantization, "--log-level", "warning"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        while True:  # a fresh channel per try: a failed connect would otherwise wait out grpc's reconnect backoff
+            if proc.poll() is not None:
+                raise RuntimeError(f"nanoserve serve exited with {proc.returncode}")
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+            time.sleep(0.02)
+        elapsed = time.perf_counter() - start
+        return elapsed, _vm_hwm_bytes(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+LLAMACPP_STARTUP = """
+import os, sys, time
+start = time.perf_counter()
+import xllamacpp
+p = xllamacpp.CommonParams()
+p.model.path = sys.argv[1]
+p.n_parallel = 64
+p.n_ctx = 64 * 512
+server = xllamacpp.Server(p)
+elapsed = time.perf_counter() - start
+hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]
+print(elapsed, int(hwm) * 1024)
+"""
+
+
+def llamacpp_startup(model_path: str) -> tuple[float, int]:
+    """Seconds from process start to a loaded llama.cpp server (import included), and its peak RSS."""
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", LLAMACPP_STARTUP, model_path], capture_output=True, text=True, check=True
+    ).stdout.split()
+    wall = time.perf_counter() - start
+    return wall, int(out[-1])
+
+
+def _fmt(values: list[float]) -> str:
+    return f"{min(values):7.1f}-{max(values):7.1f}" if len(values) > 1 else f"{values[0]:7.1f}"
+
+
+def _ratio(ours: list[float], theirs: list[float]) -> str:
+    ratios = [o / t for o, t in zip(ours, theirs, strict=True)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else f"{ratios[0]:.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--parallel", type=int, default=64)
+    parser.add_argument("--single-stream-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per condition")
+    parser.add_argument("--quantization", default="auto", help="nanoserve's --quantization")
+    parser.add_argument("--dtype", default="auto", help="nanoserve's --dtype")
+    parser.add_argument("--llamacpp-threads", type=int, default=None, help="default: the CPUs this process may use")
+    parser.add_argument("--skip-busy", action="store_true", help="no runs with a busy core")
+    parser.add_argument("--skip-startup", action="store_true", help="no start-up measurement")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    model_path = str(default_model_path())
+    threads = args.llamacpp_threads or available_cpus()
+    print(f"# model {model_path}; llama.cpp threads {threads}; load {os.getloadavg()}", flush=True)
+    llm = LLM(
+        quantization=args.quantization,
+        dtype=args.dtype,
+        max_num_seqs=args.parallel,
+        event_log_url=None,
+        kv_cache_memory=1 << 30,
+    )
+    workload = build_workload(
+        _ChatTokens(llm), args.num_requests, min_max_tokens=16, max_max_tokens=160, seed=args.seed
+    )
+    single = workload[0]
+    slot_tokens = max(len(r.prompt_token_ids) + r.max_tokens for r in workload) + args.single_stream_tokens
+    peer = LlamaCpp(model_path, args.parallel, slot_tokens, threads)
+    nanoserve_batch(llm, workload[:8])  # warm both up
+    peer.batch(workload[:8], args.parallel)
+
+    conditions: list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]] = [
+        ("quiet", contextlib.nullcontext)
+    ]
+    if not args.skip_busy:
+        conditions.append(("one core busy", busy_core))
+    results: dict[tuple[str, str, str], list[float]] = {}
+    for condition, context in conditions:
+        with context():
+            for round_id in range(args.rounds):
+                runs: list[tuple[str, str, Callable[[], float]]] = [
+                    ("single", "nanoserve", lambda: nanoserve_single_stream(llm, single, args.single_stream_tokens)),
+                    ("single", "llama.cpp", lambda: peer.single_stream(single, args.single_stream_tokens)),
+                    ("batch", "nanoserve", lambda: nanoserve_batch(llm, workload)),
+                    ("batch", "llama.cpp", lambda: peer.batch(workload, args.parallel)),
+                ]
+                for workload_name, engine, run in runs:
+                    value = run()
+                    results.setdefault((condition, workload_name, engine), []).append(value)
+                    print(f"# {condition} round {round_id} {workload_name} {engine}: {value:.1f} tok/s", flush=True)
+
+    print("\n| condition | workload | nanoserve tok/s | llama.cpp tok/s | ratio |\n|---|---|---|---|---|")
+    for condition, _ in conditions:
+        for workload_name in ("single", "batch"):
+            ours, theirs = (
+                results[(condition, workload_name, "nanoserve")],
+                results[(condition, workload_name, "llama.cpp")],
+            )
+            print(f"| {condition} | {workload_name} | {_fmt(ours)} | {_fmt(theirs)} | {_ratio(ours, theirs)} |")
+    if not args.skip_busy:
+        for workload_name in ("single", "batch"):
+            for engine in ("nanoserve", "llama.cpp"):
+                busy = statistics.median(results[("one core busy", workload_name, engine)])
+                quiet = statistics.median(results[("quiet", workload_name, engine)])
+                print(f"one core busy / quiet, {workload_name}, {engine}: {busy / quiet:.0%}")
+    print(f"nanoserve weights in memory: {llm.engine.runner.weight_bytes / 2**20:.1f} MiB", flush=True)
+    llm.shutdown()
+
+    if not args.skip_startup:
+        for _ in range(args.rounds):
+            ours_s, ours_rss = nanoserve_startup(args.quantization)
+            theirs_s, theirs_rss = llamacpp_startup(model_path)
+            print(
+                f"start-up: nanoserve serve -> SERVING {ours_s:.2f} s, peak RSS {ours_rss / 2**20:.0f} MiB; "
+                f"llama.cpp (python + import + load) {theirs_s:.2f} s, peak RSS {theirs_rss / 2**20:.0f} MiB",
+                flush=True,
+            )
+
+
+class _ChatTokens:
+    """The chat template of nanoserve's tokenizer, as ``build_workload`` wants it."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.tokenizer = llm.tokenizer
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages)
+
+
+if __name__ == "__main__":
+    main()

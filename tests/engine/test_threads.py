@@ -1,0 +1,66 @@
+"""Thread count from affinity and cgroup quota; the per-step-size thread tuner."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nanoserve.engine.threads import ThreadTuner, available_cpus, cgroup_cpu_limit, prefer_passive_wait
+
+
+def test_cgroup_v2_quota_caps_the_thread_count(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 1.5
+    assert available_cpus(tmp_path) == min(len(os.sched_getaffinity(0)), 2)
+
+
+def test_cgroup_v2_without_quota_leaves_the_affinity(tmp_path):
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(tmp_path) is None
+    assert available_cpus(tmp_path) == len(os.sched_getaffinity(0))
+
+
+def test_cgroup_v1_quota_is_read(tmp_path):
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(tmp_path) == 0.5
+    assert available_cpus(tmp_path) == 1
+
+
+def test_wait_policy_set_by_the_user_is_kept(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert prefer_passive_wait() == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert prefer_passive_wait() == "PASSIVE"
+
+
+@pytest.mark.parametrize(("num_tokens", "bucket"), [(1, 1), (2, 2), (3, 4), (64, 64), (65, 128)])
+def test_steps_fall_into_power_of_two_buckets(num_tokens, bucket):
+    assert ThreadTuner.bucket(num_tokens) == bucket
+
+
+def test_tuner_tries_every_count_then_keeps_the_fastest_and_explores_again():
+    tuner = ThreadTuner(4, explore_every=8)
+    assert tuner.candidates == [1, 2, 4]
+    seconds = {1: 0.010, 2: 0.030, 4: 0.050}  # a busy neighbour: fewer threads win
+    chosen = []
+    for _ in range(16):
+        n = tuner.choose(1)
+        chosen.append(n)
+        tuner.record(1, n, seconds[n])
+    assert chosen == [1, 2, 4, 1, 1, 1, 1, 1, 1, 2, 4, 1, 1, 1, 1, 1]
+    assert tuner.choose(200) == 1  # a new bucket starts its own trials
+
+
+def test_tuner_follows_a_change_of_load():
+    tuner = ThreadTuner(2, explore_every=4, smoothing=1.0)
+    for n, s in ((1, 0.01), (2, 0.02)):
+        tuner.record(1, n, s)
+    tuner.record(1, 1, 0.01)
+    tuner.record(1, 1, 0.01)
+    assert tuner.choose(1) == 1
+    tuner.record(1, 1, 0.05)  # the neighbour left: now two threads are faster
+    tuner.record(1, 2, 0.005)
+    assert tuner.choose(1) == 2
