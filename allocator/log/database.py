@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -119,23 +120,32 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
 
 
 def insert_rows(conn: sa.Connection, rows: list[Row]) -> None:
-    """Insert event rows inside ``conn``'s transaction through the driver itself.
+    """Insert event rows inside ``conn``'s transaction through the driver itself (``insert_through_driver``)."""
+    insert_through_driver(conn, allocator_events, ROW_COLUMNS, rows)
+
+
+def insert_through_driver(
+    conn: sa.Connection, table: sa.Table, columns: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> None:
+    """Insert ``rows`` (values in ``columns`` order) into ``table`` inside ``conn``'s transaction.
 
     PostgreSQL gets COPY, SQLite one executemany of a prepared INSERT: SQLAlchemy's
     per-row parameter processing cost more than the database's own work here.
     """
+    if not rows:
+        return
     driver = conn.connection.driver_connection
     assert driver is not None, "a connection inside a transaction has its driver connection"
     cursor = driver.cursor()
-    columns = ", ".join(ROW_COLUMNS)
+    names = ", ".join(columns)
     try:
         if conn.dialect.name == "postgresql":
-            with cursor.copy(f"COPY {allocator_events.name} ({columns}) FROM STDIN") as copy:
+            with cursor.copy(f"COPY {table.name} ({names}) FROM STDIN") as copy:
                 for row in rows:
                     copy.write_row(row)
         else:
             marker = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-            placeholders = ", ".join([marker] * len(ROW_COLUMNS))
-            cursor.executemany(f"INSERT INTO {allocator_events.name} ({columns}) VALUES ({placeholders})", rows)
+            placeholders = ", ".join([marker] * len(columns))
+            cursor.executemany(f"INSERT INTO {table.name} ({names}) VALUES ({placeholders})", rows)
     finally:
         cursor.close()

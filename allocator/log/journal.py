@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 
+from nanoserve.allocator.log.database import insert_through_driver
 from nanoserve.allocator.log.schema import request_journal
 
 
@@ -68,24 +69,8 @@ def encode_journal(data: dict[str, Any]) -> str:
 
 
 def insert_journal_rows(conn: sa.Connection, rows: Sequence[JournalRow]) -> None:
-    """Insert journal rows inside ``conn``'s transaction with one executemany of the driver."""
-    if not rows:
-        return
-    driver = conn.connection.driver_connection
-    assert driver is not None, "a connection inside a transaction has its driver connection"
-    cursor = driver.cursor()
-    columns = ", ".join(JOURNAL_COLUMNS)
-    try:
-        if conn.dialect.name == "postgresql":
-            with cursor.copy(f"COPY {request_journal.name} ({columns}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
-        else:
-            marker = "?" if conn.dialect.paramstyle == "qmark" else "%s"
-            placeholders = ", ".join([marker] * len(JOURNAL_COLUMNS))
-            cursor.executemany(f"INSERT INTO {request_journal.name} ({columns}) VALUES ({placeholders})", rows)
-    finally:
-        cursor.close()
+    """Insert journal rows inside ``conn``'s transaction with one COPY / executemany of the driver."""
+    insert_through_driver(conn, request_journal, JOURNAL_COLUMNS, rows)
 
 
 @dataclass(frozen=True)
