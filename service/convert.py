@@ -181,15 +181,23 @@ def to_sampling_params(params: pb.SamplingParameters, cache_salt: str = "") -> S
         kwargs["cache_salt"] = cache_salt
     if kwargs.get("top_k") == 0:
         del kwargs["top_k"]  # 0 = off, the engine's None
-    if params.min_tokens:
-        kwargs["min_tokens"] = params.min_tokens
-    if params.stop:
-        kwargs["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        kwargs["stop_token_ids"] = list(params.stop_token_ids)
-    if params.ignore_eos:
-        kwargs["ignore_eos"] = True
+    kwargs.update(stop_and_length_fields(params))
     return SamplingParams(**kwargs)
+
+
+def stop_and_length_fields(params: Any) -> dict[str, Any]:
+    """``min_tokens``, ``stop``, ``stop_token_ids`` and ``ignore_eos`` of a sampling message, the set ones
+    only, as SamplingParams keywords (nanoserve.v1's and vLLM's messages spell them alike)."""
+    fields: dict[str, Any] = {}
+    if params.min_tokens:
+        fields["min_tokens"] = params.min_tokens
+    if params.stop:
+        fields["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        fields["stop_token_ids"] = list(params.stop_token_ids)
+    if params.ignore_eos:
+        fields["ignore_eos"] = True
+    return fields
 
 
 def to_token_logprob(logprob: TokenLogprob) -> pb.TokenLogprob:

@@ -51,6 +51,7 @@ from nanoserve.engine.errors import EngineDeadError, InvalidRequestError
 from nanoserve.engine.outputs import AbortCause
 from nanoserve.engine.prompts import TokensPrompt
 from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.service import convert
 
 if TYPE_CHECKING:  # the engine proper imports torch; these are only types here
     from nanoserve.engine import ModelInfo, PoolStatus, RequestOutput
@@ -139,14 +140,7 @@ def to_sampling_params(params: vpb.SamplingParams) -> SamplingParams:
     for name in ("temperature", "seed", "logprobs"):
         if params.HasField(name):
             kwargs[name] = getattr(params, name)
-    if params.min_tokens:
-        kwargs["min_tokens"] = params.min_tokens
-    if params.stop:
-        kwargs["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        kwargs["stop_token_ids"] = list(params.stop_token_ids)
-    if params.ignore_eos:
-        kwargs["ignore_eos"] = True
+    kwargs.update(convert.stop_and_length_fields(params))
     return SamplingParams(**kwargs)
 
 
