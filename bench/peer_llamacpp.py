@@ -1,8 +1,10 @@
 """nanoserve against llama.cpp's server engine (the ``xllamacpp`` wheel) on the same GGUF and workload.
 
-Both engines load the same file (SmolLM2-135M-Instruct Q4_1 by default) in this
-process and take turns, round by round, so a change in the machine's load hits
-both. Workloads (greedy, ignore_eos):
+Both engines load the same file (SmolLM2-135M-Instruct Q4_1 by default) and take
+turns, round by round, so a change in the machine's load hits both. llama.cpp
+runs in a child process of its own: two OpenMP pools in one process (torch's and
+ggml's) wake and spin against each other, which cost nanoserve a quarter of its
+single-stream speed when both lived here. Workloads (greedy, ignore_eos):
 
 - single stream: one chat request of ``--single-stream-tokens`` new tokens; decode
   tokens/s after the first token (ours from the request's metrics, llama.cpp's from
@@ -19,6 +21,7 @@ the loaded weights take (``ModelRunner.weight_bytes``).
     pip install -e '.[bench]'
     .venv/bin/python -m bench.peer_llamacpp                 # everything, 2 rounds
     .venv/bin/python -m bench.peer_llamacpp --rounds 1 --skip-busy --skip-startup
+    .venv/bin/python -m bench.peer_llamacpp --workloads single --rounds 4 --skip-startup
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import multiprocessing
 import os
 import socket
 import statistics
@@ -33,15 +37,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does, before torch starts its pool
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# llama.cpp's process gets the environment as the user gave it, before nanoserve sets its OpenMP spin
+PEER_ENVIRON = dict(os.environ)
 
-from bench.workload import WorkloadRequest, build_workload
-from nanoserve.engine import LLM, SamplingParams, TokensPrompt
-from nanoserve.engine.threads import available_cpus
-from nanoserve.engine.weights import default_model_path
+from bench.workload import WorkloadRequest, build_workload  # noqa: E402
+from nanoserve.engine import LLM, SamplingParams, TokensPrompt  # noqa: E402
+from nanoserve.engine.threads import available_cpus  # noqa: E402
+from nanoserve.engine.weights import default_model_path  # noqa: E402
 
 
 class LlamaCpp:
@@ -83,6 +89,49 @@ class LlamaCpp:
         generated = sum(int(reply["usage"]["completion_tokens"]) for reply in replies)
         assert generated == sum(r.max_tokens for r in workload), "ignore_eos: every request runs to max_tokens"
         return generated / elapsed
+
+
+def _serve_llamacpp(
+    conn: Connection, environ: dict[str, str], model_path: str, n_parallel: int, slot_tokens: int, num_threads: int
+) -> None:
+    """The child process: one ``LlamaCpp``, running each (method, args) the parent sends, until None."""
+    os.environ.clear()  # before xllamacpp loads its OpenMP runtime, which reads the environment once
+    os.environ.update(environ)
+    peer = LlamaCpp(model_path, n_parallel, slot_tokens, num_threads)
+    conn.send("ready")
+    while (call := conn.recv()) is not None:
+        method, args = call
+        conn.send(getattr(peer, method)(*args))
+
+
+class LlamaCppProcess:
+    """``LlamaCpp`` in a child process (spawned: no torch pool inherited), driven over a pipe."""
+
+    def __init__(self, model_path: str, n_parallel: int, slot_tokens: int, num_threads: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_serve_llamacpp,
+            args=(child_conn, PEER_ENVIRON, model_path, n_parallel, slot_tokens, num_threads),
+            daemon=True,
+        )
+        self._process.start()
+        if self._conn.recv() != "ready":
+            raise RuntimeError("llama.cpp's process did not start")
+
+    def _call(self, method: str, *args: Any) -> float:
+        self._conn.send((method, args))
+        return float(self._conn.recv())
+
+    def single_stream(self, request: WorkloadRequest, num_tokens: int) -> float:
+        return self._call("single_stream", request, num_tokens)
+
+    def batch(self, workload: list[WorkloadRequest], parallel: int) -> float:
+        return self._call("batch", workload, parallel)
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._process.join(30)
 
 
 def nanoserve_single_stream(llm: LLM, request: WorkloadRequest, num_tokens: int) -> float:
@@ -202,6 +251,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", help="nanoserve's --quantization")
     parser.add_argument("--dtype", default="auto", help="nanoserve's --dtype")
     parser.add_argument("--llamacpp-threads", type=int, default=None, help="default: the CPUs this process may use")
+    parser.add_argument("--workloads", default="single,batch", help="comma-separated: single, batch")
     parser.add_argument("--skip-busy", action="store_true", help="no runs with a busy core")
     parser.add_argument("--skip-startup", action="store_true", help="no start-up measurement")
     parser.add_argument("--seed", type=int, default=0)
@@ -222,7 +272,8 @@ def main() -> None:
     )
     single = workload[0]
     slot_tokens = max(len(r.prompt_token_ids) + r.max_tokens for r in workload) + args.single_stream_tokens
-    peer = LlamaCpp(model_path, args.parallel, slot_tokens, threads)
+    peer = LlamaCppProcess(model_path, args.parallel, slot_tokens, threads)
+    workloads = args.workloads.split(",")
     nanoserve_batch(llm, workload[:8])  # warm both up
     peer.batch(workload[:8], args.parallel)
 
@@ -242,26 +293,29 @@ def main() -> None:
                     ("batch", "llama.cpp", lambda: peer.batch(workload, args.parallel)),
                 ]
                 for workload_name, engine, run in runs:
+                    if workload_name not in workloads:
+                        continue
                     value = run()
                     results.setdefault((condition, workload_name, engine), []).append(value)
                     print(f"# {condition} round {round_id} {workload_name} {engine}: {value:.1f} tok/s", flush=True)
 
     print("\n| condition | workload | nanoserve tok/s | llama.cpp tok/s | ratio |\n|---|---|---|---|---|")
     for condition, _ in conditions:
-        for workload_name in ("single", "batch"):
+        for workload_name in workloads:
             ours, theirs = (
                 results[(condition, workload_name, "nanoserve")],
                 results[(condition, workload_name, "llama.cpp")],
             )
             print(f"| {condition} | {workload_name} | {_fmt(ours)} | {_fmt(theirs)} | {_ratio(ours, theirs)} |")
     if not args.skip_busy:
-        for workload_name in ("single", "batch"):
+        for workload_name in workloads:
             for engine in ("nanoserve", "llama.cpp"):
                 busy = statistics.median(results[("one core busy", workload_name, engine)])
                 quiet = statistics.median(results[("quiet", workload_name, engine)])
                 print(f"one core busy / quiet, {workload_name}, {engine}: {busy / quiet:.0%}")
     print(f"nanoserve weights in memory: {llm.engine.runner.weight_bytes / 2**20:.1f} MiB", flush=True)
     llm.shutdown()
+    peer.close()
 
     if not args.skip_startup:
         for _ in range(args.rounds):

@@ -9,11 +9,12 @@ Heavy modules (torch, the model runner) load on first use of a name, so that
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
 
-# Threads that yield (see nanoserve.engine.threads): effective when this runs before torch starts its pool.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from nanoserve.engine.threads import prefer_bounded_spin
+
+# Threads that spin briefly, then sleep (see nanoserve.engine.threads): effective before torch starts its pool.
+prefer_bounded_spin()
 
 if TYPE_CHECKING:
     from nanoserve.engine.async_llm_engine import AsyncLLMEngine, RequestStream

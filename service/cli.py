@@ -32,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports torch: its OpenMP pool reads the wait policy once, at start.
-    from nanoserve.engine.threads import prefer_passive_wait
+    from nanoserve.engine.threads import prefer_bounded_spin
 
-    prefer_passive_wait()
+    prefer_bounded_spin()
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from nanoserve.engine.threads import ThreadTuner, available_cpus, cgroup_cpu_limit, prefer_passive_wait
+from nanoserve.engine.threads import SPIN_ENV, ThreadTuner, available_cpus, cgroup_cpu_limit, prefer_bounded_spin
 
 
 def test_cgroup_v2_quota_caps_the_thread_count(tmp_path):
@@ -29,11 +31,24 @@ def test_cgroup_v1_quota_is_read(tmp_path):
     assert available_cpus(tmp_path) == 1
 
 
-def test_wait_policy_set_by_the_user_is_kept(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert prefer_passive_wait() == "ACTIVE"
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    assert prefer_passive_wait() == "PASSIVE"
+def test_the_pool_spins_briefly_unless_the_user_chose():
+    environ: dict[str, str] = {"PATH": "/bin"}
+    assert prefer_bounded_spin(environ) == "GOMP_SPINCOUNT=10000 KMP_BLOCKTIME=1"
+    assert environ == {"PATH": "/bin", "GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
+
+
+@pytest.mark.parametrize("chosen", [{"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}, {"KMP_BLOCKTIME": "200"}])
+def test_a_wait_policy_set_by_the_user_is_kept(chosen):
+    environ = dict(chosen)
+    prefer_bounded_spin(environ)
+    assert environ == chosen
+
+
+def test_importing_the_engine_sets_the_spin_before_torch_loads():
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", *SPIN_ENV)}
+    code = "import sys, os, nanoserve.engine; print('torch' in sys.modules, os.environ['GOMP_SPINCOUNT'])"
+    out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "10000"]
 
 
 @pytest.mark.parametrize(("num_tokens", "bucket"), [(1, 1), (2, 2), (3, 4), (64, 64), (65, 128)])
