@@ -4,7 +4,8 @@ Both engines load the same file (SmolLM2-135M-Instruct Q4_1 by default) and take
 turns, round by round, so a change in the machine's load hits both. llama.cpp
 runs in a child process of its own: two OpenMP pools in one process (torch's and
 ggml's) wake and spin against each other, which cost nanoserve a quarter of its
-single-stream speed when both lived here. Workloads (greedy, ignore_eos):
+single-stream speed when both lived here. llama.cpp's OpenMP waits passively (its
+fastest setting here, see ``PEER_ENVIRON``) unless the environment chose. Workloads (greedy, ignore_eos):
 
 - single stream: one chat request of ``--single-stream-tokens`` new tokens; decode
   tokens/s after the first token (ours from the request's metrics, llama.cpp's from
@@ -41,8 +42,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# llama.cpp's process gets the environment as the user gave it, before nanoserve sets its OpenMP spin
-PEER_ENVIRON = dict(os.environ)
+# llama.cpp's process: the environment as the user gave it, before nanoserve sets its OpenMP spin, with the
+# wait policy it ran fastest with here unless the user chose one (single stream on 2 shared AVX2 cores:
+# 44-52 tok/s with OMP_WAIT_POLICY=PASSIVE, 6-23 with libgomp's default spin, 7-34 with GOMP_SPINCOUNT=10000)
+PEER_ENVIRON = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
 
 from bench.workload import WorkloadRequest, build_workload  # noqa: E402
 from nanoserve.engine import LLM, SamplingParams, TokensPrompt  # noqa: E402
