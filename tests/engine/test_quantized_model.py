@@ -2,10 +2,16 @@
 
 The quantized path (``quantization auto``, no dense copies for big steps) multiplies
 the file's own 4-bit codes in every step, prefill included;
-the dense path holds the same values rounded to bf16. Greedy decoding must agree
-on the first ``NUM_EQUAL_TOKENS`` tokens of every prompt, and the perplexity of
-``PARAGRAPH`` must differ by less than 1%. Measured here: perplexity 34.29 on the
-dense bf16 path, 34.45 quantized (+0.47%).
+the dense path holds the same values rounded to bf16. Over the first
+``NUM_EQUAL_TOKENS`` greedy tokens of every prompt (the dense path's, fed to both
+in one prefill), the quantized path picks the same next token, except where the
+dense path's best two are within ``NEAR_TIE`` logits. Free-running greedy text
+is no fair test: at a near tie the winner depends on rounding, so on an AVX2 CPU
+the dense path alone picks a different 6th token for one oracle prompt in decode
+steps than in one prefill, and the two texts part from there.
+The perplexity of
+``PARAGRAPH`` must differ by less than 1%. Measured: perplexity 34.29 on the dense
+bf16 path, 34.45 quantized (+0.47%).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from nanoserve.engine.weights import default_model_path, load_checkpoint
 pytestmark = pytest.mark.real_model
 
 NUM_EQUAL_TOKENS = 8
+NEAR_TIE = 0.25  # logits; the bf16 rounding of a logit near 20 is 0.0625-0.125
 PROMPTS = [
     "The quick brown fox",
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -79,12 +86,31 @@ def test_quantized_q_rows_are_unpermuted_like_the_dense_ones():
     torch.testing.assert_close(kept.dequantize(), dense, rtol=0, atol=0)
 
 
-def test_greedy_first_tokens_equal_the_dense_path(dense, quantized, greedy):
+def next_token_logits(runner, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Logits [len(continuation), vocab] predicting each continuation token, in one prefill of both."""
+    token_ids = prompt + continuation
+    blocks = list(range(-(-len(token_ids) // 16)))
+    batch = ForwardBatch.build([SeqSlice(token_ids, 0, blocks)], 16, runner.device)
+    first = len(prompt) - 1
+    return runner.forward(dataclasses.replace(batch, logits_indices=torch.arange(first, first + len(continuation))))
+
+
+def test_greedy_tokens_equal_the_dense_path_but_at_near_ties(dense, quantized, greedy):
     tok = dense.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS] + [tok.apply_chat_template(c) for c in CHATS]
-    ours, _ = greedy(quantized, prompts, NUM_EQUAL_TOKENS)
-    theirs, _ = greedy(dense, prompts, NUM_EQUAL_TOKENS)
-    assert ours == theirs
+    continuations, _ = greedy(dense, prompts, NUM_EQUAL_TOKENS)
+    differing = []
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        dense_logits = next_token_logits(dense, prompt, continuation)
+        dense_picks = dense_logits.argmax(-1).tolist()  # the continuation's tokens, but at a near tie
+        quantized_picks = next_token_logits(quantized, prompt, continuation).argmax(-1).tolist()
+        for position, (want, got) in enumerate(zip(dense_picks, quantized_picks, strict=True)):
+            if got != want:
+                margin = float(dense_logits[position, want] - dense_logits[position, got])
+                differing.append((tok.decode(prompt)[-30:], position, want, got, round(margin, 3)))
+    print(f"quantized picks that differ from the dense path: {differing}")
+    assert all(margin < NEAR_TIE for *_, margin in differing), differing
+    assert len(differing) <= 1, differing  # near ties are rare: one token in 40 at most
 
 
 def test_perplexity_within_one_percent_of_the_dense_path(dense, quantized):
