@@ -34,6 +34,7 @@ GROUP_SIZE = 32  # weights per GGUF block and per int4 scale group
 INNER_K_TILES = 2  # int4 packing tiles: K must be a multiple of INNER_K_TILES * 16
 Q4_0, Q4_1, Q8_0 = "Q4_0", "Q4_1", "Q8_0"
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+ROWS_PER_CHUNK = 2048  # rows an Int8Linear requantizes at a time at load
 DENSE_MIN_TOKENS = 9  # steps of this many tokens or more use an Int4Linear's dense copy, when it has one
 _fallbacks_logged: set[tuple[str, str]] = set()
 
@@ -175,20 +176,41 @@ class Int4Linear:
 
 
 class Int8Linear:
-    """``y = x @ (codes * scale).T + bias``, int8 codes [N, K] with one scale per output row."""
+    """``y = x @ (codes * scale).T + bias``, int8 codes [N, K] with one scale per output row.
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
+    Built ``ROWS_PER_CHUNK`` rows at a time from a dense or a quantized weight, so
+    the float copy made at load is [ROWS_PER_CHUNK, K], not the whole [N, K] (the
+    tied embedding / lm_head: 113 MiB in float32).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, bias: torch.Tensor | None = None
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
-        weight = weight.float()
-        scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N]
-        self.codes = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
+        self.codes = torch.empty(weight.shape, dtype=torch.int8)  # [N, K]
+        scale = torch.empty(self.out_features)  # [N] fp32
+        for start in range(0, self.out_features, ROWS_PER_CHUNK):
+            end = min(start + ROWS_PER_CHUNK, self.out_features)
+            rows = _float_rows(weight, start, end)  # [end - start, K] fp32
+            row_scale = (rows.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            self.codes[start:end] = (rows / row_scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            scale[start:end] = row_scale
         self.scale = scale.to(dtype)
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), self.codes, self.scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def _float_rows(weight: torch.Tensor | QuantizedWeight, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` of a weight as float32 [end - start, K] (quantized: by ``unpacked_float``)."""
+    if isinstance(weight, QuantizedWeight):
+        return unpacked_float(
+            QuantizedWeight(weight.blocks[start:end], weight.quant_type, (end - start, weight.shape[1]))
+        )
+    return weight[start:end].float()
 
 
 AnyLinear = Linear | Int4Linear | Int8Linear
@@ -255,8 +277,7 @@ def make_linear(
         _log_fallback("device", f"{device.type}: no quantized layout here yet, weights dequantized")
         return dense()
     if want == "int8":
-        values = unpacked_float(weight) if isinstance(weight, QuantizedWeight) else weight
-        return Int8Linear(values, kernel_dtype, bias)
+        return Int8Linear(weight, kernel_dtype, bias)
     if not int4_shape_ok(out_features, in_features):
         _log_fallback("shape", f"int4 kernel cannot take [{out_features}, {in_features}]")
         return dense()

@@ -125,6 +125,20 @@ def test_q8_0_unpacks_to_gguf_values_and_int8_linear_stays_within_a_step():
     torch.testing.assert_close(linear(x), expected, rtol=INT8_RTOL, atol=INT8_RTOL * expected.abs().max().item())
 
 
+def test_int8_linear_built_in_row_chunks_from_blocks_equals_one_requantization_of_the_dense_weight(monkeypatch):
+    from nanoserve.engine.models import quantized_linear
+
+    weight = random_blocks("Q8_0", 10, 64, seed=4)
+    dense = gguf_dense(weight)
+    scale = (dense.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = (dense / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    monkeypatch.setattr(quantized_linear, "ROWS_PER_CHUNK", 4)  # chunks of 4, 4 and 2 rows
+    for source in (weight, dense):
+        linear = Int8Linear(source, torch.float32)
+        assert torch.equal(linear.codes, codes)
+        assert torch.equal(linear.scale, scale)
+
+
 def test_int4_setting_quantizes_float_weights_within_half_a_step():
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
     codes, scale, zero = quantize_q4(weight)
