@@ -14,6 +14,7 @@ into one ``index_copy_``. The block ids themselves belong to the allocator.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +50,15 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """K and V block tensors for every layer, allocated once at start-up.
+    """K and V block tensors for every layer, allocated once at start-up, all zeros.
 
     ``key_caches[i]`` and ``value_caches[i]``: [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Zeros, not uninitialized memory: decode attention reads whole blocks, the slots
+    not yet written included (masked to weight 0), and 0 x NaN garbage would be NaN.
+    On the CPU the tensors are views of one anonymous memory map, whose pages the
+    kernel hands out zeroed on first touch: start-up neither writes the cache nor
+    makes it resident (``torch.zeros`` of the default 1 GiB budget did both).
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
@@ -60,8 +67,9 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        caches = _zeros(2 * spec.num_layers, shape, spec.dtype, device)
+        self.key_caches = caches[: spec.num_layers]
+        self.value_caches = caches[spec.num_layers :]
 
     @property
     def block_size(self) -> int:
@@ -75,3 +83,16 @@ class KVCache:
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.spec.bytes_per_block
+
+
+def _zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """``count`` zero tensors of ``shape``: on the CPU views of one lazily zeroed anonymous map."""
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    numel = 1
+    for size in shape:
+        numel *= size
+    element_size = torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, count * numel * element_size)  # MAP_ANONYMOUS: zero-filled, resident once touched
+    flat = torch.frombuffer(pages, dtype=dtype)  # holds a reference to the map
+    return [flat[i * numel : (i + 1) * numel].view(shape) for i in range(count)]

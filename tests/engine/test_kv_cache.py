@@ -32,3 +32,12 @@ def test_cache_tensors_have_block_layout():
     assert cache.key_caches[1].shape == (5, 4, 2, 8)
     assert cache.num_tokens == 20
     assert cache.num_bytes == 5 * 2 * 2 * 4 * 2 * 8 * 4
+
+
+def test_cache_starts_as_zeros_in_separate_writable_tensors():
+    spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    cache = KVCache(spec, num_blocks=3, device=torch.device("cpu"))
+    tensors = cache.key_caches + cache.value_caches
+    assert all(t.dtype == torch.bfloat16 and not t.any() for t in tensors)
+    tensors[1].fill_(1.0)  # layer 1's K: no other layer's K or V changes
+    assert [int(t.sum()) for t in tensors] == [0, 3 * 4 * 2 * 8, 0, 0]
