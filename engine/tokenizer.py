@@ -19,6 +19,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# tokenizer_class of transformers' generic fast tokenizer (v5 name, v4 name)
+GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
 
 class Tokenizer:
     """A fast tokenizer plus what generation needs from the model's metadata.
@@ -167,16 +170,17 @@ def _gguf_tokenizer(path: Path) -> Any:
     is skipped.
     """
     import transformers
-    from transformers import AutoTokenizer
 
     stat = path.resolve().stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     folder = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
     if (folder / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            return _cached_tokenizer(folder)
         except (OSError, ValueError):
             shutil.rmtree(folder, ignore_errors=True)  # a damaged entry: convert again below
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -189,6 +193,24 @@ def _gguf_tokenizer(path: Path) -> Any:
     except OSError:
         pass
     return tok
+
+
+def _cached_tokenizer(folder: Path) -> Any:
+    """A tokenizer saved in the cache, by the class it was saved as.
+
+    The generic fast tokenizer (what a GGUF converts to) is built by its own class:
+    ``AutoTokenizer`` would first import transformers' registry of every model
+    (~0.4 s of start-up) only to pick that class. Other classes go through it.
+    Raises OSError / ValueError for a damaged entry.
+    """
+    saved_as = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if saved_as in GENERIC_FAST_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def _gguf_eos_ids(path: Path) -> set[int]:

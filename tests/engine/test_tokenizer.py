@@ -151,3 +151,6 @@ def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, mon
     assert cached.apply_chat_template(chat) == converted.apply_chat_template(chat)
     assert cached.encode("Le café coûte 3 € ; 東京") == converted.encode("Le café coûte 3 € ; 東京")
     assert cached.vocab_size == converted.vocab_size == 49152
+    assert type(cached._tok) is type(converted._tok)  # read back by its own class, not through AutoTokenizer
+    assert cached.decode(converted.encode("<|im_start|>hi")) == "<|im_start|>hi"
+    assert cached.eos_token_ids == converted.eos_token_ids
