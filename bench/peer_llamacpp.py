@@ -30,14 +30,17 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import multiprocessing
 import os
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -179,8 +182,41 @@ def _vm_hwm_bytes(pid: int) -> int:
     raise RuntimeError("no VmHWM in /proc status")
 
 
-def nanoserve_startup(quantization: str) -> tuple[float, int]:
-    """Seconds from ``nanoserve serve`` to health SERVING, and the server's peak RSS then."""
+@dataclass(frozen=True)
+class StartupFigures:
+    """One ``nanoserve serve`` start: wall seconds to SERVING, and its memory from its ``model_runner.ready`` line.
+
+    rss_before_load_bytes: interpreter and imports, when the model runner starts; peak_rss_bytes:
+    VmHWM at SERVING; weight_bytes: the weights as loaded (``ModelRunner.weight_bytes``).
+    """
+
+    serving_s: float
+    load_s: float  # the model runner's own: threads, file, weights, tokenizer, KV cache
+    tokenizer_wait_s: float  # of load_s, waiting for the tokenizer's thread after the weights
+    rss_before_load_bytes: int
+    rss_after_load_bytes: int
+    peak_rss_bytes: int
+    weight_bytes: int
+
+    @property
+    def load_transient_bytes(self) -> int:
+        """What the load added at its peak: peak minus the resident set before it."""
+        return self.peak_rss_bytes - self.rss_before_load_bytes
+
+    def line(self) -> str:
+        mib = 2**20
+        return (
+            f"nanoserve serve -> SERVING {self.serving_s:.2f} s (model runner {self.load_s:.2f} s, of which "
+            f"{self.tokenizer_wait_s:.2f} s waiting for the tokenizer); RSS before load "
+            f"{self.rss_before_load_bytes / mib:.0f} MiB, peak {self.peak_rss_bytes / mib:.0f} MiB, after load "
+            f"{self.rss_after_load_bytes / mib:.0f} MiB, weights {self.weight_bytes / mib:.0f} MiB; "
+            f"load peak - before {self.load_transient_bytes / mib:.0f} MiB = "
+            f"{self.load_transient_bytes / self.weight_bytes:.2f}x weights (target < 1.5x)"
+        )
+
+
+def nanoserve_startup(quantization: str) -> StartupFigures:
+    """``nanoserve serve`` in a fresh process to health SERVING, with the memory its load took."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -189,26 +225,46 @@ def nanoserve_startup(quantization: str) -> tuple[float, int]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "nanoserve.service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--metrics-port", "off", "--event-log-url", "none", "--kv-cache-memory", "64MiB"]
-    cmd += ["--quantization", quantization, "--log-level", "warning"]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    cmd += ["--quantization", quantization, "--log-level", "info", "--log-format", "json"]
+    with tempfile.TemporaryFile("w+") as log_file:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            while True:  # a fresh channel per try: a failed connect would otherwise wait out grpc's reconnect backoff
+                if proc.poll() is not None:
+                    raise RuntimeError(f"nanoserve serve exited with {proc.returncode}")
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    try:
+                        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                    except grpc.RpcError:
+                        pass
+                time.sleep(0.02)
+            elapsed = time.perf_counter() - start
+            peak = _vm_hwm_bytes(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        log_file.seek(0)
+        ready = next(e for e in map(_json_or_none, log_file) if e and e.get("event") == "model_runner.ready")
+    return StartupFigures(
+        elapsed,
+        ready["load_s"],
+        ready["tokenizer_wait_s"],
+        ready["rss_before_load_bytes"],
+        ready["rss_after_load_bytes"],
+        peak,
+        ready["weight_bytes"],
+    )
+
+
+def _json_or_none(line: str) -> dict[str, Any] | None:
     try:
-        while True:  # a fresh channel per try: a failed connect would otherwise wait out grpc's reconnect backoff
-            if proc.poll() is not None:
-                raise RuntimeError(f"nanoserve serve exited with {proc.returncode}")
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-            time.sleep(0.02)
-        elapsed = time.perf_counter() - start
-        return elapsed, _vm_hwm_bytes(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 LLAMACPP_STARTUP = """
@@ -322,10 +378,10 @@ def main() -> None:
 
     if not args.skip_startup:
         for _ in range(args.rounds):
-            ours_s, ours_rss = nanoserve_startup(args.quantization)
+            ours = nanoserve_startup(args.quantization)
             theirs_s, theirs_rss = llamacpp_startup(model_path)
             print(
-                f"start-up: nanoserve serve -> SERVING {ours_s:.2f} s, peak RSS {ours_rss / 2**20:.0f} MiB; "
+                f"start-up: {ours.line()}; "
                 f"llama.cpp (python + import + load) {theirs_s:.2f} s, peak RSS {theirs_rss / 2**20:.0f} MiB",
                 flush=True,
             )

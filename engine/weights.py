@@ -6,7 +6,7 @@ Hugging Face names, which ``LlamaForCausalLM.load_weights`` fuses and casts.
 GGUF notes (spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md): the file is
 parsed once by ``gguf.GGUFReader`` and memory-mapped. Under ``quantization``
 other than ``none``, Q4_0/Q4_1/Q8_0 tensors stay in their blocks
-(``QuantizedWeight``, a view of the mapped file) for the quantized kernels; every
+(``QuantizedWeight``, read from the file when looked up: ``GGUFTensors``) for the quantized kernels; every
 other tensor, and all of them under ``none``, is dequantized with
 ``gguf.quants.dequantize`` (every type it knows: Q4_0/Q4_1/Q5_*/Q8_0/K-quants/IQ*/F16/BF16/F32).
 For the ``llama`` architecture the converter permuted the rows of Q and K so llama.cpp can rotate adjacent pairs;
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,13 @@ class Checkpoint:
     """What a model file holds, ready for ``LlamaForCausalLM``.
 
     weights: Hugging Face tensor name -> float32 (or the file's float dtype) tensor, or a
-        ``QuantizedWeight`` (GGUF blocks kept as shipped) when loaded with quantization.
+        ``QuantizedWeight`` (GGUF blocks kept as shipped) when loaded with quantization; for a
+        GGUF a ``GGUFTensors``, which reads each tensor from the file when it is looked up.
     rope_freq_factors: GGUF ``rope_freqs`` ([head_dim // 2]) when present.
     """
 
     config: LlamaConfig
-    weights: dict[str, torch.Tensor | QuantizedWeight]
+    weights: Mapping[str, torch.Tensor | QuantizedWeight]
     name: str
     path: Path
     rope_freq_factors: torch.Tensor | None = None
@@ -164,8 +166,6 @@ def gguf_reader(path: Path) -> Any:
 
 
 def _load_gguf(path: Path, keep_quantized: bool) -> Checkpoint:
-    from gguf.quants import dequantize
-
     reader = gguf_reader(path)
     arch = _gguf_field(reader, "general.architecture")
     _check_architecture(arch, path)
@@ -195,30 +195,78 @@ def _load_gguf(path: Path, keep_quantized: bool) -> Checkpoint:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         architecture=arch,
     )
-    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    # rows of Q and K (weight and bias) to un-permute: GGUF role -> heads
+    qk_heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch in _PERMUTED_QK_ARCHITECTURES else {}
+    sources: dict[str, tuple[str, int | None]] = {}
+    for name in tensors:
+        if name != "rope_freqs.weight":
+            role = name.split(".")[-2] if name.startswith("blk.") else ""
+            sources[_hf_name(name, path)] = (name, qk_heads.get(role))
+    weights = GGUFTensors(path, tensors, sources, keep_quantized)
     rope_freq_factors = None
-    for name, tensor in tensors.items():
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-        quant_type = tensor.tensor_type.name
-        if keep_quantized and quant_type in BLOCK_BYTES and len(shape) == 2:
-            weights[_hf_name(name, path)] = QuantizedWeight(torch.from_numpy(tensor.data), quant_type, shape)
-            continue
-        values = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).reshape(
-            shape
-        )
-        if name == "rope_freqs.weight":
-            rope_freq_factors = values
-            continue
-        weights[_hf_name(name, path)] = values
-    if arch in _PERMUTED_QK_ARCHITECTURES:
-        for i in range(config.num_layers):
-            for proj, heads in (("q", num_heads), ("k", num_kv_heads)):
-                for kind in ("weight", "bias"):
-                    key = f"model.layers.{i}.self_attn.{proj}_proj.{kind}"
-                    if key in weights:
-                        weights[key] = _unpermute(weights[key], heads)
+    if "rope_freqs.weight" in tensors:
+        factors = GGUFTensors(path, tensors, {"rope_freqs": ("rope_freqs.weight", None)}, False)["rope_freqs"]
+        assert isinstance(factors, torch.Tensor), "read without keep_quantized: dequantized"
+        rope_freq_factors = factors
     eos_ids = {int(_gguf_field(reader, key)) for key in GGUF_EOS_KEYS if key in reader.fields}
     return Checkpoint(config, weights, path.name.removesuffix(".gguf"), path, rope_freq_factors, eos_ids)
+
+
+class GGUFTensors(Mapping[str, "torch.Tensor | QuantizedWeight"]):
+    """Hugging Face name -> tensor of a GGUF file, read from the file at each lookup and kept by nobody here.
+
+    ``gguf.GGUFReader`` parsed the header and the tensor table; a lookup reads the
+    tensor's bytes at its offset with ``readinto``, never through the reader's map,
+    whose pages would stay resident once read (the whole file by the end of a load).
+    ``LlamaForCausalLM.load_weights`` looks each tensor up, converts it and lets it
+    go, so beside the converted weights only the tensor in hand is in memory; a
+    second lookup reads again (the tied embedding is read twice). Quantized types
+    under ``keep_quantized`` come as ``QuantizedWeight`` [rows, row bytes], the rest
+    dequantized to float32 by ``gguf.quants.dequantize``; Q and K rows un-permuted
+    where the converter permuted them.
+
+    Raises ValueError when the file ends before a tensor does.
+    """
+
+    def __init__(
+        self, path: Path, tensors: dict[str, Any], sources: dict[str, tuple[str, int | None]], keep_quantized: bool
+    ) -> None:
+        self._path = path
+        self._tensors = tensors  # GGUF name -> gguf's ReaderTensor
+        self._sources = sources  # Hugging Face name -> (GGUF name, heads whose rows to un-permute, or None)
+        self._keep_quantized = keep_quantized
+
+    def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight:
+        from gguf.quants import dequantize
+
+        gguf_name, num_heads = self._sources[name]
+        tensor = self._tensors[gguf_name]
+        data = self._read(tensor)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        quant_type = tensor.tensor_type.name
+        value: torch.Tensor | QuantizedWeight
+        if self._keep_quantized and quant_type in BLOCK_BYTES and len(shape) == 2:
+            value = QuantizedWeight(torch.from_numpy(data), quant_type, shape)
+        else:
+            value = torch.from_numpy(np.array(dequantize(data, tensor.tensor_type), dtype=np.float32)).reshape(shape)
+        return value if num_heads is None else _unpermute(value, num_heads)
+
+    def _read(self, tensor: Any) -> np.ndarray:
+        """The tensor's bytes in an array of its own, shaped and typed as gguf's view of them."""
+        view = tensor.data  # of the map: its shape and dtype are all that is used, no page is read
+        out = np.empty(view.shape, dtype=view.dtype)
+        with open(self._path, "rb") as f:
+            f.seek(int(tensor.data_offset))
+            read = f.readinto(out.data.cast("B"))
+        if read != out.nbytes:
+            raise ValueError(f"{self._path} ends inside tensor {tensor.name!r} ({read} of {out.nbytes} bytes)")
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
 
 
 def _hf_name(gguf_name: str, source: Path) -> str:

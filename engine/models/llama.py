@@ -12,7 +12,7 @@ matmuls plus the output projection.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,7 +202,7 @@ class LlamaForCausalLM:
     @torch.no_grad()
     def load_weights(
         self,
-        weights: dict[str, torch.Tensor | QuantizedWeight],
+        weights: Mapping[str, torch.Tensor | QuantizedWeight],
         quantization: str = "none",
         dense_for_large_steps: bool = False,
     ) -> None:

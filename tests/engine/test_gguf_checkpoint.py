@@ -135,3 +135,39 @@ def test_gguf_quantized_tensors_are_dequantized(tiny_weights, tmp_path):
         assert relative_error < limits[qtype.name], f"{name} ({qtype.name}): {relative_error:.4f}"
         if qtype.name != "F16":
             assert relative_error > 0, f"{name} was not quantized at all"
+
+
+def test_gguf_weights_are_read_on_lookup_into_memory_of_their_own(tiny_weights, tmp_path):
+    import gguf
+
+    from nanoserve.engine.models.quantized_linear import QuantizedWeight
+
+    config, weights = tiny_weights
+    name = "model.layers.0.mlp.up_proj.weight"
+    write_gguf(tmp_path / "quant.gguf", config, weights, {name: gguf.GGMLQuantizationType.Q4_1})
+    loaded = load_checkpoint(tmp_path / "quant.gguf", "auto").weights
+    assert sorted(loaded) == sorted(weights)
+    assert len(loaded) == len(weights)
+    assert name in loaded
+    assert "model.layers.9.mlp.up_proj.weight" not in loaded
+    first, second = loaded[name], loaded[name]
+    assert isinstance(first, QuantizedWeight)
+    assert isinstance(second, QuantizedWeight)
+    assert torch.equal(first.blocks, second.blocks)
+    assert first.blocks.data_ptr() != second.blocks.data_ptr()  # each lookup reads: nobody keeps it
+    in_file = next(t for t in gguf.GGUFReader(tmp_path / "quant.gguf").tensors if t.name == "blk.0.ffn_up.weight")
+    assert not np.shares_memory(first.blocks.numpy(), in_file.data)
+    assert first.blocks.numpy().tobytes() == in_file.data.tobytes()
+    assert dict(loaded.items()).keys() == set(weights)
+
+
+def test_a_gguf_cut_inside_a_tensor_is_refused_naming_it(tiny_weights, tmp_path):
+    config, weights = tiny_weights
+    path = tmp_path / "cut.gguf"
+    write_gguf(path, config, weights, {})
+    loaded = load_checkpoint(path, "auto").weights
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 64)
+    with pytest.raises(ValueError, match=r"ends inside tensor"):
+        for hf_name in loaded:
+            loaded[hf_name]
