@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from nanoserve.engine.file_cache import cache_dir
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -151,12 +153,8 @@ def load_hf_tokenizer(path: Path) -> Any:
 
 
 def tokenizer_cache_dir() -> Path:
-    """Where tokenizers converted from GGUF metadata are kept: ``$NANOSERVE_CACHE_DIR/tokenizers``,
-    else ``$XDG_CACHE_HOME/nanoserve/tokenizers``, else ``~/.cache/nanoserve/tokenizers``."""
-    root = os.environ.get("NANOSERVE_CACHE_DIR")
-    if root is None:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nanoserve")
-    return Path(root) / "tokenizers"
+    """Where tokenizers converted from GGUF metadata are kept: ``cache_dir("tokenizers")``."""
+    return cache_dir("tokenizers")
 
 
 def _gguf_tokenizer(path: Path) -> Any:
@@ -214,12 +212,9 @@ def _cached_tokenizer(folder: Path) -> Any:
 
 
 def _gguf_eos_ids(path: Path) -> set[int]:
-    from gguf import GGUFReader
+    from nanoserve.engine.weights import gguf_header
 
-    from nanoserve.engine.weights import GGUF_EOS_KEYS
-
-    reader = GGUFReader(path)
-    return {int(reader.fields[key].contents()) for key in GGUF_EOS_KEYS if key in reader.fields}
+    return gguf_header(path).eos_token_ids
 
 
 def _generation_config_eos_ids(folder: Path) -> set[int]:

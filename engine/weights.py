@@ -15,6 +15,8 @@ we undo it to get back the "rotate half" layout our RoPE uses.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
 import json
 from collections.abc import Iterator, Mapping
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nanoserve.engine.file_cache import cache_dir, write_atomically
 from nanoserve.engine.models.llama import LlamaConfig
 from nanoserve.engine.models.quantized_linear import BLOCK_BYTES, QuantizedWeight
 
@@ -165,11 +168,75 @@ def gguf_reader(path: Path) -> Any:
     return PlainArrayReader(path, "c")
 
 
-def _load_gguf(path: Path, keep_quantized: bool) -> Checkpoint:
+@dataclass(frozen=True)
+class GGUFTensorEntry:
+    """Where one tensor lies in a GGUF file and what it is.
+
+    type_id: ggml's type (``gguf.GGMLQuantizationType``); shape: in torch's order
+    (GGUF lists dims fastest-first); offset: of its first byte in the file;
+    data_dtype / data_shape: the numpy array ``gguf`` reads its bytes as (blocks of
+    a quantized type: uint8 [rows, row bytes]).
+    """
+
+    type_id: int
+    shape: tuple[int, ...]
+    offset: int
+    data_dtype: str
+    data_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What the loader needs of a GGUF's metadata: the architecture, the tensor table, the EOS ids."""
+
+    config: LlamaConfig
+    tensors: dict[str, GGUFTensorEntry]
+    eos_token_ids: set[int]
+
+
+HEADER_CACHE_VERSION = 1  # bump when GGUFHeader's fields change
+
+
+def gguf_header(path: Path) -> GGUFHeader:
+    """The header of a GGUF file, parsed by ``gguf.GGUFReader`` once and then kept in a cache.
+
+    The reader walks every metadata value, the ~100k strings of a vocabulary
+    included: about a second of every start for a model whose loader needs a few
+    numbers and the tensor table. The header is kept as JSON under
+    ``cache_dir("gguf")``, named by the file's path, size and modification time,
+    the gguf version and ``HEADER_CACHE_VERSION``; a cache that cannot be written is
+    skipped, and a damaged entry is parsed again.
+
+    Raises ValueError for an architecture nanoserve does not run.
+    """
+    from importlib.metadata import version
+
+    stat = path.resolve().stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('gguf')}|{HEADER_CACHE_VERSION}"
+    entry = cache_dir("gguf") / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    try:
+        header = _header_from_json(json.loads(entry.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        header = _parse_gguf_header(path)
+        write_atomically(entry, json.dumps(_header_to_json(header)))
+    _check_architecture(header.config.architecture, path)
+    return header
+
+
+def _parse_gguf_header(path: Path) -> GGUFHeader:
     reader = gguf_reader(path)
     arch = _gguf_field(reader, "general.architecture")
     _check_architecture(arch, path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {
+        t.name: GGUFTensorEntry(
+            type_id=int(t.tensor_type),
+            shape=tuple(int(d) for d in reversed(t.shape)),
+            offset=int(t.data_offset),
+            data_dtype=t.data.dtype.str,
+            data_shape=tuple(int(d) for d in t.data.shape),
+        )
+        for t in reader.tensors
+    }
     num_heads = int(_gguf_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     hidden_size = int(_gguf_field(reader, f"{arch}.embedding_length"))
@@ -195,8 +262,39 @@ def _load_gguf(path: Path, keep_quantized: bool) -> Checkpoint:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         architecture=arch,
     )
+    eos_ids = {int(_gguf_field(reader, key)) for key in GGUF_EOS_KEYS if key in reader.fields}
+    return GGUFHeader(config, tensors, eos_ids)
+
+
+def _header_to_json(header: GGUFHeader) -> dict[str, Any]:
+    return {
+        "config": dataclasses.asdict(header.config),
+        "tensors": {name: dataclasses.asdict(entry) for name, entry in header.tensors.items()},
+        "eos_token_ids": sorted(header.eos_token_ids),
+    }
+
+
+def _header_from_json(data: dict[str, Any]) -> GGUFHeader:
+    tensors = {
+        name: GGUFTensorEntry(
+            type_id=int(entry["type_id"]),
+            shape=tuple(entry["shape"]),
+            offset=int(entry["offset"]),
+            data_dtype=str(entry["data_dtype"]),
+            data_shape=tuple(entry["data_shape"]),
+        )
+        for name, entry in data["tensors"].items()
+    }
+    return GGUFHeader(LlamaConfig(**data["config"]), tensors, {int(i) for i in data["eos_token_ids"]})
+
+
+def _load_gguf(path: Path, keep_quantized: bool) -> Checkpoint:
+    header = gguf_header(path)
+    config, tensors = header.config, header.tensors
     # rows of Q and K (weight and bias) to un-permute: GGUF role -> heads
-    qk_heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch in _PERMUTED_QK_ARCHITECTURES else {}
+    qk_heads: dict[str, int] = {}
+    if config.architecture in _PERMUTED_QK_ARCHITECTURES:
+        qk_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     sources: dict[str, tuple[str, int | None]] = {}
     for name in tensors:
         if name != "rope_freqs.weight":
@@ -208,58 +306,60 @@ def _load_gguf(path: Path, keep_quantized: bool) -> Checkpoint:
         factors = GGUFTensors(path, tensors, {"rope_freqs": ("rope_freqs.weight", None)}, False)["rope_freqs"]
         assert isinstance(factors, torch.Tensor), "read without keep_quantized: dequantized"
         rope_freq_factors = factors
-    eos_ids = {int(_gguf_field(reader, key)) for key in GGUF_EOS_KEYS if key in reader.fields}
-    return Checkpoint(config, weights, path.name.removesuffix(".gguf"), path, rope_freq_factors, eos_ids)
+    return Checkpoint(config, weights, path.name.removesuffix(".gguf"), path, rope_freq_factors, header.eos_token_ids)
 
 
 class GGUFTensors(Mapping[str, "torch.Tensor | QuantizedWeight"]):
     """Hugging Face name -> tensor of a GGUF file, read from the file at each lookup and kept by nobody here.
 
-    ``gguf.GGUFReader`` parsed the header and the tensor table; a lookup reads the
-    tensor's bytes at its offset with ``readinto``, never through the reader's map,
-    whose pages would stay resident once read (the whole file by the end of a load).
-    ``LlamaForCausalLM.load_weights`` looks each tensor up, converts it and lets it
-    go, so beside the converted weights only the tensor in hand is in memory; a
-    second lookup reads again (the tied embedding is read twice). Quantized types
-    under ``keep_quantized`` come as ``QuantizedWeight`` [rows, row bytes], the rest
-    dequantized to float32 by ``gguf.quants.dequantize``; Q and K rows un-permuted
-    where the converter permuted them.
+    A lookup reads the tensor's bytes at its offset (``GGUFHeader``'s table) with
+    ``readinto``, never through a map of the file, whose pages would stay resident
+    once read (the whole file by the end of a load). ``LlamaForCausalLM.load_weights``
+    looks each tensor up, converts it and lets it go, so beside the converted weights
+    only the tensor in hand is in memory; a second lookup reads again (the tied
+    embedding is read twice). Quantized types under ``keep_quantized`` come as
+    ``QuantizedWeight`` [rows, row bytes], the rest dequantized to float32 by
+    ``gguf.quants.dequantize``; Q and K rows un-permuted where the converter permuted them.
 
     Raises ValueError when the file ends before a tensor does.
     """
 
     def __init__(
-        self, path: Path, tensors: dict[str, Any], sources: dict[str, tuple[str, int | None]], keep_quantized: bool
+        self,
+        path: Path,
+        tensors: dict[str, GGUFTensorEntry],
+        sources: dict[str, tuple[str, int | None]],
+        keep_quantized: bool,
     ) -> None:
         self._path = path
-        self._tensors = tensors  # GGUF name -> gguf's ReaderTensor
+        self._tensors = tensors  # GGUF name -> where it lies
         self._sources = sources  # Hugging Face name -> (GGUF name, heads whose rows to un-permute, or None)
         self._keep_quantized = keep_quantized
 
     def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight:
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         gguf_name, num_heads = self._sources[name]
-        tensor = self._tensors[gguf_name]
-        data = self._read(tensor)
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-        quant_type = tensor.tensor_type.name
+        entry = self._tensors[gguf_name]
+        data = self._read(gguf_name, entry)
+        quant_type = GGMLQuantizationType(entry.type_id)
         value: torch.Tensor | QuantizedWeight
-        if self._keep_quantized and quant_type in BLOCK_BYTES and len(shape) == 2:
-            value = QuantizedWeight(torch.from_numpy(data), quant_type, shape)
+        if self._keep_quantized and quant_type.name in BLOCK_BYTES and len(entry.shape) == 2:
+            value = QuantizedWeight(torch.from_numpy(data), quant_type.name, (entry.shape[0], entry.shape[1]))
         else:
-            value = torch.from_numpy(np.array(dequantize(data, tensor.tensor_type), dtype=np.float32)).reshape(shape)
+            dense = np.array(dequantize(data, quant_type), dtype=np.float32)
+            value = torch.from_numpy(dense).reshape(entry.shape)
         return value if num_heads is None else _unpermute(value, num_heads)
 
-    def _read(self, tensor: Any) -> np.ndarray:
-        """The tensor's bytes in an array of its own, shaped and typed as gguf's view of them."""
-        view = tensor.data  # of the map: its shape and dtype are all that is used, no page is read
-        out = np.empty(view.shape, dtype=view.dtype)
+    def _read(self, gguf_name: str, entry: GGUFTensorEntry) -> np.ndarray:
+        """The tensor's bytes in an array of its own, shaped and typed as ``gguf`` reads them."""
+        out = np.empty(entry.data_shape, dtype=np.dtype(entry.data_dtype))
         with open(self._path, "rb") as f:
-            f.seek(int(tensor.data_offset))
+            f.seek(entry.offset)
             read = f.readinto(out.data.cast("B"))
         if read != out.nbytes:
-            raise ValueError(f"{self._path} ends inside tensor {tensor.name!r} ({read} of {out.nbytes} bytes)")
+            raise ValueError(f"{self._path} ends inside tensor {gguf_name!r} ({read} of {out.nbytes} bytes)")
         return out
 
     def __iter__(self) -> Iterator[str]:

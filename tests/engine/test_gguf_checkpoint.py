@@ -171,3 +171,17 @@ def test_a_gguf_cut_inside_a_tensor_is_refused_naming_it(tiny_weights, tmp_path)
     with pytest.raises(ValueError, match=r"ends inside tensor"):
         for hf_name in loaded:
             loaded[hf_name]
+
+
+def test_a_changed_gguf_misses_the_header_cache(tiny_weights, tmp_path, monkeypatch):
+    from nanoserve.engine.weights import gguf_header
+
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    config, weights = tiny_weights
+    path = tmp_path / "model.gguf"
+    write_gguf(path, config, weights, {})
+    first = gguf_header(path)
+    with path.open("ab") as f:
+        f.write(b"\0" * 32)  # another size: another entry, parsed again
+    assert gguf_header(path) == first
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2

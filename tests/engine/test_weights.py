@@ -72,3 +72,28 @@ def test_gguf_reader_over_a_plain_array_reads_what_gguf_reads():
         (t.name, t.tensor_type, t.data_offset) for t in theirs.tensors
     ]
     assert bytes(ours.tensors[2].data) == bytes(theirs.tensors[2].data)
+
+
+def test_the_gguf_header_is_parsed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    import json
+
+    from nanoserve.engine import weights
+
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    parsed = weights.gguf_header(path)  # parsed by gguf and written to the cache
+    assert parsed.config.num_layers == 30
+    assert parsed.tensors["blk.0.ffn_up.weight"].shape == (1536, 576)
+    (entry,) = (tmp_path / "gguf").iterdir()
+
+    def no_parse(_path):
+        raise AssertionError("the header was parsed again")
+
+    monkeypatch.setattr(weights, "_parse_gguf_header", no_parse)
+    assert weights.gguf_header(path) == parsed
+
+    entry.write_text(json.dumps({"config": {"vocab_size": "damaged"}}))  # a damaged entry is parsed again
+    monkeypatch.undo()
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path))
+    assert weights.gguf_header(path) == parsed
+    assert json.loads(entry.read_text())["config"]["num_layers"] == 30
