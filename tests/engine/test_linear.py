@@ -27,6 +27,15 @@ def test_plain_linear_keeps_weight_when_not_packing():
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN absent: nothing is packed")
 def test_packed_linear_drops_the_plain_weight():
-    linear = Linear(torch.randn(8, 4, dtype=torch.bfloat16))
+    linear = Linear(torch.randn(8, 4))
     assert linear.packed is not None
     assert linear.weight is None
+
+
+def test_a_weight_onednn_refuses_stays_plain_and_multiplies_right():
+    # bfloat16 packs only on CPUs with native bf16 (AVX-512 BF16, AMX); elsewhere oneDNN refuses it
+    weight = torch.randn(8, 4, dtype=torch.bfloat16)
+    linear = Linear(weight)
+    assert (linear.packed is None) != (linear.weight is None), "exactly one layout is held"
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(x), F.linear(x, weight))
