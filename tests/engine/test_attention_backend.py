@@ -36,7 +36,8 @@ def test_torch_metadata_splits_decodes_from_prefills():
     [bucket] = metadata.decode_buckets
     assert bucket.token_indices.tolist() == [3]
     assert bucket.block_ids.tolist() == [1, 2, 3]
-    assert bucket.mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
+    assert bucket.mask is None  # one sequence: keys are cut to its context, nothing to mask
+    assert bucket.num_keys == 10
     assert [(p.token_start, p.token_end, p.context_len) for p in metadata.prefills] == [(0, 3, 7), (4, 6, 2)]
     assert metadata.prefills[0].block_ids.tolist() == [5, 6]
     # chunk at positions 4..6 sees keys 0..4, 0..5, 0..6
@@ -57,7 +58,7 @@ def test_torch_metadata_buckets_decodes_by_context_length():
     short, long = metadata.decode_buckets
     assert short.block_ids.tolist() == [0, 1]
     assert long.block_ids.tolist() == list(range(20, 30)) + list(range(10, 20))
-    assert metadata.decode_buckets[0].mask[:, 0, 0].tolist() == [[True] * 2 + [False] * 2, [True] * 3 + [False]]
+    assert metadata.decode_buckets[0].mask[:, 0, 0].tolist() == [[True] * 2 + [False], [True] * 3]
     assert metadata.decode_buckets[1].mask[:, 0, 0].sum(dim=1).tolist() == [38, 40]
     assert metadata.prefills == []
 
