@@ -69,6 +69,29 @@ def test_torch_metadata_omits_mask_when_every_context_fills_its_blocks():
     assert bucket.mask is None
 
 
+def test_decode_only_step_in_one_bucket_keeps_batch_order():
+    # contexts 6, 3, 5 tokens: one bucket, rows in batch order, so its output needs no scatter
+    slices = [SeqSlice([1], 5, [0, 1]), SeqSlice([2], 2, [2]), SeqSlice([3], 4, [3, 4])]
+    metadata = TorchAttentionBackend().prepare(ForwardBatch.build(slices, block_size=4), block_size=4)
+    [bucket] = metadata.decode_buckets
+    assert metadata.decode_only_in_order
+    assert bucket.token_indices.tolist() == [0, 1, 2]
+    assert bucket.block_ids.tolist() == [0, 1, 2, 0, 3, 4]
+    assert bucket.num_keys == 6
+    assert bucket.mask[:, 0, 0].sum(dim=1).tolist() == [6, 3, 5]
+
+
+def test_step_with_a_prefill_is_not_decode_only():
+    assert not TorchAttentionBackend().prepare(mixed_batch(), block_size=4).decode_only_in_order
+
+
+def test_single_decode_reads_keys_up_to_its_context_without_mask():
+    batch = ForwardBatch.build([SeqSlice([1], 5, [7, 2])], block_size=4)
+    metadata = TorchAttentionBackend().prepare(batch, block_size=4)
+    [bucket] = metadata.decode_buckets
+    assert (bucket.num_keys, bucket.mask, metadata.decode_only_in_order) == (6, None, True)
+
+
 def test_bucketing_splits_at_distinct_block_counts_when_buckets_are_free():
     assert bucket_by_num_blocks([1, 1, 1, 1, 2, 2, 10, 10, 30], max_buckets=4, bucket_cost=0) == [4, 6, 8, 9]
 
