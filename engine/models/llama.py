@@ -64,6 +64,7 @@ class LlamaDecoderLayer:
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
         self.hidden_shape = (c.hidden_size,)
+        self.intermediate_size = c.intermediate_size
         self.input_norm: torch.Tensor  # [hidden]
         self.post_attention_norm: torch.Tensor  # [hidden]
         self.q_norm: torch.Tensor | None = None  # [head_dim], Qwen3
@@ -144,8 +145,9 @@ class LlamaDecoderLayer:
         )  # [T, H * D]
         hidden = hidden + self.o_proj(attn)
         x = F.rms_norm(hidden, self.hidden_shape, self.post_attention_norm, self.eps)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
-        return hidden + self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return hidden + self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaForCausalLM:
