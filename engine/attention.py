@@ -79,11 +79,18 @@ class PrefillSlice:
 
 @dataclass
 class DecodeBucket:
-    """Decoding sequences attended together, padded to the longest context among them."""
+    """Decoding sequences attended together, padded to the longest context among them.
+
+    Keys are read up to ``num_keys`` (the longest context), so a bucket whose contexts
+    are all equal (a single sequence always) needs no mask.
+    """
 
     token_indices: torch.Tensor  # [bucket_size] int64: their rows in the batch
     block_ids: torch.Tensor  # [bucket_size * num_blocks_read] int64: block tables, row-major
-    mask: torch.Tensor | None  # [bucket_size, 1, 1, num_blocks_read * block_size] bool; None: no padding
+    mask: torch.Tensor | None  # [bucket_size, 1, 1, num_keys] bool; None: every context is num_keys long
+    num_keys: int = 0  # the longest context in the bucket
+    # the mask as SDPA adds it (0 / -inf, the queries' dtype), made at the first layer and reused
+    additive_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,6 +99,9 @@ class TorchAttentionMetadata:
     num_tokens: int
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillSlice] = field(default_factory=list)
+    # every token is a decode and one bucket holds them in batch order: its output is the
+    # layer's output as it is, no row gather or scatter
+    decode_only_in_order: bool = False
 
 
 MAX_DECODE_BUCKETS = 4
@@ -147,17 +157,21 @@ class TorchAttentionBackend:
         if decode_seq_ids:
             decode_seq_ids.sort(key=lambda i: batch.context_lens[i])
             num_blocks = [cdiv(batch.context_lens[i], block_size) for i in decode_seq_ids]
+            ends = bucket_by_num_blocks(num_blocks, MAX_DECODE_BUCKETS, BUCKET_COST_BLOCKS)
+            if len(ends) == 1:  # one bucket: batch order, so that a decode-only step needs no row scatter
+                decode_seq_ids.sort()
             start = 0
-            for end in bucket_by_num_blocks(num_blocks, MAX_DECODE_BUCKETS, BUCKET_COST_BLOCKS):
+            for end in ends:
                 seq_ids = decode_seq_ids[start:end]
-                num_blocks_read = num_blocks[end - 1]
+                num_blocks_read = max(num_blocks[start:end])
                 context_lens = [batch.context_lens[i] for i in seq_ids]
+                num_keys = max(context_lens)
                 seq_index = torch.tensor(seq_ids, dtype=torch.int64, device=device)
                 tables = batch.block_tables.index_select(0, seq_index)[:, :num_blocks_read].long()
                 mask = None
-                if min(context_lens) != num_blocks_read * block_size:
+                if min(context_lens) != num_keys:
                     lens = torch.tensor(context_lens, dtype=torch.int64, device=device)
-                    key_positions = torch.arange(num_blocks_read * block_size, device=device)
+                    key_positions = torch.arange(num_keys, device=device)
                     mask = (key_positions[None, :] < lens[:, None])[:, None, None, :]
                 rows = [token_starts[i] for i in seq_ids]
                 metadata.decode_buckets.append(
@@ -165,9 +179,11 @@ class TorchAttentionBackend:
                         token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
                         block_ids=tables.flatten(),
                         mask=mask,
+                        num_keys=num_keys,
                     )
                 )
                 start = end
+            metadata.decode_only_in_order = len(ends) == 1 and len(decode_seq_ids) == batch.num_tokens
         for i, query_len in enumerate(batch.query_lens):
             if query_len == 1:
                 continue
@@ -206,6 +222,8 @@ class TorchAttentionBackend:
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
 
+        if metadata.decode_only_in_order:
+            return self._decode(q, key_cache, value_cache, metadata.decode_buckets[0], group, scale)
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
         for bucket in metadata.decode_buckets:
             rows = bucket.token_indices
@@ -224,15 +242,20 @@ class TorchAttentionBackend:
         group: int,
         scale: float,
     ) -> torch.Tensor:
+        """q: [B, H, D] (any strides) -> [B, H * D]."""
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[2]
         # [B * nb, block_size, Hkv, D] -> [B, Hkv, L, D]; index_select copies whole blocks,
-        # 5x faster on CPU than advanced indexing with the 2-D table
+        # 5x faster on CPU than advanced indexing with the 2-D table; L cut to the longest context
         shape = (num_decodes, -1, num_kv_heads, head_dim)
-        keys = key_cache.index_select(0, bucket.block_ids).view(shape).transpose(1, 2)
-        values = value_cache.index_select(0, bucket.block_ids).view(shape).transpose(1, 2)
-        queries = q.view(num_decodes, num_kv_heads, group, head_dim)  # G query rows per KV head
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.mask, scale=scale)
+        keys = key_cache.index_select(0, bucket.block_ids).view(shape)[:, : bucket.num_keys].transpose(1, 2)
+        values = value_cache.index_select(0, bucket.block_ids).view(shape)[:, : bucket.num_keys].transpose(1, 2)
+        queries = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # G query rows per KV head
+        if bucket.mask is not None and (bucket.additive_mask is None or bucket.additive_mask.dtype != q.dtype):
+            bucket.additive_mask = torch.zeros(bucket.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~bucket.mask, float("-inf")
+            )  # [B, 1, 1, num_keys]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.additive_mask, scale=scale)
         return out.reshape(num_decodes, num_heads * head_dim)
 
     @staticmethod

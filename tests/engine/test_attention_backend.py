@@ -36,7 +36,8 @@ def test_torch_metadata_splits_decodes_from_prefills():
     [bucket] = metadata.decode_buckets
     assert bucket.token_indices.tolist() == [3]
     assert bucket.block_ids.tolist() == [1, 2, 3]
-    assert bucket.mask[0, 0, 0].tolist() == [True] * 10 + [False] * 2
+    assert bucket.mask is None  # one sequence: keys are cut to its context, nothing to mask
+    assert bucket.num_keys == 10
     assert [(p.token_start, p.token_end, p.context_len) for p in metadata.prefills] == [(0, 3, 7), (4, 6, 2)]
     assert metadata.prefills[0].block_ids.tolist() == [5, 6]
     # chunk at positions 4..6 sees keys 0..4, 0..5, 0..6
@@ -57,7 +58,7 @@ def test_torch_metadata_buckets_decodes_by_context_length():
     short, long = metadata.decode_buckets
     assert short.block_ids.tolist() == [0, 1]
     assert long.block_ids.tolist() == list(range(20, 30)) + list(range(10, 20))
-    assert metadata.decode_buckets[0].mask[:, 0, 0].tolist() == [[True] * 2 + [False] * 2, [True] * 3 + [False]]
+    assert metadata.decode_buckets[0].mask[:, 0, 0].tolist() == [[True] * 2 + [False], [True] * 3]
     assert metadata.decode_buckets[1].mask[:, 0, 0].sum(dim=1).tolist() == [38, 40]
     assert metadata.prefills == []
 
@@ -66,6 +67,29 @@ def test_torch_metadata_omits_mask_when_every_context_fills_its_blocks():
     batch = ForwardBatch.build([SeqSlice([1], 3, [0]), SeqSlice([2], 3, [1])], block_size=4)
     [bucket] = TorchAttentionBackend().prepare(batch, block_size=4).decode_buckets
     assert bucket.mask is None
+
+
+def test_decode_only_step_in_one_bucket_keeps_batch_order():
+    # contexts 6, 3, 5 tokens: one bucket, rows in batch order, so its output needs no scatter
+    slices = [SeqSlice([1], 5, [0, 1]), SeqSlice([2], 2, [2]), SeqSlice([3], 4, [3, 4])]
+    metadata = TorchAttentionBackend().prepare(ForwardBatch.build(slices, block_size=4), block_size=4)
+    [bucket] = metadata.decode_buckets
+    assert metadata.decode_only_in_order
+    assert bucket.token_indices.tolist() == [0, 1, 2]
+    assert bucket.block_ids.tolist() == [0, 1, 2, 0, 3, 4]
+    assert bucket.num_keys == 6
+    assert bucket.mask[:, 0, 0].sum(dim=1).tolist() == [6, 3, 5]
+
+
+def test_step_with_a_prefill_is_not_decode_only():
+    assert not TorchAttentionBackend().prepare(mixed_batch(), block_size=4).decode_only_in_order
+
+
+def test_single_decode_reads_keys_up_to_its_context_without_mask():
+    batch = ForwardBatch.build([SeqSlice([1], 5, [7, 2])], block_size=4)
+    metadata = TorchAttentionBackend().prepare(batch, block_size=4)
+    [bucket] = metadata.decode_buckets
+    assert (bucket.num_keys, bucket.mask, metadata.decode_only_in_order) == (6, None, True)
 
 
 def test_bucketing_splits_at_distinct_block_counts_when_buckets_are_free():
