@@ -311,6 +311,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="nanoserve's --dtype")
     parser.add_argument("--llamacpp-threads", type=int, default=None, help="default: the CPUs this process may use")
     parser.add_argument("--workloads", default="single,batch", help="comma-separated: single, batch")
+    parser.add_argument("--skip-quiet", action="store_true", help="no runs without a busy core")
     parser.add_argument("--skip-busy", action="store_true", help="no runs with a busy core")
     parser.add_argument("--skip-startup", action="store_true", help="no start-up measurement")
     parser.add_argument("--seed", type=int, default=0)
@@ -336,9 +337,9 @@ def main() -> None:
     nanoserve_batch(llm, workload[:8])  # warm both up
     peer.batch(workload[:8], args.parallel)
 
-    conditions: list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]] = [
-        ("quiet", contextlib.nullcontext)
-    ]
+    conditions: list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]] = []
+    if not args.skip_quiet:
+        conditions.append(("quiet", contextlib.nullcontext))
     if not args.skip_busy:
         conditions.append(("one core busy", busy_core))
     results: dict[tuple[str, str, str], list[float]] = {}
@@ -366,7 +367,7 @@ def main() -> None:
                 results[(condition, workload_name, "llama.cpp")],
             )
             print(f"| {condition} | {workload_name} | {_fmt(ours)} | {_fmt(theirs)} | {_ratio(ours, theirs)} |")
-    if not args.skip_busy:
+    if not (args.skip_busy or args.skip_quiet):
         for workload_name in workloads:
             for engine in ("nanoserve", "llama.cpp"):
                 busy = statistics.median(results[("one core busy", workload_name, engine)])
