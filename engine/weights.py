@@ -276,13 +276,7 @@ def _header_to_json(header: GGUFHeader) -> dict[str, Any]:
 
 def _header_from_json(data: dict[str, Any]) -> GGUFHeader:
     tensors = {
-        name: GGUFTensorEntry(
-            type_id=int(entry["type_id"]),
-            shape=tuple(entry["shape"]),
-            offset=int(entry["offset"]),
-            data_dtype=str(entry["data_dtype"]),
-            data_shape=tuple(entry["data_shape"]),
-        )
+        name: GGUFTensorEntry(**{**entry, "shape": tuple(entry["shape"]), "data_shape": tuple(entry["data_shape"])})
         for name, entry in data["tensors"].items()
     }
     return GGUFHeader(LlamaConfig(**data["config"]), tensors, {int(i) for i in data["eos_token_ids"]})
@@ -303,10 +297,31 @@ def _load_gguf(path: Path, keep_quantized: bool) -> Checkpoint:
     weights = GGUFTensors(path, tensors, sources, keep_quantized)
     rope_freq_factors = None
     if "rope_freqs.weight" in tensors:
-        factors = GGUFTensors(path, tensors, {"rope_freqs": ("rope_freqs.weight", None)}, False)["rope_freqs"]
-        assert isinstance(factors, torch.Tensor), "read without keep_quantized: dequantized"
-        rope_freq_factors = factors
+        rope_freq_factors = _dequantized(path, "rope_freqs.weight", tensors["rope_freqs.weight"])
     return Checkpoint(config, weights, path.name.removesuffix(".gguf"), path, rope_freq_factors, header.eos_token_ids)
+
+
+def _read_bytes(path: Path, gguf_name: str, entry: GGUFTensorEntry) -> np.ndarray:
+    """A GGUF tensor's bytes in an array of its own, shaped and typed as ``gguf`` reads them.
+
+    Raises ValueError when the file ends before the tensor does.
+    """
+    out = np.empty(entry.data_shape, dtype=np.dtype(entry.data_dtype))
+    with open(path, "rb") as f:
+        f.seek(entry.offset)
+        read = f.readinto(out.data.cast("B"))
+    if read != out.nbytes:
+        raise ValueError(f"{path} ends inside tensor {gguf_name!r} ({read} of {out.nbytes} bytes)")
+    return out
+
+
+def _dequantized(path: Path, gguf_name: str, entry: GGUFTensorEntry) -> torch.Tensor:
+    """A GGUF tensor as float32 of its shape, by ``gguf.quants.dequantize`` (every type gguf knows)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(_read_bytes(path, gguf_name, entry), GGMLQuantizationType(entry.type_id))
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(entry.shape)
 
 
 class GGUFTensors(Mapping[str, "torch.Tensor | QuantizedWeight"]):
@@ -338,29 +353,17 @@ class GGUFTensors(Mapping[str, "torch.Tensor | QuantizedWeight"]):
 
     def __getitem__(self, name: str) -> torch.Tensor | QuantizedWeight:
         from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
 
         gguf_name, num_heads = self._sources[name]
         entry = self._tensors[gguf_name]
-        data = self._read(gguf_name, entry)
-        quant_type = GGMLQuantizationType(entry.type_id)
+        quant_type = GGMLQuantizationType(entry.type_id).name
         value: torch.Tensor | QuantizedWeight
-        if self._keep_quantized and quant_type.name in BLOCK_BYTES and len(entry.shape) == 2:
-            value = QuantizedWeight(torch.from_numpy(data), quant_type.name, (entry.shape[0], entry.shape[1]))
+        if self._keep_quantized and quant_type in BLOCK_BYTES and len(entry.shape) == 2:
+            blocks = torch.from_numpy(_read_bytes(self._path, gguf_name, entry))
+            value = QuantizedWeight(blocks, quant_type, (entry.shape[0], entry.shape[1]))
         else:
-            dense = np.array(dequantize(data, quant_type), dtype=np.float32)
-            value = torch.from_numpy(dense).reshape(entry.shape)
+            value = _dequantized(self._path, gguf_name, entry)
         return value if num_heads is None else _unpermute(value, num_heads)
-
-    def _read(self, gguf_name: str, entry: GGUFTensorEntry) -> np.ndarray:
-        """The tensor's bytes in an array of its own, shaped and typed as ``gguf`` reads them."""
-        out = np.empty(entry.data_shape, dtype=np.dtype(entry.data_dtype))
-        with open(self._path, "rb") as f:
-            f.seek(entry.offset)
-            read = f.readinto(out.data.cast("B"))
-        if read != out.nbytes:
-            raise ValueError(f"{self._path} ends inside tensor {gguf_name!r} ({read} of {out.nbytes} bytes)")
-        return out
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._sources)
