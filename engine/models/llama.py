@@ -213,7 +213,8 @@ class LlamaForCausalLM:
             tensors += [layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm]
         for linear in linears:
             tensors += linear_tensors(linear)
-        return sum(_nbytes(t) for t in tensors if t is not None)
+        storages = {_storage_id(t): t for t in tensors if t is not None}  # a tied lm_head shares its blocks
+        return sum(_nbytes(t) for t in storages.values())
 
     @torch.no_grad()
     def load_weights(
@@ -258,12 +259,21 @@ class LlamaForCausalLM:
             return make_linear(fused, self.dtype, self.device, quantization, bias, dense_for_large_steps)
 
         embed_shape = (c.vocab_size, c.hidden_size)
-        self.embed_tokens = Embedding(raw("model.embed_tokens.weight", embed_shape), self.dtype, self.device)
+        embed = raw("model.embed_tokens.weight", embed_shape)
+        self.embed_tokens = Embedding(embed, self.dtype, self.device)
         self.norm = tensor("model.norm.weight", (c.hidden_size,))
-        head_name = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = linear([(head_name, embed_shape)], None)
+        if c.tie_word_embeddings:  # one read of the tensor: a kept-quantized head shares the embedding's blocks
+            self.lm_head = make_linear(embed, self.dtype, self.device, quantization, None, dense_for_large_steps)
+        else:
+            self.lm_head = linear([("lm_head.weight", embed_shape)], None)
         for layer in self.layers:
             layer.load(tensor, linear, c)
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    if tensor.is_mkldnn:  # no storage to share
+        return id(tensor)
+    return tensor.untyped_storage().data_ptr()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -13,9 +13,15 @@ the tinygemm convention) computes ``w = (q - 8) * scale + zero`` per group of 32
 so a Q4_1 block maps exactly onto it with ``scale = d`` and ``zero = m + 8 d``
 (Q4_0: ``zero = 0``); with fp32 scales the product equals gguf's dequantization.
 
-Q8_0 has no CPU kernel keeping its per-32 scales; ``Int8Linear`` requantizes each
+Q8_0 has no torch CPU kernel keeping its per-32 scales; ``Int8Linear`` requantizes each
 row to one scale (``_weight_int8pack_mm``), half the bytes of bf16 at a relative
 error of at most 1/254 of the row's largest weight.
+
+``GGUFLinear`` (``quantization auto`` where nanoserve's own kernels load, see
+``nanoserve.engine.kernels``) multiplies the blocks as they lie in the file, Q4_0, Q4_1
+and Q8_0 alike: no repack at load, gguf's weight values exactly, float32 activations,
+and an output that does not depend on the batch. torch's kernels above remain the
+``int4`` / ``int8`` settings and the fallback where ours cannot be built.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 import structlog
 import torch
 
+from nanoserve.engine import kernels
 from nanoserve.engine.models.linear import Linear
 
 log = structlog.get_logger(__name__)
@@ -74,6 +81,8 @@ class QuantizedWeight:
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Stack weights of one type along the output rows (fusing Q, K, V or gate and up)."""
         assert len({p.quant_type for p in parts}) == 1, "only weights of one quant type fuse"
+        if len(parts) == 1:
+            return parts[0]  # no copy: the tied lm_head shares the embedding's blocks
         blocks = torch.cat([p.blocks for p in parts])
         return QuantizedWeight(blocks, parts[0].quant_type, (blocks.shape[0], parts[0].shape[1]))
 
@@ -175,6 +184,25 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
 
+class GGUFLinear:
+    """``y = x @ w.T + bias`` with w in its GGUF blocks, by nanoserve's kernel (``kernels.gguf_linear``).
+
+    weight: a Q4_0 / Q4_1 / Q8_0 ``QuantizedWeight``; its blocks [N, K / 32 * block_bytes]
+    uint8 are used as they are (a view of the memory-mapped file stays one).
+    x: [T, K] in any float dtype -> [T, N] in x's dtype, computed in float32.
+    """
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.quant_type = weight.quant_type
+        self.blocks = weight.blocks if weight.blocks.is_contiguous() else weight.blocks.contiguous()
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.gguf_linear(x.float(), self.blocks, self.quant_type, self.in_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
 class Int8Linear:
     """``y = x @ (codes * scale).T + bias``, int8 codes [N, K] with one scale per output row.
 
@@ -213,7 +241,7 @@ def _float_rows(weight: torch.Tensor | QuantizedWeight, start: int, end: int) ->
     return weight[start:end].float()
 
 
-AnyLinear = Linear | Int4Linear | Int8Linear
+AnyLinear = Linear | Int4Linear | Int8Linear | GGUFLinear
 
 
 def linear_tensors(linear: AnyLinear) -> list[torch.Tensor | None]:
@@ -223,6 +251,8 @@ def linear_tensors(linear: AnyLinear) -> list[torch.Tensor | None]:
         return [linear.packed, linear.scale_and_zero, linear.bias, *dense]
     if isinstance(linear, Int8Linear):
         return [linear.codes, linear.scale, linear.bias]
+    if isinstance(linear, GGUFLinear):
+        return [linear.blocks, linear.bias]
     return [linear.weight, linear.packed, linear.bias]
 
 
@@ -243,7 +273,8 @@ def make_linear(
     """The fastest linear for a weight under a ``quantization`` setting.
 
     ``none``: dense in ``dtype`` (a quantized weight is dequantized by gguf).
-    ``auto``: Q4_0/Q4_1 -> ``Int4Linear``, Q8_0 -> ``Int8Linear``, float weights dense.
+    ``auto``: Q4_0/Q4_1/Q8_0 -> ``GGUFLinear`` where nanoserve's kernels load (``kernels.load()``),
+    else Q4_0/Q4_1 -> ``Int4Linear`` and Q8_0 -> ``Int8Linear``; float weights dense.
     The quantized kernels run in ``dtype``, or bf16 when ``dtype`` is float32 (inputs and
     outputs stay float32); an ``Int4Linear`` built directly in float32 is the exact path.
     ``int4`` / ``int8``: float weights are quantized at load too.
@@ -269,6 +300,14 @@ def make_linear(
         want = {Q4_0: "int4", Q4_1: "int4", Q8_0: "int8"}.get(quant_type or "")
     if want is None:
         return dense()
+    if (
+        quantization == "auto"
+        and device.type == "cpu"
+        and isinstance(weight, QuantizedWeight)
+        and weight.quant_type in kernels.GGML_TYPE_IDS
+        and kernels.load()
+    ):
+        return GGUFLinear(weight, bias)
     if device.type != "cpu":
         if quantization in ("int4", "int8"):
             raise ValueError(

@@ -1,4 +1,6 @@
-"""Quantized linears: GGUF blocks repacked for torch's int4/int8 CPU kernels equal gguf's dequantization.
+"""Quantized linears on torch's kernels (``int4`` / ``int8``): GGUF blocks repacked equal gguf's dequantization.
+
+nanoserve's own kernel (``auto``) is tested in test_gguf_kernel.py.
 
 Tolerances: with fp32 scales and fp32 activations the int4 kernel reproduces gguf's
 weights bit for bit (checked through an identity input, where each output is one
@@ -83,7 +85,7 @@ def test_q4_1_repack_equals_gguf_dequantization_exactly_with_fp32_scales():
         q4_1_block(0.25 * (1 + r % 3), -1.5 + r, [(r * 7 + j * 5) % 16 for j in range(32)]) for r in range(32)
     )
     weight = QuantizedWeight(torch.frombuffer(bytearray(blocks), dtype=torch.uint8).reshape(16, 40), "Q4_1", (16, 64))
-    assert isinstance(make_linear(weight, torch.float32, CPU, "auto"), Int4Linear)
+    assert isinstance(make_linear(weight, torch.float32, CPU, "int4"), Int4Linear)
     linear = Int4Linear(*unpack_q4(weight), torch.float32)  # fp32 scales and activations
     recovered = linear(torch.eye(64)).T  # identity in: each output is one weight times 1.0
     torch.testing.assert_close(recovered, gguf_dense(weight), rtol=0, atol=0)
@@ -106,7 +108,7 @@ def test_int4_linear_matches_dense_on_random_inputs(quant_type, num_tokens):
     exact = Int4Linear(*unpack_q4(weight), torch.float32)
     torch.testing.assert_close(exact(x), expected, rtol=FP32_RTOL, atol=FP32_RTOL * scale)
     for dtype in (torch.float32, torch.bfloat16):  # a float32 model runs the kernel in bf16 too
-        got = make_linear(weight, dtype, CPU, "auto")(x.to(dtype))
+        got = make_linear(weight, dtype, CPU, "int4")(x.to(dtype))
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), expected, rtol=BF16_RTOL, atol=BF16_RTOL * scale)
 
@@ -116,7 +118,7 @@ def test_q8_0_unpacks_to_gguf_values_and_int8_linear_stays_within_a_step():
     codes, scale = unpack_q8(weight)
     dense = gguf_dense(weight)
     torch.testing.assert_close((codes.float().view(64, 4, 32) * scale[..., None]).view(64, 128), dense, rtol=0, atol=0)
-    assert isinstance(make_linear(weight, torch.float32, CPU, "auto"), Int8Linear)
+    assert isinstance(make_linear(weight, torch.float32, CPU, "int8"), Int8Linear)
     linear = Int8Linear(dense, torch.float32)
     step = dense.abs().amax(dim=1, keepdim=True) / 127
     assert ((linear(torch.eye(128)).T - dense).abs() <= step / 2 + 1e-7).all()
@@ -150,7 +152,7 @@ def test_int4_setting_quantizes_float_weights_within_half_a_step():
 
 def test_none_dequantizes_and_unfit_shapes_fall_back_to_dense():
     weight = random_blocks("Q4_1", 12, 64)  # 12 output rows: the int4 packing wants multiples of 8
-    assert isinstance(make_linear(weight, torch.float32, CPU, "auto"), Linear)
+    assert isinstance(make_linear(weight, torch.float32, CPU, "int4"), Linear)
     exact = make_linear(random_blocks("Q4_1", 16, 64), torch.float32, CPU, "none")
     assert isinstance(exact, Linear)
 

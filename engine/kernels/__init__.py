@@ -1,0 +1,120 @@
+"""nanoserve's own CPU kernels, C++ built once on this machine and cached.
+
+``gguf_linear(x, blocks, quant_type, in_features)``: ``x @ w.T`` with w kept in its GGUF
+blocks (Q4_0, Q4_1, Q8_0; see gguf_linear.cpp for the layouts and the order of the
+float operations). x: [T, in_features] float32; blocks: [N, in_features / 32 * block_bytes]
+uint8 -> [T, N] float32. Every output element is computed by the same operations
+whatever T is, so a sequence's logits do not depend on its batch.
+
+The source is compiled by ``torch.utils.cpp_extension`` (needs a C++ compiler and
+ninja) into ``cache_dir("kernels")/<key>/``, key = hash of the source, the flags, the
+torch and Python versions; later starts only load the library (milliseconds). The
+first build takes about 30 s on 2 cores: ``python -m nanoserve.engine.kernels`` (run
+by scripts/install.sh and the Dockerfile) does it ahead of serving. Where the CPU
+lacks AVX2/FMA/F16C or the build fails, ``load()`` returns False, says why once in
+the log, and callers use torch's kernels instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+from nanoserve.engine.file_cache import cache_dir
+
+log = structlog.get_logger(__name__)
+
+SOURCES = [Path(__file__).with_name("gguf_linear.cpp")]
+# -fopenmp: at::parallel_for runs on torch's own OpenMP pool (torch ships libgomp.so.1, which the loader reuses)
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+LIBRARY_NAME = "nanoserve_kernels"
+GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type ids, the kernel's quant_type argument
+
+_lock = threading.Lock()
+_state: dict[str, bool | str] = {}  # "loaded": bool, "reason": why not
+
+
+def build_key() -> str:
+    """A hash of what the built library depends on: sources, flags, torch, Python, machine."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join([*CFLAGS, torch.__version__, sys.version, platform.machine()]).encode())
+    return digest.hexdigest()[:16]
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU runs the kernels: torch's capability AVX2 or any AVX-512 (both imply FMA and F16C)."""
+    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
+
+
+def library_path() -> Path:
+    """Where the built library for this build key lives."""
+    return cache_dir("kernels") / build_key() / f"{LIBRARY_NAME}.so"
+
+
+def _build(target: Path) -> None:
+    """Compiles SOURCES into ``target``'s folder (ninja; raises on any failure)."""
+    from torch.utils.cpp_extension import load
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    load(
+        name=LIBRARY_NAME,
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(target.parent),
+        is_python_module=False,
+        verbose=False,
+    )
+    log.info("kernels.built", path=str(target), seconds=round(time.perf_counter() - started, 1))
+
+
+def load() -> bool:
+    """Loads the kernels into torch.ops.nanoserve, building them first if this machine has none cached.
+
+    Returns False (and logs ``kernels.unavailable`` with the reason, once) where the CPU
+    cannot run them or the build fails; never raises.
+    """
+    with _lock:
+        if "loaded" in _state:
+            return bool(_state["loaded"])
+        reason = ""
+        if not cpu_supported():
+            reason = f"CPU capability {torch.backends.cpu.get_cpu_capability()}: the kernels need AVX2"
+        else:
+            target = library_path()
+            try:
+                if not target.exists():
+                    _build(target)
+                else:
+                    torch.ops.load_library(str(target))
+            except Exception as exc:  # a missing compiler or ninja, a full disk: fall back, never fail
+                last_line = str(exc).strip().splitlines()[-1:] or [""]
+                reason = f"build failed: {type(exc).__name__}: {last_line[0]}"
+        _state["loaded"] = not reason
+        _state["reason"] = reason
+        if reason:
+            log.warning("kernels.unavailable", reason=reason, fallback="torch's int4/int8 kernels")
+        return not reason
+
+
+def unavailable_reason() -> str:
+    """Why ``load()`` returned False ('' when it did not, or was not called)."""
+    return str(_state.get("reason", ""))
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, quant_type: str, in_features: int) -> torch.Tensor:
+    """``x @ w.T``, w in GGUF blocks. x: [T, in_features] float32 -> [T, N] float32 (``load()`` first).
+
+    Raises RuntimeError (from the op) on shapes or dtypes it cannot take.
+    """
+    return torch.ops.nanoserve.gguf_linear(x, blocks, GGML_TYPE_IDS[quant_type], in_features)
