@@ -3,7 +3,9 @@
 One small interface, ``AttentionBackend``: ``prepare(batch, block_size)`` turns a
 ``ForwardBatch`` into per-step metadata once (masks, decode block tables), and
 ``forward(q, k, v, key_cache, value_cache, metadata)`` runs one layer.
-``select_backend`` picks flash-attn on CUDA where it can run (``flash_attention.py``)
+``select_backend`` picks flash-attn on CUDA where it can run (``flash_attention.py``),
+``CpuPagedAttentionBackend`` on a float32 CPU model where nanoserve's kernels load
+(decodes read K/V straight through the block tables, ``kernels/paged_attention.cpp``),
 and this module's torch backend otherwise; the torch backend runs on CPU and CUDA
 with ``scaled_dot_product_attention``:
 
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.allocator import cdiv
+from nanoserve.engine import kernels
 from nanoserve.engine.forward_batch import ForwardBatch
 
 # the per-step metadata type of one backend: what its prepare makes and its forward reads
@@ -148,42 +151,55 @@ class TorchAttentionBackend:
     name = "torch-sdpa"
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
+        metadata = TorchAttentionMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
+        token_starts = _token_starts(batch.query_lens)
+        self._prepare_decode_buckets(batch, block_size, token_starts, metadata)
+        self._prepare_prefills(batch, block_size, token_starts, metadata)
+        return metadata
+
+    @staticmethod
+    def _prepare_decode_buckets(
+        batch: ForwardBatch, block_size: int, token_starts: list[int], metadata: TorchAttentionMetadata
+    ) -> None:
         device = batch.input_ids.device
         decode_seq_ids = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        token_starts = [0] * batch.num_seqs
-        for i in range(1, batch.num_seqs):
-            token_starts[i] = token_starts[i - 1] + batch.query_lens[i - 1]
-        metadata = TorchAttentionMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
-        if decode_seq_ids:
-            decode_seq_ids.sort(key=lambda i: batch.context_lens[i])
-            num_blocks = [cdiv(batch.context_lens[i], block_size) for i in decode_seq_ids]
-            ends = bucket_by_num_blocks(num_blocks, MAX_DECODE_BUCKETS, BUCKET_COST_BLOCKS)
-            if len(ends) == 1:  # one bucket: batch order, so that a decode-only step needs no row scatter
-                decode_seq_ids.sort()
-            start = 0
-            for end in ends:
-                seq_ids = decode_seq_ids[start:end]
-                num_blocks_read = max(num_blocks[start:end])
-                context_lens = [batch.context_lens[i] for i in seq_ids]
-                num_keys = max(context_lens)
-                seq_index = torch.tensor(seq_ids, dtype=torch.int64, device=device)
-                tables = batch.block_tables.index_select(0, seq_index)[:, :num_blocks_read].long()
-                mask = None
-                if min(context_lens) != num_keys:
-                    lens = torch.tensor(context_lens, dtype=torch.int64, device=device)
-                    key_positions = torch.arange(num_keys, device=device)
-                    mask = (key_positions[None, :] < lens[:, None])[:, None, None, :]
-                rows = [token_starts[i] for i in seq_ids]
-                metadata.decode_buckets.append(
-                    DecodeBucket(
-                        token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
-                        block_ids=tables.flatten(),
-                        mask=mask,
-                        num_keys=num_keys,
-                    )
+        if not decode_seq_ids:
+            return
+        decode_seq_ids.sort(key=lambda i: batch.context_lens[i])
+        num_blocks = [cdiv(batch.context_lens[i], block_size) for i in decode_seq_ids]
+        ends = bucket_by_num_blocks(num_blocks, MAX_DECODE_BUCKETS, BUCKET_COST_BLOCKS)
+        if len(ends) == 1:  # one bucket: batch order, so that a decode-only step needs no row scatter
+            decode_seq_ids.sort()
+        start = 0
+        for end in ends:
+            seq_ids = decode_seq_ids[start:end]
+            num_blocks_read = max(num_blocks[start:end])
+            context_lens = [batch.context_lens[i] for i in seq_ids]
+            num_keys = max(context_lens)
+            seq_index = torch.tensor(seq_ids, dtype=torch.int64, device=device)
+            tables = batch.block_tables.index_select(0, seq_index)[:, :num_blocks_read].long()
+            mask = None
+            if min(context_lens) != num_keys:
+                lens = torch.tensor(context_lens, dtype=torch.int64, device=device)
+                key_positions = torch.arange(num_keys, device=device)
+                mask = (key_positions[None, :] < lens[:, None])[:, None, None, :]
+            rows = [token_starts[i] for i in seq_ids]
+            metadata.decode_buckets.append(
+                DecodeBucket(
+                    token_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+                    block_ids=tables.flatten(),
+                    mask=mask,
+                    num_keys=num_keys,
                 )
-                start = end
-            metadata.decode_only_in_order = len(ends) == 1 and len(decode_seq_ids) == batch.num_tokens
+            )
+            start = end
+        metadata.decode_only_in_order = len(ends) == 1 and len(decode_seq_ids) == batch.num_tokens
+
+    @staticmethod
+    def _prepare_prefills(
+        batch: ForwardBatch, block_size: int, token_starts: list[int], metadata: TorchAttentionMetadata
+    ) -> None:
+        device = batch.input_ids.device
         for i, query_len in enumerate(batch.query_lens):
             if query_len == 1:
                 continue
@@ -203,7 +219,6 @@ class TorchAttentionBackend:
                     mask=mask,
                 )
             )
-        return metadata
 
     def forward(
         self,
@@ -291,6 +306,80 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1).flatten(1)
 
 
+@dataclass
+class KernelDecodes:
+    """Every decode of a step, for the paged decode kernel: no buckets, no gather, no mask."""
+
+    token_indices: torch.Tensor  # [num_decodes] int64: their rows in the batch
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    context_lens: torch.Tensor  # [num_decodes] int32
+    in_order: bool  # every token is a decode, in batch order: the kernel's output is the layer's
+
+
+@dataclass
+class CpuPagedAttentionMetadata(TorchAttentionMetadata):
+    kernel_decodes: KernelDecodes | None = None
+
+
+class CpuPagedAttentionBackend(TorchAttentionBackend):
+    """Decodes by nanoserve's paged decode kernel (float32 CPU), prefills by SDPA as the torch backend."""
+
+    name = "cpu-paged"
+
+    def prepare(self, batch: ForwardBatch, block_size: int) -> CpuPagedAttentionMetadata:
+        metadata = CpuPagedAttentionMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
+        token_starts = _token_starts(batch.query_lens)
+        self._prepare_prefills(batch, block_size, token_starts, metadata)
+        decode_rows = [i for i, q in enumerate(batch.query_lens) if q == 1]
+        if decode_rows:
+            seq_index = torch.tensor(decode_rows, dtype=torch.int64)
+            metadata.kernel_decodes = KernelDecodes(
+                token_indices=torch.tensor([token_starts[i] for i in decode_rows], dtype=torch.int64),
+                block_tables=batch.block_tables.index_select(0, seq_index).to(torch.int32),
+                context_lens=torch.tensor([batch.context_lens[i] for i in decode_rows], dtype=torch.int32),
+                in_order=len(decode_rows) == batch.num_tokens,
+            )
+        return metadata
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, CpuPagedAttentionMetadata)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        decodes, scale = metadata.kernel_decodes, 1.0 / math.sqrt(head_dim)
+        if decodes is not None and decodes.in_order:
+            return kernels.paged_decode_attention(
+                q, key_cache, value_cache, decodes.block_tables, decodes.context_lens, scale
+            )
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        if decodes is not None:
+            queries = q.index_select(0, decodes.token_indices)
+            attended = kernels.paged_decode_attention(
+                queries, key_cache, value_cache, decodes.block_tables, decodes.context_lens, scale
+            )
+            out.index_copy_(0, decodes.token_indices, attended)
+        for p in metadata.prefills:
+            out[p.token_start : p.token_end] = self._prefill(q, k, v, key_cache, value_cache, p, scale)
+        return out
+
+
+def _token_starts(query_lens: list[int]) -> list[int]:
+    """The first batch row of each sequence."""
+    starts = [0] * len(query_lens)
+    for i in range(1, len(query_lens)):
+        starts[i] = starts[i - 1] + query_lens[i - 1]
+    return starts
+
+
 def _flash_attn_version() -> tuple[int, ...] | None:
     try:
         import flash_attn
@@ -305,6 +394,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, block_size: int) ->
     flash-attn when on CUDA, importable (>= 2.6, paged KV), with fp16/bf16 and a
     block size that is a multiple of 256; the torch backend otherwise.
     """
+    if device.type == "cpu" and dtype == torch.float32 and kernels.load():
+        return CpuPagedAttentionBackend(), "float32 on the CPU: nanoserve's paged decode kernel"
     if device.type != "cuda":
         return TorchAttentionBackend(), f"device is {device.type}"
     version = _flash_attn_version()

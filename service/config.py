@@ -159,8 +159,9 @@ SETTINGS: tuple[Setting, ...] = (
         "engine",
         str,
         "auto",
-        "weights in memory: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors quantized (int4/int8 kernels), "
-        "none dequantizes to --dtype (exact), int8/int4 also quantize float weights at load",
+        "weights in memory: auto keeps a GGUF's Q4_0/Q4_1/Q8_0 tensors in their blocks (nanoserve's kernel, "
+        "else torch's), none dequantizes to --dtype (exact), int8/int4 use torch's kernels and also quantize "
+        "float weights at load",
         choices=("auto", "none", "int8", "int4"),
     ),
     Setting(

@@ -1,10 +1,12 @@
 """nanoserve's own CPU kernels, C++ built once on this machine and cached.
 
-``gguf_linear(x, blocks, quant_type, in_features)``: ``x @ w.T`` with w kept in its GGUF
-blocks (Q4_0, Q4_1, Q8_0; see gguf_linear.cpp for the layouts and the order of the
-float operations). x: [T, in_features] float32; blocks: [N, in_features / 32 * block_bytes]
-uint8 -> [T, N] float32. Every output element is computed by the same operations
-whatever T is, so a sequence's logits do not depend on its batch.
+- ``gguf_linear``: ``x @ w.T`` with w kept in its GGUF blocks (Q4_0, Q4_1, Q8_0;
+  gguf_linear.cpp), the same operations for every output element whatever the batch.
+- ``paged_decode_attention``: one query token per sequence against its K/V read through
+  the block table (paged_attention.cpp).
+- ``add_rms_norm``: the residual add and RMSNorm in one pass (rms_norm.cpp).
+
+All take and return float32 CPU tensors.
 
 The source is compiled by ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja) into ``cache_dir("kernels")/<key>/``, key = hash of the source, the flags, the
@@ -31,7 +33,7 @@ from nanoserve.engine.file_cache import cache_dir
 
 log = structlog.get_logger(__name__)
 
-SOURCES = [Path(__file__).with_name("gguf_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp", "rms_norm.cpp")]
 # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (torch ships libgomp.so.1, which the loader reuses)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 LIBRARY_NAME = "nanoserve_kernels"
@@ -84,6 +86,8 @@ def load() -> bool:
     Returns False (and logs ``kernels.unavailable`` with the reason, once) where the CPU
     cannot run them or the build fails; never raises.
     """
+    if "loaded" in _state:  # decided: no lock (called per layer)
+        return bool(_state["loaded"])
     with _lock:
         if "loaded" in _state:
             return bool(_state["loaded"])
@@ -118,3 +122,33 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, quant_type: str, in_featu
     Raises RuntimeError (from the op) on shapes or dtypes it cannot take.
     """
     return torch.ops.nanoserve.gguf_linear(x, blocks, GGML_TYPE_IDS[quant_type], in_features)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention through block tables (``load()`` first).
+
+    q: [B, H, D] float32; caches: [num_blocks, block_size, Hkv, D] float32, this step's
+    K/V already written; block_tables: [B, max_blocks] int32; context_lens: [B] int32
+    (keys per sequence, tokens). Returns [B, H * D] float32. Raises RuntimeError naming
+    the argument on a dtype or shape it cannot take, a context longer than its table,
+    or a block id outside the cache.
+    """
+    return torch.ops.nanoserve.paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, normed): residual = hidden + delta (hidden alone when delta is None), normed = RMSNorm(residual).
+
+    hidden, delta: [T, N] float32; weight: [N] float32, N a multiple of 8 (``load()`` first).
+    """
+    residual, normed = torch.ops.nanoserve.add_rms_norm(hidden, delta, weight, eps)
+    return residual, normed

@@ -27,7 +27,8 @@ constexpr int64_t kGroup = 32;     // weights per block
 constexpr int64_t kPanelRows = 12; // weight rows dequantized at a time (a multiple of kTileN)
 constexpr int64_t kTileM = 4;      // x rows per micro-kernel call
 constexpr int64_t kTileN = 3;      // weight rows per micro-kernel call
-constexpr int64_t kFusedMaxTokens = 4;  // up to this many x rows, weights are dequantized in registers only
+constexpr int64_t kFusedMaxTokens = 4;  // up to this many x rows, weights are dequantized a block at a time
+constexpr int kFusedRows = 4;           // weight rows at a time on that path
 
 enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
 
@@ -117,20 +118,42 @@ void rows_times_panel(const float* x, int64_t ldx, const float* panel, int64_t k
   for (; j < rows; ++j) micro_kernel<TM, 1>(x, ldx, panel + j * k, k, k, y + j, ldy);
 }
 
-// The few-token path: TM rows of x against one weight row, dequantized in registers. The same
-// float operations, in the same order, as dequantize_row followed by micro_kernel<TM, 1>.
-template <int64_t Type, int TM>
-void rows_times_blocks(const float* x, int64_t k, const uint8_t* row, float* y, int64_t ldy) {
+// The few-token path: TM rows of x against TN weight rows, one block at a time dequantized
+// into a stack buffer (L1), never a whole panel. TN independent accumulator chains per x
+// row hide the latency of the fused multiply-adds. The same float operations, in the same
+// order per output element, as dequantize_row followed by micro_kernel<TM, 1>.
+template <int64_t Type, int TM, int TN>
+void rows_times_blocks(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, float* y, int64_t ldy) {
   constexpr int64_t bytes = Type == Q4_0 ? 18 : Type == Q4_1 ? 20 : 34;
-  __m256 acc[TM];
-  for (int i = 0; i < TM; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[TM][TN];
+  for (int i = 0; i < TM; ++i)
+    for (int r = 0; r < TN; ++r) acc[i][r] = _mm256_setzero_ps();
+  alignas(32) float w[TN][kGroup];
   for (int64_t b = 0; b < k / kGroup; ++b) {
-    __m256 w[4];
-    dequantize_block<Type>(row + b * bytes, w);
+    for (int r = 0; r < TN; ++r) {
+      // the next rows' bytes at this offset, ahead of need: DRAM streams too slowly on its own here
+      _mm_prefetch(reinterpret_cast<const char*>(rows + (r + TN) * row_bytes + b * bytes), _MM_HINT_T0);
+      __m256 v[4];
+      dequantize_block<Type>(rows + r * row_bytes + b * bytes, v);
+      for (int j = 0; j < 4; ++j) _mm256_store_ps(w[r] + 8 * j, v[j]);
+    }
     for (int j = 0; j < 4; ++j)
-      for (int i = 0; i < TM; ++i) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * k + b * kGroup + 8 * j), w[j], acc[i]);
+      for (int i = 0; i < TM; ++i) {
+        const __m256 xv = _mm256_loadu_ps(x + i * k + b * kGroup + 8 * j);
+        for (int r = 0; r < TN; ++r) acc[i][r] = _mm256_fmadd_ps(xv, _mm256_load_ps(w[r] + 8 * j), acc[i][r]);
+      }
   }
-  for (int i = 0; i < TM; ++i) y[i * ldy] = sum_lanes(acc[i]);
+  for (int i = 0; i < TM; ++i)
+    for (int r = 0; r < TN; ++r) y[i * ldy + r] = sum_lanes(acc[i][r]);
+}
+
+template <int64_t Type, int TM>
+void few_tokens(const float* x, int64_t k, const uint8_t* blocks, int64_t row_bytes, int64_t begin, int64_t end,
+                float* y, int64_t ldy) {
+  int64_t r = begin;
+  for (; r + kFusedRows <= end; r += kFusedRows)
+    rows_times_blocks<Type, TM, kFusedRows>(x, k, blocks + r * row_bytes, row_bytes, y + r, ldy);
+  for (; r < end; ++r) rows_times_blocks<Type, TM, 1>(x, k, blocks + r * row_bytes, row_bytes, y + r, ldy);
 }
 
 template <int64_t Type>
@@ -140,14 +163,11 @@ void gguf_linear_impl(const float* x, int64_t num_tokens, const uint8_t* blocks,
   const int64_t num_panels = (n + kPanelRows - 1) / kPanelRows;
   if (num_tokens <= kFusedMaxTokens) {
     at::parallel_for(0, n, kPanelRows, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const uint8_t* row = blocks + r * row_bytes;
-        switch (num_tokens) {
-          case 1: rows_times_blocks<Type, 1>(x, k, row, y + r, n); break;
-          case 2: rows_times_blocks<Type, 2>(x, k, row, y + r, n); break;
-          case 3: rows_times_blocks<Type, 3>(x, k, row, y + r, n); break;
-          default: rows_times_blocks<Type, 4>(x, k, row, y + r, n); break;
-        }
+      switch (num_tokens) {
+        case 1: few_tokens<Type, 1>(x, k, blocks, row_bytes, begin, end, y, n); break;
+        case 2: few_tokens<Type, 2>(x, k, blocks, row_bytes, begin, end, y, n); break;
+        case 3: few_tokens<Type, 3>(x, k, blocks, row_bytes, begin, end, y, n); break;
+        default: few_tokens<Type, 4>(x, k, blocks, row_bytes, begin, end, y, n); break;
       }
     });
     return;

@@ -19,11 +19,25 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nanoserve.engine import kernels
 from nanoserve.engine.attention import AttentionBackend
 from nanoserve.engine.kv_cache import KVCache
 from nanoserve.engine.models.embedding import Embedding
 from nanoserve.engine.models.quantized_linear import AnyLinear, QuantizedWeight, linear_tensors, make_linear
 from nanoserve.engine.models.rope import RotaryEmbedding, apply_rope
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, normed) of [T, N] rows: residual = hidden + delta, normed = RMSNorm(residual) * weight.
+
+    nanoserve's one-pass kernel for float32 on the CPU where it loads, else torch's ops.
+    """
+    if hidden.dtype == torch.float32 and hidden.device.type == "cpu" and kernels.load():
+        return kernels.add_rms_norm(hidden, delta, weight, eps)
+    residual = hidden if delta is None else hidden + delta
+    return residual, F.rms_norm(residual, (residual.shape[-1],), weight, eps)
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,6 @@ class LlamaDecoderLayer:
         self.kv_size = c.num_kv_heads * c.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.eps = c.rms_norm_eps
-        self.hidden_shape = (c.hidden_size,)
         self.intermediate_size = c.intermediate_size
         self.input_norm: torch.Tensor  # [hidden]
         self.post_attention_norm: torch.Tensor  # [hidden]
@@ -130,24 +143,28 @@ class LlamaDecoderLayer:
     def forward(
         self,
         hidden: torch.Tensor,
+        delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         attention: AttentionBackend[Any],
         attn_metadata: object,
-    ) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size] -> same shape."""
-        x = F.rms_norm(hidden, self.hidden_shape, self.input_norm, self.eps)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, delta) -> (hidden, delta) of the next layer, each [num_tokens, hidden_size].
+
+        The residual stream is ``hidden + delta`` (delta None: hidden alone): each layer adds
+        the previous one's output as it normalizes (``add_rms_norm``), one pass instead of two.
+        """
+        hidden, x = add_rms_norm(hidden, delta, self.input_norm, self.eps)
         qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
         q, k, v = self._rotated_qkv(qkv, cos, sin)
         attn = attention.forward(
             q, k, v, kv_cache.key_caches[self.layer_id], kv_cache.value_caches[self.layer_id], attn_metadata
         )  # [T, H * D]
-        hidden = hidden + self.o_proj(attn)
-        x = F.rms_norm(hidden, self.hidden_shape, self.post_attention_norm, self.eps)
+        hidden, x = add_rms_norm(hidden, self.o_proj(attn), self.post_attention_norm, self.eps)
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return hidden + self.down_proj(F.silu(gate).mul_(up))
+        return hidden, self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaForCausalLM:
@@ -195,11 +212,13 @@ class LlamaForCausalLM:
         """
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope.lookup(positions)
+        delta: torch.Tensor | None = None
         for layer in self.layers:
-            hidden = layer.forward(hidden, cos, sin, kv_cache, attention, attn_metadata)
+            hidden, delta = layer.forward(hidden, delta, cos, sin, kv_cache, attention, attn_metadata)
         if logits_indices.shape[0] != hidden.shape[0]:  # as many indices as rows: every row, in order
             hidden = hidden.index_select(0, logits_indices)  # only the rows whose logits are wanted
-        hidden = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+            delta = None if delta is None else delta.index_select(0, logits_indices)
+        _, hidden = add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
         return self.lm_head(hidden)
 
     def num_weight_bytes(self) -> int:

@@ -76,5 +76,11 @@ def test_start_up_log_reports_blocks_tokens_and_bytes(tiny_runner_factory):
         40,
         10 * TINY_BYTES_PER_BLOCK,
     )
-    assert ready["attention_backend"] == "torch-sdpa"
-    assert ready["attention_backend_reason"] == "device is cpu"
+    from nanoserve.engine import kernels
+
+    if kernels.load():  # float32 on the CPU
+        assert ready["attention_backend"] == "cpu-paged"
+        assert ready["attention_backend_reason"] == "float32 on the CPU: nanoserve's paged decode kernel"
+    else:
+        assert ready["attention_backend"] == "torch-sdpa"
+        assert ready["attention_backend_reason"] == "device is cpu"
