@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -17,12 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.engine.file_cache import cache_dir
+from nanoserve.engine.saved_tokenizer import GENERIC_FAST_TOKENIZERS, load_saved_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-# tokenizer_class of transformers' generic fast tokenizer (v5 name, v4 name)
-GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 class Tokenizer:
@@ -144,7 +143,8 @@ class Tokenizer:
 
 
 def load_hf_tokenizer(path: Path) -> Any:
-    """transformers' fast tokenizer of a ``.gguf`` file (through the cache) or a Hugging Face folder, offline."""
+    """The fast tokenizer of a ``.gguf`` file (through the cache: a ``SavedTokenizer`` once converted) or of a
+    Hugging Face folder (transformers'), offline."""
     if path.suffix == ".gguf":
         return _gguf_tokenizer(path)
     from transformers import AutoTokenizer
@@ -167,10 +167,8 @@ def _gguf_tokenizer(path: Path) -> Any:
     from there next time (a fraction of a second). A cache that cannot be written
     is skipped.
     """
-    import transformers
-
     stat = path.resolve().stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{importlib.metadata.version('transformers')}"
     folder = tokenizer_cache_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
     if (folder / "tokenizer.json").is_file():
         try:
@@ -196,11 +194,16 @@ def _gguf_tokenizer(path: Path) -> Any:
 def _cached_tokenizer(folder: Path) -> Any:
     """A tokenizer saved in the cache, by the class it was saved as.
 
-    The generic fast tokenizer (what a GGUF converts to) is built by its own class:
-    ``AutoTokenizer`` would first import transformers' registry of every model
+    The generic fast tokenizer (what a GGUF converts to) is read without transformers
+    (``SavedTokenizer``: ``tokenizers`` and jinja2; transformers' import alone takes over a
+    second of CPU), or, when its config sets what that does not know, by transformers' own
+    class: ``AutoTokenizer`` would first import transformers' registry of every model
     (~0.4 s of start-up) only to pick that class. Other classes go through it.
     Raises OSError / ValueError for a damaged entry.
     """
+    saved = load_saved_tokenizer(folder)
+    if saved is not None:
+        return saved
     saved_as = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     if saved_as in GENERIC_FAST_TOKENIZERS:
         from transformers import PreTrainedTokenizerFast
