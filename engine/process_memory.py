@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,22 @@ def release_free_heap() -> bool:
     glibc raises its mmap threshold as large buffers are freed, so the load's
     later transients (unpacked codes, repack inputs) come from the heap and
     stay resident after being freed until trimmed: ~28 MiB after the default model.
+    A call takes microseconds once the C library has been found (the first call).
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    trim = _malloc_trim()
+    if trim is None:
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None (no C library found, or not glibc); looked up once."""
+    name = ctypes.util.find_library("c")  # runs ldconfig: milliseconds
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None

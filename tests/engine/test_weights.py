@@ -97,3 +97,39 @@ def test_the_gguf_header_is_parsed_once_then_read_from_the_cache(tmp_path, monke
     monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path))
     assert weights.gguf_header(path) == parsed
     assert json.loads(entry.read_text())["config"]["num_layers"] == 30
+
+
+def test_float_tensors_convert_as_gguf_converts_them(tmp_path):
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from nanoserve.engine.weights import GGUFTensorEntry, _dequantized
+
+    values = np.array([[1.5, -2.25, 3e-3], [65504.0, -0.0, 6.1e-5]], dtype=np.float16)
+    path = tmp_path / "tensors.bin"
+    path.write_bytes(b"pad!" + values.tobytes() + values.astype(np.float32).tobytes())
+    f16 = GGUFTensorEntry(1, "F16", (2, 3), 4, "<f2", (2, 3))
+    f32 = GGUFTensorEntry(0, "F32", (2, 3), 4 + values.nbytes, "<f4", (2, 3))
+    for entry, raw in ((f16, values), (f32, values.astype(np.float32))):
+        expected = dequantize(raw, GGMLQuantizationType(entry.type_id))
+        assert _dequantized(path, "t", entry).numpy().tobytes() == expected.astype(np.float32).tobytes()
+
+
+def test_a_load_from_the_cached_header_imports_no_gguf(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from nanoserve.engine import weights
+
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path))
+    weights.gguf_header(default_model_path())  # parsed by gguf, kept in the cache
+    script = (
+        "import sys; from nanoserve.engine.weights import load_checkpoint, default_model_path; "
+        "w = load_checkpoint(default_model_path(), 'auto').weights; "
+        "w['model.norm.weight']; w['model.layers.0.mlp.up_proj.weight']; print('gguf' in sys.modules)"
+    )
+    env = {**os.environ, "NANOSERVE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    assert done.stdout.strip() == "False"
