@@ -133,3 +133,33 @@ def test_serve_refuses_a_pool_another_live_server_writes(pg_url: str, tiny_model
     assert f"pool {pool_id!r} is being written by another live server" in last_line
     assert "give this server another pool id (--pool-id / NANOSERVE_POOL_ID)" in last_line
     assert "Traceback" not in second.stderr
+
+
+def test_serve_imports_with_the_collector_off_and_loads_with_it_on_and_the_imports_frozen(monkeypatch, capsys) -> None:
+    """The server's imports are frozen (out of every later collection) before the model loads, collector on."""
+    import gc
+
+    from nanoserve.engine.errors import EventLogUnusableError
+    from nanoserve.service import server
+    from nanoserve.service.commands import serve
+
+    seen: list[tuple[bool, int]] = []
+
+    async def start_engine(_engine_config: object) -> None:
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+        raise EventLogUnusableError("sqlite:///test.db", "a test stops here")
+
+    monkeypatch.setattr(server, "start_engine", start_engine)
+    args = build_parser().parse_args(
+        ["serve", "--event-log-url", "none", "--metrics-port", "off", "--log-format", "json"]
+    )
+    try:
+        assert serve.run(args) == serve.EXIT_LOG_UNUSABLE
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    ((enabled, num_frozen),) = seen
+    assert enabled
+    assert num_frozen > 10_000  # torch, grpc and SQLAlchemy's objects at least
+    assert "a test stops here" in capsys.readouterr().err
