@@ -9,6 +9,7 @@ Each module in ``nanoserve.service.commands`` exposes
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 from collections.abc import Sequence
@@ -35,7 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from nanoserve.engine.threads import prefer_bounded_spin
 
     prefer_bounded_spin()
+    # The parser's imports, and serve's after them (torch, grpc, SQLAlchemy: ~200k objects that live
+    # until exit), run with the collector off: a collection during them walks them all, again and
+    # again. serve turns it back on once they are frozen (nanoserve.service.server.serve); the other
+    # commands, here.
+    gc.disable()
     args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        gc.enable()
     try:
         return int(args.func(args))
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: quiet, as shells expect

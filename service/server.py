@@ -301,7 +301,8 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
     # What is imported by now (torch, grpc, SQLAlchemy: ~200k objects) lives until exit: frozen, it is
     # out of the collector's reach before the load, so neither the load's collections nor the one
     # below walk it (that one took 0.1-0.2 s of the start-up). ``nanoserve serve`` imports with the
-    # collector off (see service/commands/serve.py); it runs from here on.
+    # collector off (nanoserve.service.cli.main), so the few thousand cyclic leftovers of the imports
+    # (a megabyte or two) are frozen with them; it runs from here on.
     gc.freeze()
     gc.enable()
     try:

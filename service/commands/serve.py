@@ -55,12 +55,6 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-    import gc
-
-    # The imports below make ~200k objects that live until exit; a collection during them walks
-    # them all, again and again. serve() freezes them, with the few thousand cyclic leftovers of
-    # the imports (a megabyte or two), and turns the collector back on.
-    gc.disable()
 
     from nanoserve.service.config import build_configs
     from nanoserve.service.logs import configure_logging

@@ -140,26 +140,44 @@ def test_serve_imports_with_the_collector_off_and_loads_with_it_on_and_the_impor
     import gc
 
     from nanoserve.engine.errors import EventLogUnusableError
-    from nanoserve.service import server
-    from nanoserve.service.commands import serve
+    from nanoserve.service import config, server
+    from nanoserve.service.cli import main
 
+    real_build_configs = config.build_configs
+    parsed_with_collector: list[bool] = []
     seen: list[tuple[bool, int]] = []
+
+    def build_configs(args: object) -> object:
+        parsed_with_collector.append(gc.isenabled())
+        return real_build_configs(args)
 
     async def start_engine(_engine_config: object) -> None:
         seen.append((gc.isenabled(), gc.get_freeze_count()))
         raise EventLogUnusableError("sqlite:///test.db", "a test stops here")
 
+    monkeypatch.setattr(config, "build_configs", build_configs)
     monkeypatch.setattr(server, "start_engine", start_engine)
-    args = build_parser().parse_args(
-        ["serve", "--event-log-url", "none", "--metrics-port", "off", "--log-format", "json"]
-    )
     try:
-        assert serve.run(args) == serve.EXIT_LOG_UNUSABLE
+        exit_status = main(["serve", "--event-log-url", "none", "--metrics-port", "off", "--log-format", "json"])
         assert gc.isenabled()
     finally:
         gc.unfreeze()
         gc.enable()
+    assert exit_status == 3  # EXIT_LOG_UNUSABLE
+    assert parsed_with_collector == [False]  # the parser's and serve's imports: collector off
     ((enabled, num_frozen),) = seen
     assert enabled
     assert num_frozen > 10_000  # torch, grpc and SQLAlchemy's objects at least
     assert "a test stops here" in capsys.readouterr().err
+
+
+def test_other_commands_run_with_the_collector_on() -> None:
+    import gc
+
+    from nanoserve.service.cli import main
+
+    try:
+        assert main(["health", "--server", "127.0.0.1:1", "--timeout", "0.2"]) == 2  # nobody listens there
+        assert gc.isenabled()
+    finally:
+        gc.enable()
