@@ -1,4 +1,4 @@
-"""SavedTokenizer: a tokenizer saved by transformers, read back with ``tokenizers`` and jinja2 alone.
+"""SavedTokenizer: a tokenizer saved by transformers, read back with ``tokenizers``; chats rendered by transformers.
 
 A GGUF's tokenizer is converted by transformers once and saved
 (``save_pretrained``) in nanoserve's cache as transformers' generic fast tokenizer:
@@ -9,6 +9,10 @@ and the chat template. transformers would read it back by wrapping
 parsing ``tokenizer.json`` a second time, in Python); this class wraps it directly,
 with the methods ``nanoserve.engine.tokenizer.Tokenizer`` calls, answering as
 transformers does (``tests/engine/test_saved_tokenizer.py`` compares the two).
+Chat templates are rendered by transformers' own renderer (``render_jinja_template``,
+the one its ``apply_chat_template`` uses), imported on first use or ahead of it by
+``prepare_chat_template`` (the server calls it on a thread once it is SERVING), so the
+second of its import is not spent before the server can take a request.
 
 A folder whose ``tokenizer_config.json`` sets anything beyond ``KNOWN_CONFIG_KEYS``
 (a flag that changes how transformers encodes or decodes) is not read here:
@@ -17,13 +21,13 @@ A folder whose ``tokenizer_config.json`` sets anything beyond ``KNOWN_CONFIG_KEY
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-
-from nanoserve.engine.chat_template import ChatTemplate
 
 # transformers' generic fast tokenizer (v5 name, v4 name)
 GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -56,7 +60,6 @@ class SavedTokenizer:
         self.backend_tokenizer = backend
         self.special_tokens = special_tokens
         self.chat_template = chat_template
-        self._chat = ChatTemplate(chat_template, special_tokens) if chat_template else None
 
     def __len__(self) -> int:
         """Vocabulary size, added tokens included."""
@@ -106,15 +109,35 @@ class SavedTokenizer:
         without a chat template."""
         assert tokenize, "SavedTokenizer.apply_chat_template returns token ids only"
         assert not return_dict, "SavedTokenizer.apply_chat_template returns token ids only"
-        if self._chat is None:
+        if not self.chat_template:
             raise ValueError(f"tokenizer in {self.folder} has no chat template")
-        return self.encode(self._chat.render(messages, add_generation_prompt), add_special_tokens=False)
+        rendered, _ = chat_template_renderer()(
+            conversations=[messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+        return self.encode(rendered[0], add_special_tokens=False)
+
+    def prepare_chat_template(self) -> None:
+        """Imports the chat template renderer now (about a second), so the first chat does not wait for it."""
+        if self.chat_template:
+            chat_template_renderer()
 
     def save_pretrained(self, folder: str) -> None:
         """transformers' ``save_pretrained`` of this tokenizer (imports transformers: over a second, once)."""
         from transformers import PreTrainedTokenizerFast
 
         PreTrainedTokenizerFast.from_pretrained(str(self.folder), local_files_only=True).save_pretrained(folder)
+
+
+@functools.cache
+def chat_template_renderer() -> Callable[..., Any]:
+    """transformers' ``render_jinja_template`` -> (rendered texts, generation indices); imports transformers once
+    (about a second of CPU). Its annotation says ``str``; it returns that pair."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template
 
 
 def load_saved_tokenizer(folder: Path) -> SavedTokenizer | None:

@@ -125,6 +125,12 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return list(self._tok.convert_ids_to_tokens(token_ids))
 
+    def prepare_chat_template(self) -> None:
+        """Gets the chat template renderer ready ahead of the first chat (a no-op where it is ready at load)."""
+        prepare = getattr(self._tok, "prepare_chat_template", None)
+        if prepare is not None:
+            prepare()
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Render ``[{"role": ..., "content": ...}]`` with the model's template -> token ids.
 

@@ -22,6 +22,7 @@ import contextlib
 import gc
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -322,6 +323,8 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
     except Exception:
         await engine.shutdown(0.0)
         raise
+    # SERVING: now the chat template renderer's import (transformers, about a second), off the start-up path
+    threading.Thread(target=engine.tokenizer.prepare_chat_template, name="chat-template", daemon=True).start()
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

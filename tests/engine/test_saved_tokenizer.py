@@ -92,16 +92,17 @@ def test_the_engine_tokenizer_over_it_equals_the_one_over_transformers(saved, re
     assert ours.export_files() == theirs.export_files()
 
 
-def test_reading_it_imports_no_transformers(saved_folder):
+def test_reading_and_encoding_import_no_transformers_until_a_chat(saved_folder):
     script = (
         "import sys; from pathlib import Path; from nanoserve.engine.saved_tokenizer import load_saved_tokenizer; "
         f"tok = load_saved_tokenizer(Path({str(saved_folder)!r})); "
-        "tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}], True, True, False); "
         "tok.decode(tok.encode('Hi')); "
+        "print('transformers' in sys.modules); "
+        "tok.prepare_chat_template(); "
         "print('transformers' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "False"
+    assert done.stdout.split() == ["False", "True"]
 
 
 @pytest.mark.parametrize(
