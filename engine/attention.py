@@ -107,6 +107,15 @@ class TorchAttentionMetadata:
     decode_only_in_order: bool = False
 
 
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """This step's K/V [num_tokens, num_kv_heads, head_dim] into their slots, before any read of the cache."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
 MAX_DECODE_BUCKETS = 4
 # A bucket costs a fixed amount (an index_select and an SDPA call per layer); counted as
 # this many blocks of padding, so a split must save more than that to be made.
@@ -230,12 +239,9 @@ class TorchAttentionBackend:
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        group = num_heads // num_kv_heads
+        group = num_heads // k.shape[1]
         scale = 1.0 / math.sqrt(head_dim)
-        # Write this step's K/V first so every read below goes through the cache.
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
 
         if metadata.decode_only_in_order:
             return self._decode(q, key_cache, value_cache, metadata.decode_buckets[0], group, scale)
@@ -352,9 +358,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(metadata, CpuPagedAttentionMetadata)
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         decodes, scale = metadata.kernel_decodes, 1.0 / math.sqrt(head_dim)
         if decodes is not None and decodes.in_order:
             return kernels.paged_decode_attention(
