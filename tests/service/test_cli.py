@@ -135,6 +135,23 @@ def test_serve_refuses_a_pool_another_live_server_writes(pg_url: str, tiny_model
     assert "Traceback" not in second.stderr
 
 
+@pytest.fixture
+def logging_restored():
+    """``main`` configures structlog and the root logger onto this test's captured stderr, which pytest
+    closes after it: later tests would log into a closed file. Put back what was configured before."""
+    import logging
+
+    import structlog
+
+    saved, root = structlog.get_config(), logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    structlog.configure(**saved)
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.usefixtures("logging_restored")
 def test_serve_imports_with_the_collector_off_and_loads_with_it_on_and_the_imports_frozen(monkeypatch, capsys) -> None:
     """The server's imports are frozen (out of every later collection) before the model loads, collector on."""
     import gc
@@ -171,6 +188,7 @@ def test_serve_imports_with_the_collector_off_and_loads_with_it_on_and_the_impor
     assert "a test stops here" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("logging_restored")
 def test_other_commands_run_with_the_collector_on() -> None:
     import gc
 
