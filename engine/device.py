@@ -42,12 +42,17 @@ def cpu_supports_bf16() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")  # older/newer torch spellings
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, cpu_quantized_kernels: bool = False) -> torch.dtype:
     """``auto`` -> bfloat16 on CUDA and on bf16-capable CPUs, float32 otherwise.
 
+    cpu_quantized_kernels: the linear weights run on nanoserve's GGUF block kernels, which
+    (like its paged attention and RMSNorm kernels) take float32; ``auto`` is then float32
+    on every CPU: bf16 activations would only add conversions around each kernel.
     Raises ValueError for a name outside ``auto``, ``float32``, ``bfloat16``, ``float16``.
     """
     if name == "auto":
+        if device.type == "cpu" and cpu_quantized_kernels:
+            return torch.float32
         if device.type == "cuda" or (device.type == "cpu" and cpu_supports_bf16()):
             return torch.bfloat16
         return torch.float32

@@ -22,6 +22,7 @@ from nanoserve.engine.device import resolve_device, resolve_dtype
 from nanoserve.engine.forward_batch import ForwardBatch
 from nanoserve.engine.kv_cache import KVCache, KVCacheSpec
 from nanoserve.engine.models.llama import LlamaForCausalLM
+from nanoserve.engine.models.quantized_linear import gguf_kernels_take
 from nanoserve.engine.process_memory import process_memory, release_free_heap
 from nanoserve.engine.threads import ThreadTuner, configure_threads
 from nanoserve.engine.tokenizer import Tokenizer, load_hf_tokenizer
@@ -54,7 +55,6 @@ class ModelRunner:
         self.thread_tuner = ThreadTuner(threads.num_threads) if config.model.num_threads is None else None
         self._num_threads = threads.num_threads
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.quantization = config.model.quantization
         path = resolve_model_path(config.model.model)
         # transformers' import and the tokenizer's files load on a thread while the weights convert
@@ -62,6 +62,8 @@ class ModelRunner:
         hf_tokenizer = loader.submit(_load_hf_tokenizer_and_trim, path)
         loader.shutdown(wait=False)
         checkpoint = load_checkpoint(path, self.quantization)
+        on_gguf_kernels = gguf_kernels_take(checkpoint.quant_types, self.quantization, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, cpu_quantized_kernels=on_gguf_kernels)
         arch = checkpoint.config
         self.model_name = checkpoint.name
         eos_token_ids = checkpoint.eos_token_ids

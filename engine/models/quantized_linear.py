@@ -262,6 +262,20 @@ def _log_fallback(reason: str, detail: str) -> None:
         log.info("quantized_linear.dense_fallback", reason=reason, detail=detail)
 
 
+def gguf_kernels_take(quant_types: set[str], quantization: str, device: torch.device) -> bool:
+    """Whether ``make_linear`` puts weights of these block types on nanoserve's GGUF kernel.
+
+    True under ``quantization auto`` on the CPU when some type is one the kernel multiplies
+    and the kernels load (``kernels.load()``, which builds them on first use).
+    """
+    return (
+        quantization == "auto"
+        and device.type == "cpu"
+        and bool(quant_types & set(kernels.GGML_TYPE_IDS))
+        and kernels.load()
+    )
+
+
 def make_linear(
     weight: torch.Tensor | QuantizedWeight,
     dtype: torch.dtype,
@@ -300,13 +314,7 @@ def make_linear(
         want = {Q4_0: "int4", Q4_1: "int4", Q8_0: "int8"}.get(quant_type or "")
     if want is None:
         return dense()
-    if (
-        quantization == "auto"
-        and device.type == "cpu"
-        and isinstance(weight, QuantizedWeight)
-        and weight.quant_type in kernels.GGML_TYPE_IDS
-        and kernels.load()
-    ):
+    if isinstance(weight, QuantizedWeight) and gguf_kernels_take({weight.quant_type}, quantization, device):
         return GGUFLinear(weight, bias)
     if device.type != "cpu":
         if quantization in ("int4", "int8"):

@@ -19,6 +19,12 @@ def test_auto_dtype_is_float32_on_other_cpu(monkeypatch):
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
 
 
+def test_auto_dtype_is_float32_on_a_cpu_whose_weights_run_on_the_gguf_kernels(monkeypatch):
+    monkeypatch.setattr(device_module, "cpu_supports_bf16", lambda: True)
+    assert resolve_dtype("auto", torch.device("cpu"), cpu_quantized_kernels=True) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu"), cpu_quantized_kernels=True) == torch.bfloat16
+
+
 def test_auto_dtype_is_bfloat16_on_cuda():
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 

@@ -137,6 +137,22 @@ def test_gguf_quantized_tensors_are_dequantized(tiny_weights, tmp_path):
             assert relative_error > 0, f"{name} was not quantized at all"
 
 
+def test_a_checkpoint_names_the_block_types_it_keeps_quantized(tiny_weights, tmp_path):
+    import gguf
+
+    config, weights = tiny_weights
+    quantized = {
+        "model.layers.0.self_attn.q_proj.weight": gguf.GGMLQuantizationType.Q8_0,
+        "model.layers.0.mlp.up_proj.weight": gguf.GGMLQuantizationType.Q4_1,
+        "model.layers.1.mlp.down_proj.weight": gguf.GGMLQuantizationType.F16,  # dequantized: not a block type
+    }
+    write_gguf(tmp_path / "quant.gguf", config, weights, quantized)
+    assert load_checkpoint(tmp_path / "quant.gguf", "auto").quant_types == {"Q8_0", "Q4_1"}
+    assert load_checkpoint(tmp_path / "quant.gguf", "none").quant_types == set()
+    write_gguf(tmp_path / "f32.gguf", config, weights, {})
+    assert load_checkpoint(tmp_path / "f32.gguf", "auto").quant_types == set()
+
+
 def test_gguf_weights_are_read_on_lookup_into_memory_of_their_own(tiny_weights, tmp_path):
     import gguf
 

@@ -1,10 +1,12 @@
 """nanoserve's GGUF block kernel (``quantization auto``): gguf's weights exactly, batch-invariant, clear errors.
 
-Tolerance: the kernel forms each weight exactly as gguf dequantizes it (checked through
-an identity input, where each output is one weight times 1.0, so any other rounding or
-a wrong nibble order shows), then sums products in float32; against a float64 product
-of the same weights it differs by float32 rounding of sums of up to K terms: ``FP32_RTOL``
-of the output's scale.
+Tolerance: the kernel uses each weight exactly as gguf dequantizes it (checked through an
+identity input, where each output is one weight times 1.0, so any other rounding or a
+wrong nibble order shows). Up to ``FEW_MAX_TOKENS`` rows of x it rounds x to 16-bit codes
+per block of 32 (``rounded_x``, a power-of-two scale) and sums integer products exactly;
+beyond, it keeps x in float32. Against a float64 product of the same weights and of the
+x it used, it differs by float32 rounding of sums of up to K terms: ``FP32_RTOL`` of the
+output's scale; against the float x, by the 16-bit rounding too: ``ACT16_RTOL``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,22 @@ from nanoserve.engine.models.quantized_linear import GGUFLinear, Int4Linear, Int
 from tests.engine.test_quantized_linear import gguf_dense, q4_1_block, random_blocks
 
 FP32_RTOL = 1e-5
+ACT16_RTOL = 2e-4  # x rounded to 2^-15 of its block's largest element, summed over 256 products
+FEW_MAX_TOKENS = 4  # gguf_linear.cpp's kFewMaxTokens
 CPU = torch.device("cpu")
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
+
+
+def rounded_x(x: torch.Tensor) -> torch.Tensor:
+    """The x the decode path multiplies: per block of 32, a power-of-two scale 2^(e - 15) with
+    max|x| = f * 2^e (f in [0.5, 1)), codes rounded half to even and capped at 32767. [T, K] float64."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    _, exponent = torch.frexp(blocks.abs().amax(dim=-1, keepdim=True))
+    scale = torch.pow(2.0, (exponent - 15).double())
+    codes = torch.round(blocks / scale).clamp(-32768, 32767)
+    return torch.where(blocks.abs().amax(dim=-1, keepdim=True) > 0, codes * scale, 0.0).reshape(x.shape)
 
 
 @pytest.fixture
@@ -65,12 +79,48 @@ def test_weights_are_gguf_values_exactly(quant_type):
 @pytest.mark.parametrize("num_tokens", [1, 3, 5, 33])
 def test_matches_a_float64_product_of_the_same_weights(quant_type, num_tokens):
     weight = random_blocks(quant_type, 50, 256, seed=num_tokens)
-    x = torch.randn(num_tokens, 256, generator=torch.Generator().manual_seed(1))
-    expected = F.linear(x.double(), gguf_dense(weight).double())
+    # rows of very different sizes, and blocks within a row too: the scales are per block
+    x = torch.randn(num_tokens, 256, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 256)
+    used = rounded_x(x) if num_tokens <= FEW_MAX_TOKENS else x.double()
+    expected = F.linear(used, gguf_dense(weight).double())
     got = GGUFLinear(weight)(x)
     assert got.dtype == torch.float32
     assert got.shape == (num_tokens, 50)
     torch.testing.assert_close(got.double(), expected, rtol=FP32_RTOL, atol=FP32_RTOL * expected.abs().max().item())
+    exact = F.linear(x.double(), gguf_dense(weight).double())
+    torch.testing.assert_close(got.double(), exact, rtol=ACT16_RTOL, atol=ACT16_RTOL * exact.abs().max().item())
+
+
+@needs_kernels
+def test_decode_path_rounds_x_to_16_bits_per_block_by_a_power_of_two():
+    weight = random_blocks("Q8_0", 8, 64, seed=4)
+    dense = gguf_dense(weight).double()
+    # block 0: max 1.0 -> scale 2^-14; 1 + 2^-16 is 16384.25 codes -> 1.0;
+    # 3 * 2^-15 is 1.5 codes -> 2 (half to even) -> 2^-13
+    # block 1: max 0.75 -> scale 2^-15, -0.75 exact
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1], x[0, 2], x[0, 33] = 1.0, 1.0 + 2**-16, 3 * 2**-15, -0.75
+    want = torch.zeros(1, 64, dtype=torch.float64)
+    want[0, 0], want[0, 1], want[0, 2], want[0, 33] = 1.0, 1.0, 2**-13, -0.75
+    assert torch.equal(rounded_x(x), want)
+    got = GGUFLinear(weight)(x).double()
+    torch.testing.assert_close(got, F.linear(want, dense), rtol=FP32_RTOL, atol=0)
+    # a non-finite input gives NaN in every output it reaches, never a number; a zero block adds nothing
+    x[0, 40] = float("inf")
+    assert GGUFLinear(weight)(x).isnan().all()
+    assert torch.equal(GGUFLinear(weight)(torch.zeros(2, 64)), torch.zeros(2, 8))
+
+
+@needs_kernels
+@pytest.mark.skipif(kernels.load() and kernels.best_isa() != "avx512", reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+def test_the_avx2_and_avx512_bodies_give_the_same_bits(quant_type):
+    weight = random_blocks(quant_type, 45, 192, seed=7)
+    x = torch.randn(4, 192, generator=torch.Generator().manual_seed(8)) * 30
+    for num_tokens in range(1, FEW_MAX_TOKENS + 1):
+        avx2 = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx2")
+        avx512 = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512")
+        assert torch.equal(avx2, avx512), num_tokens
 
 
 @needs_kernels
@@ -80,13 +130,18 @@ def test_a_rows_output_does_not_depend_on_its_batch(quant_type):
     linear = GGUFLinear(weight)
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([linear(x[i : i + 1]) for i in range(70)])
-    for size in (2, 3, 4, 5, 7, 16, 70):  # register path up to 4 tokens, panels beyond, ragged tiles
+    for size in (2, 3, 4):  # the decode path: any number of rows up to 4, ragged tiles
         batched = torch.cat([linear(x[i : i + size]) for i in range(0, 70, size)])
         assert torch.equal(batched, alone), size
+    whole = linear(x)
+    for size in (5, 7, 16):  # the panel path: ragged panels and tiles
+        batched = torch.cat([linear(x[i : i + size]) for i in range(0, 70 - 70 % size, size)])
+        assert torch.equal(batched, whole[: 70 - 70 % size]), size
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert torch.equal(linear(x), alone)
+        assert torch.equal(linear(x), whole)
+        assert torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(70)]), alone)
     finally:
         torch.set_num_threads(threads)
 
@@ -95,7 +150,7 @@ def test_a_rows_output_does_not_depend_on_its_batch(quant_type):
 def test_bf16_activations_and_a_bias_come_back_in_their_dtype():
     weight = random_blocks("Q4_1", 16, 64)
     bias = torch.arange(16, dtype=torch.bfloat16)
-    x = torch.randn(2, 64).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)  # the float32 panel path: gguf's weights times x exactly
     got = make_linear(weight, torch.bfloat16, CPU, "auto", bias=bias)(x)
     expected = F.linear(x.float(), gguf_dense(weight)).to(torch.bfloat16) + bias
     assert got.dtype == torch.bfloat16
@@ -111,6 +166,8 @@ def test_inputs_it_cannot_take_are_clear_errors():
         kernels.gguf_linear(torch.zeros(1, 32), weight.blocks, "Q4_1", 64)
     with pytest.raises(RuntimeError, match="blocks of 40 bytes per row do not hold 96 weights"):
         kernels.gguf_linear(torch.zeros(1, 96), weight.blocks, "Q4_1", 96)
+    with pytest.raises(RuntimeError, match="isa must be 0 \\(best\\), 1 \\(avx2\\) or 2 \\(avx512\\), got 7"):
+        torch.ops.nanoserve.gguf_linear(torch.zeros(1, 64), weight.blocks, 3, 64, 7)
 
 
 def test_a_cpu_without_avx2_falls_back_to_torchs_kernels_and_says_why(fresh_kernel_state, monkeypatch):
