@@ -1,8 +1,11 @@
-"""Paged attention: write new K/V through the slot mapping, attend through block tables.
+"""Paged attention: attend through block tables to the K/V the model wrote through the slot mapping.
 
 One small interface, ``AttentionBackend``: ``prepare(batch, block_size)`` turns a
-``ForwardBatch`` into per-step metadata once (masks, decode block tables), and
-``forward(q, k, v, key_cache, value_cache, metadata)`` runs one layer.
+``ForwardBatch`` into per-step metadata once (masks, decode block tables, the slot
+mapping), and ``forward(q, k, v, key_cache, value_cache, metadata)`` runs one layer.
+Backends only read the caches: the model writes each layer's new K/V into their slots
+before it calls ``forward`` (``write_kv`` here, or its fused rope kernel on a float32
+CPU model), one writer for every backend.
 ``select_backend`` picks flash-attn on CUDA where it can run (``flash_attention.py``),
 ``CpuPagedAttentionBackend`` on a float32 CPU model where nanoserve's kernels load
 (decodes read K/V straight through the block tables, ``kernels/paged_attention.cpp``),
@@ -37,8 +40,15 @@ from nanoserve.allocator import cdiv
 from nanoserve.engine import kernels
 from nanoserve.engine.forward_batch import ForwardBatch
 
+
+class AttentionMetadata(Protocol):
+    """What every backend's per-step metadata carries for the model: where the new K/V go."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: each new token's cache slot
+
+
 # the per-step metadata type of one backend: what its prepare makes and its forward reads
-MetadataT = TypeVar("MetadataT")
+MetadataT = TypeVar("MetadataT", bound=AttentionMetadata)
 
 
 class AttentionBackend(Protocol[MetadataT]):
@@ -60,8 +70,9 @@ class AttentionBackend(Protocol[MetadataT]):
         metadata: MetadataT,
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim];
-        caches: [num_blocks, block_size, num_kv_heads, head_dim]. Writes k, v into the
-        caches, returns [num_tokens, num_heads * head_dim]."""
+        caches: [num_blocks, block_size, num_kv_heads, head_dim], k and v already written
+        at ``metadata.slot_mapping`` (by the model; backends do not write). Returns
+        [num_tokens, num_heads * head_dim]."""
         ...
 
 
@@ -110,7 +121,11 @@ class TorchAttentionMetadata:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """This step's K/V [num_tokens, num_kv_heads, head_dim] into their slots, before any read of the cache."""
+    """This step's K/V [num_tokens, num_kv_heads, head_dim] into their slots, before any read of the cache.
+
+    The model's unfused path calls it per layer; ``kernels.rope_and_write_kv`` does the same
+    writes for a float32 CPU model.
+    """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -241,8 +256,6 @@ class TorchAttentionBackend:
         num_tokens, num_heads, head_dim = q.shape
         group = num_heads // k.shape[1]
         scale = 1.0 / math.sqrt(head_dim)
-        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
-
         if metadata.decode_only_in_order:
             return self._decode(q, key_cache, value_cache, metadata.decode_buckets[0], group, scale)
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
@@ -358,7 +371,6 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         assert isinstance(metadata, CpuPagedAttentionMetadata)
         num_tokens, num_heads, head_dim = q.shape
-        write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         decodes, scale = metadata.kernel_decodes, 1.0 / math.sqrt(head_dim)
         if decodes is not None and decodes.in_order:
             return kernels.paged_decode_attention(

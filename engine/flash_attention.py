@@ -34,6 +34,7 @@ class FlashAttentionBackend:
     paged cache, and its causal mask is aligned bottom-right, which is exactly
     "query i at position start + i sees keys 0 .. start + i". flash-attn requires
     fp16/bf16 and a block size that is a multiple of 256; ``select_backend`` checks both.
+    The model has written this step's K/V into the cache before ``forward`` (``write_kv``).
     Not exercised by the test suite on CPU-only machines (``prepare`` is).
     """
 
@@ -73,9 +74,6 @@ class FlashAttentionBackend:
 
             varlen = self._varlen = flash_attn_varlen_func
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         out = varlen(
             q,
             key_cache,

@@ -1,10 +1,13 @@
 """nanoserve's own CPU kernels, C++ built once on this machine and cached.
 
 - ``gguf_linear``: ``x @ w.T`` with w kept in its GGUF blocks (Q4_0, Q4_1, Q8_0;
-  gguf_linear.cpp), the same operations for every output element whatever the batch.
+  gguf_linear.cpp; up to 4 rows by 16-bit activations and exact integer dots, more in float32).
 - ``paged_decode_attention``: one query token per sequence against its K/V read through
   the block table (paged_attention.cpp).
 - ``add_rms_norm``: the residual add and RMSNorm in one pass (rms_norm.cpp).
+- ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` in one pass (silu_and_mul.cpp).
+- ``rope_and_write_kv``: rotary embedding of Q and K in place, and K/V written into their
+  cache slots, in one pass (rope_kv.cpp).
 
 All take and return float32 CPU tensors.
 
@@ -33,7 +36,10 @@ from nanoserve.engine.file_cache import cache_dir
 
 log = structlog.get_logger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("gguf_linear.cpp", "paged_attention.cpp", "rms_norm.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("gguf_linear.cpp", "paged_attention.cpp", "rms_norm.cpp", "silu_and_mul.cpp", "rope_kv.cpp")
+]
 HEADERS = [Path(__file__).with_name(name) for name in ("gguf_linear_tile.h",)]  # included by SOURCES
 # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (torch ships libgomp.so.1, which the loader reuses)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
@@ -168,3 +174,41 @@ def add_rms_norm(
     """
     residual, normed = torch.ops.nanoserve.add_rms_norm(hidden, delta, weight, eps)
     return residual, normed
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating: gate_up [T, 2I] float32 -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I] float32.
+
+    Within 3 ulp of ``F.silu(gate) * up`` (relative error under 1e-6): the same ops and
+    roundings but for exp, computed here to about an ulp. ``load()`` first; raises
+    RuntimeError on another dtype or an odd width.
+    """
+    return torch.ops.nanoserve.silu_and_mul(gate_up)
+
+
+def rope_and_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotates Q and K of ``qkv`` in place and writes K and V into their cache slots (``load()`` first).
+
+    qkv: [T, (num_heads + 2 * num_kv_heads) * D] float32, contiguous, rows (Q | K | V),
+    modified in place; cos, sin_signed: [T, 1, D] or [T, D] float32, contiguous, the rows
+    ``RotaryEmbedding.lookup`` gives ("rotate half" layout); caches: [num_blocks,
+    block_size, num_kv_heads, D] float32, contiguous; slot_mapping: [T] int64, token t's
+    slot ``block_id * block_size + offset``. Returns views of qkv: q [T, num_heads, D],
+    k and v [T, num_kv_heads, D], k rotated. The values equal ``apply_rope`` then
+    ``write_kv``'s bit for bit (the same float32 ops). Raises RuntimeError naming the
+    argument on a dtype, shape or layout it cannot take, or a slot outside the cache
+    (then nothing is written).
+    """
+    q, k, v = torch.ops.nanoserve.rope_and_write_kv(
+        qkv, cos, sin_signed, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads
+    )
+    return q, k, v

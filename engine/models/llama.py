@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.engine import kernels
-from nanoserve.engine.attention import AttentionBackend
+from nanoserve.engine.attention import AttentionBackend, AttentionMetadata, write_kv
 from nanoserve.engine.kv_cache import KVCache
 from nanoserve.engine.models.embedding import Embedding
 from nanoserve.engine.models.quantized_linear import AnyLinear, QuantizedWeight, linear_tensors, make_linear
@@ -38,6 +38,25 @@ def add_rms_norm(
         return kernels.add_rms_norm(hidden, delta, weight, eps)
     residual = hidden if delta is None else hidden + delta
     return residual, F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+
+
+def fused_ops_run(x: torch.Tensor) -> bool:
+    """Whether a layer's small ops on ``x`` run as nanoserve's fused kernels (``silu_and_mul``,
+    ``rope_and_write_kv``): float32 on the CPU where the kernels load. Tests turn it off to
+    compare the two paths."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and kernels.load()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating: gate_up [T, 2I] -> silu(gate) * up [T, I], gate and up its two halves.
+
+    nanoserve's one-pass kernel where ``fused_ops_run`` (within a few ulp of torch's:
+    relative error under 1e-6), else torch's silu and an in-place multiply.
+    """
+    if fused_ops_run(gate_up):
+        return kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,30 @@ class LlamaDecoderLayer:
             self.q_norm = tensor(f"{p}self_attn.q_norm.weight", (c.head_dim,))
             self.k_norm = tensor(f"{p}self_attn.k_norm.weight", (c.head_dim,))
 
+    def _qkv_with_kv_written(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv: [T, (H + 2 * Hkv) * D] -> q [T, H, D], k [T, Hkv, D] rotated, v [T, Hkv, D].
+
+        Also writes this step's K and V into their cache slots: the attention backends only
+        read the cache. Where ``fused_ops_run`` and the model has no per-head norms, one
+        kernel pass rotates in place in qkv and writes (``kernels.rope_and_write_kv``,
+        bit-equal to the torch path); otherwise torch's ops rotate and ``write_kv`` writes.
+        """
+        if self.q_norm is None and qkv.is_contiguous() and fused_ops_run(qkv):
+            return kernels.rope_and_write_kv(
+                qkv, cos, sin, key_cache, value_cache, slot_mapping, self.num_heads, self.num_kv_heads
+            )
+        q, k, v = self._rotated_qkv(qkv, cos, sin)
+        write_kv(k, v, key_cache, value_cache, slot_mapping)
+        return q, k, v
+
     def _rotated_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,7 +191,7 @@ class LlamaDecoderLayer:
         sin: torch.Tensor,
         kv_cache: KVCache,
         attention: AttentionBackend[Any],
-        attn_metadata: object,
+        attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, delta) -> (hidden, delta) of the next layer, each [num_tokens, hidden_size].
 
@@ -157,14 +200,12 @@ class LlamaDecoderLayer:
         """
         hidden, x = add_rms_norm(hidden, delta, self.input_norm, self.eps)
         qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
-        q, k, v = self._rotated_qkv(qkv, cos, sin)
-        attn = attention.forward(
-            q, k, v, kv_cache.key_caches[self.layer_id], kv_cache.value_caches[self.layer_id], attn_metadata
-        )  # [T, H * D]
+        key_cache, value_cache = kv_cache.key_caches[self.layer_id], kv_cache.value_caches[self.layer_id]
+        q, k, v = self._qkv_with_kv_written(qkv, cos, sin, key_cache, value_cache, attn_metadata.slot_mapping)
+        attn = attention.forward(q, k, v, key_cache, value_cache, attn_metadata)  # [T, H * D]
         hidden, x = add_rms_norm(hidden, self.o_proj(attn), self.post_attention_norm, self.eps)
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return hidden, self.down_proj(F.silu(gate).mul_(up))
+        return hidden, self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaForCausalLM:
@@ -204,7 +245,7 @@ class LlamaForCausalLM:
         logits_indices: torch.Tensor,
         kv_cache: KVCache,
         attention: AttentionBackend[Any],
-        attn_metadata: object,
+        attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64; logits_indices: [num_logits] int64.
 

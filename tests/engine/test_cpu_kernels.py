@@ -1,7 +1,10 @@
-"""nanoserve's paged decode attention and fused add + RMSNorm kernels against torch's ops.
+"""nanoserve's CPU kernels (paged decode attention, add + RMSNorm, silu * up, rope + K/V write)
+against torch's ops, and the model's fused layer ops against its torch path.
 
 Tolerances: both compute in float32 like the reference, in another order; ``ATOL`` on
-outputs of magnitude about 1.
+outputs of magnitude about 1. ``silu_and_mul`` computes its own exp: ``SILU_RTOL``
+relative. ``rope_and_write_kv`` does torch's very operations: bit-equal here, allowed
+``ROPE_ATOL`` (an ulp of values up to 4) where a torch build rounds addcmul differently.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.engine import kernels
-from nanoserve.engine.attention import CpuPagedAttentionBackend, TorchAttentionBackend, select_backend
+from nanoserve.engine.attention import CpuPagedAttentionBackend, TorchAttentionBackend, select_backend, write_kv
 from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
+from nanoserve.engine.models import llama
+from nanoserve.engine.models.rope import RotaryEmbedding, apply_rope
 
 ATOL = 1e-5
+SILU_RTOL = 1e-6  # measured: at most 3 ulp (3.4e-7) from torch's silu * up
+ROPE_ATOL = 1e-6
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 
@@ -96,3 +103,111 @@ def test_add_rms_norm_equals_torchs_add_then_rms_norm():
     alone, normed_alone = kernels.add_rms_norm(hidden, None, weight, 1e-5)
     assert torch.equal(alone, hidden)
     torch.testing.assert_close(normed_alone, F.rms_norm(hidden, (576,), weight, 1e-5), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+@pytest.mark.parametrize("intermediate", [1536, 600, 13])  # 600: a partial 512-column chunk; 13: a partial vector
+def test_silu_and_mul_equals_torchs_silu_times_up(num_tokens, intermediate):
+    gen = torch.Generator().manual_seed(num_tokens * intermediate)
+    gate_up = torch.randn(num_tokens, 2 * intermediate, generator=gen) * 6
+    expected = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+    got = kernels.silu_and_mul(gate_up)
+    assert got.shape == (num_tokens, intermediate)
+    torch.testing.assert_close(got, expected, rtol=SILU_RTOL, atol=0)
+
+
+def test_silu_and_mul_keeps_its_accuracy_over_the_whole_exp_range():
+    # exp(-x) from underflow (x = 120) through overflow (x < -88.72, silu = -0 as torch's)
+    gate = torch.cat([torch.linspace(-120, 120, 200_001), torch.tensor([-88.72, -88.73, 0.0, -0.0])])
+    got = kernels.silu_and_mul(torch.cat([gate, torch.ones_like(gate)])[None])
+    torch.testing.assert_close(got[0], F.silu(gate), rtol=SILU_RTOL, atol=0)
+    assert got[0, gate < -88.73].eq(0).all()
+
+
+def test_silu_and_mul_rejects_other_dtypes():
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernels.silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+def rope_reference(qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads):
+    """The model's torch path: apply_rope over Q and K, then write_kv. Returns q, k, v."""
+    head_dim = key_cache.shape[3]
+    heads = qkv.view(qkv.shape[0], -1, head_dim)
+    qk = apply_rope(heads[:, : num_heads + num_kv_heads], cos, sin)
+    v = heads[:, num_heads + num_kv_heads :]
+    write_kv(qk[:, num_heads:], v, key_cache, value_cache, slots)
+    return qk[:, :num_heads], qk[:, num_heads:], v
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (6, 2, 20)])
+def test_rope_and_write_kv_equals_apply_rope_then_write_kv(num_tokens, num_heads, num_kv_heads, head_dim):
+    # head_dim 20: a half of 10, one vector and a scalar tail; slots scattered over 32 blocks of 4
+    gen = torch.Generator().manual_seed(num_tokens + head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.float32, torch.device("cpu"))
+    cos, sin = rope.lookup(torch.randint(0, 4096, (num_tokens,), generator=gen))
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    slots = torch.randperm(128, generator=gen)[:num_tokens]
+    key_cache = torch.randn(32, 4, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(32, 4, num_kv_heads, head_dim, generator=gen)
+    ref_keys, ref_values = key_cache.clone(), value_cache.clone()
+    q_ref, k_ref, v_ref = rope_reference(qkv.clone(), cos, sin, ref_keys, ref_values, slots, num_heads, num_kv_heads)
+
+    q, k, v = kernels.rope_and_write_kv(qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads)
+    assert (q.shape, k.shape, v.shape) == (q_ref.shape, k_ref.shape, v_ref.shape)
+    assert q.data_ptr() == qkv.data_ptr()  # rotated in place
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=ROPE_ATOL)
+    torch.testing.assert_close(k, k_ref, rtol=0, atol=ROPE_ATOL)
+    assert torch.equal(v, v_ref)
+    torch.testing.assert_close(key_cache, ref_keys, rtol=0, atol=ROPE_ATOL)  # untouched slots: equal
+    assert torch.equal(value_cache, ref_values)
+
+
+def test_rope_and_write_kv_rejects_a_slot_outside_the_cache_before_writing():
+    qkv, trig = torch.randn(2, 3 * 8), torch.ones(2, 8)
+    key_cache, value_cache = torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8)
+    before = qkv.clone()
+    with pytest.raises(RuntimeError, match="slot 16 of token 1 outside the cache's 16 slots"):
+        kernels.rope_and_write_kv(qkv, trig, trig, key_cache, value_cache, torch.tensor([3, 16]), 1, 1)
+    assert torch.equal(qkv, before)
+    assert not key_cache.any()
+    assert not value_cache.any()
+
+
+def run_steps(runner) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Logits of a prefill (odd T, scattered blocks), a mixed step, two decodes; then both caches."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = (
+        torch.randint(3, 49152, (10,), generator=gen).tolist(),
+        torch.randint(3, 49152, (10,), generator=gen).tolist(),
+    )
+    table_a, table_b = [9, 3, 17, 40], [2, 31, 60]  # 12 tokens each: three blocks, block 40 unused
+    steps = [
+        [SeqSlice(a[:9], 0, table_a), SeqSlice(b[:6], 0, table_b, needs_logits=False)],
+        [SeqSlice(a[9:], 9, table_a), SeqSlice(b[6:], 6, table_b)],
+    ]
+    logits = []
+    for slices in steps:
+        logits.append(runner.forward(ForwardBatch.build(slices, runner.block_size)))
+    for step in range(2):
+        tokens = logits[-1].argmax(dim=-1).tolist()
+        slices = [SeqSlice([tokens[0]], 10 + step, table_a), SeqSlice([tokens[1]], 10 + step, table_b)]
+        logits.append(runner.forward(ForwardBatch.build(slices, runner.block_size)))
+    return logits, torch.stack(runner.kv_cache.key_caches), torch.stack(runner.kv_cache.value_caches)
+
+
+def test_fused_layer_ops_equal_the_torch_path(tiny_runner_factory, monkeypatch):
+    runner = tiny_runner_factory()
+    fused_logits, fused_keys, fused_values = run_steps(runner)
+    for cache in [*runner.kv_cache.key_caches, *runner.kv_cache.value_caches]:
+        cache.zero_()
+    monkeypatch.setattr(llama, "fused_ops_run", lambda x: False)
+    torch_logits, torch_keys, torch_values = run_steps(runner)
+    for fused, unfused in zip(fused_logits, torch_logits, strict=True):
+        torch.testing.assert_close(fused, unfused, rtol=0, atol=ATOL)
+    # layer 0's K/V come before any silu: the same bits; later layers' within silu's ulps
+    assert torch.equal(fused_keys[0], torch_keys[0])
+    assert torch.equal(fused_values[0], torch_values[0])
+    torch.testing.assert_close(fused_keys, torch_keys, rtol=0, atol=ATOL)
+    torch.testing.assert_close(fused_values, torch_values, rtol=0, atol=ATOL)
+    assert fused_keys.abs().sum(dim=(0, 3, 4)).nonzero()[:, 0].unique().tolist() == [2, 3, 9, 17, 31, 60]
