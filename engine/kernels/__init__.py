@@ -124,21 +124,44 @@ def unavailable_reason() -> str:
 
 
 ISA_IDS = {"best": 0, "avx2": 1, "avx512": 2}  # the kernel's isa argument
+LAYOUT_IDS = {"rows": 0, "groups": 1}  # the kernel's layout argument
+GROUP_ROWS = 4  # rows per record of the grouped layout
 
 
 def gguf_linear(
-    x: torch.Tensor, blocks: torch.Tensor, quant_type: str, in_features: int, isa: str = "best"
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    quant_type: str,
+    in_features: int,
+    isa: str = "best",
+    layout: str = "rows",
 ) -> torch.Tensor:
     """``x @ w.T``, w in GGUF blocks. x: [T, in_features] float32 -> [T, N] float32 (``load()`` first).
 
-    x is rounded to 16-bit integers per block of 32 by a power-of-two scale (at least 15
-    significant bits of each block's largest element), the products with the weights'
-    codes are summed exactly; see gguf_linear.cpp. isa: ``best`` (AVX-512 where the CPU
-    has it), ``avx2`` or ``avx512``: every choice gives the same bits.
-    Raises RuntimeError (from the op) on shapes or dtypes it cannot take, or ``avx512``
-    on a CPU without it.
+    Up to 4 rows of x are rounded to 16-bit integers per block of 32 by a power-of-two
+    scale (at least 15 significant bits of each block's largest element) and their
+    products with the weights' codes summed exactly; more rows stay float32 (see
+    gguf_linear.cpp). isa: ``best`` (AVX-512 where the CPU has it), ``avx2`` or
+    ``avx512``: every choice gives the same bits. layout: ``rows`` (blocks as in the
+    file, [N, K / 32 * block bytes]) or ``groups`` (Q4_0/Q4_1 from ``group_rows``,
+    [N / 4, ...]): the same bits too.
+    Raises RuntimeError (from the op) on shapes, dtypes or layouts it cannot take, or
+    ``avx512`` on a CPU without it.
     """
-    return torch.ops.nanoserve.gguf_linear(x, blocks, GGML_TYPE_IDS[quant_type], in_features, ISA_IDS[isa])
+    return torch.ops.nanoserve.gguf_linear(
+        x, blocks, GGML_TYPE_IDS[quant_type], in_features, ISA_IDS[isa], LAYOUT_IDS[layout]
+    )
+
+
+def group_rows(blocks: torch.Tensor, quant_type: str, in_features: int) -> torch.Tensor:
+    """Q4_0/Q4_1 blocks [N, K / 32 * block bytes] uint8 -> the grouped layout [N / 4, K / 32 * (72 or 80)].
+
+    Per four rows and block index, one record: the rows' 16 bytes of nibbles, then their d,
+    then (Q4_1) their m, as fp16: the file's bytes rearranged (``load()`` first). Raises
+    RuntimeError for another type, N not a multiple of 4, or a shape that does not hold
+    ``in_features`` weights per row.
+    """
+    return torch.ops.nanoserve.gguf_group_rows(blocks, GGML_TYPE_IDS[quant_type], in_features)
 
 
 def best_isa() -> str:

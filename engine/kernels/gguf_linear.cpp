@@ -51,6 +51,17 @@ constexpr int kMinExponent = -100;     // blocks with max|x| < 2^-100 count as z
 
 enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
 enum Isa : int64_t { kBest = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Layout : int64_t { kRows = 0, kGroups = 1 };  // GGUF rows, or Q4 rows regrouped by four (below)
+
+// The grouped layout (Q4_0 / Q4_1, repacked once at load): rows taken four at a time, and for
+// each block index b of a group of rows n..n+3, one record of
+//   64 bytes: the four rows' 16 bytes of nibbles, row n first
+//   8 bytes:  the four d (fp16), then for Q4_1 8 bytes: the four m (fp16)
+// Records follow b, then the group: [N / 4, K / 32, 72 or 80] bytes, the file's bytes rearranged.
+// A decode step then reads one stream of whole cache lines, and the four d (and m) of a tile
+// convert in one instruction.
+constexpr int64_t kGroupRows = 4;
+constexpr int64_t kGroupCodeBytes = 64;
 
 int64_t block_bytes(int64_t type) {
   switch (type) {
@@ -60,6 +71,8 @@ int64_t block_bytes(int64_t type) {
     default: TORCH_CHECK(false, "gguf_linear: unsupported quant type id ", type);
   }
 }
+
+int64_t grouped_bytes(int64_t type) { return kGroupCodeBytes + (type == Q4_1 ? 16 : 8); }
 
 // x quantized per block of 32: codes [T, K] int16, scale (dx) [T, K / 32], scaled_sum (dx * sum of codes) [T, K / 32].
 struct ActBlocks {
@@ -132,40 +145,49 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// The 32 weights of one block as four vectors of 8 floats (elements 8j..8j+7 in w[j]).
+// The 32 weights of one block as four vectors of 8 floats (elements 8j..8j+7 in w[j]), from its
+// codes (Q4: 16 bytes of nibbles; Q8_0: 32 int8), d and (Q4_1) m.
 template <int64_t Type>
-inline void dequantize_block(const uint8_t* block, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_at(block));
+inline void dequantize_block(const uint8_t* codes, float d_value, float m_value, __m256 w[4]) {
+  const __m256 d = _mm256_set1_ps(d_value);
   if constexpr (Type == Q8_0) {
     for (int j = 0; j < 4; ++j) {
-      __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * j));
+      __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * j));
       w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
     }
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Type == Q4_1 ? 4 : 2)));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i low_mask = _mm_set1_epi8(0x0F);
     const __m128i low = _mm_and_si128(packed, low_mask);                      // elements 0..15
     const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);  // elements 16..31
-    const __m128i codes[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    const __m128i nibbles[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
     if constexpr (Type == Q4_0) {
       const __m256i eight = _mm256_set1_epi32(8);
       for (int j = 0; j < 4; ++j)
-        w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(codes[j]), eight)));
+        w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(nibbles[j]), eight)));
     } else {
-      const __m256 m = _mm256_set1_ps(half_at(block + 2));
+      const __m256 m = _mm256_set1_ps(m_value);
       for (int j = 0; j < 4; ++j)
-        w[j] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes[j]))), m);
+        w[j] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles[j]))), m);
     }
   }
 }
 
-// One row of K / 32 blocks -> K floats.
-template <int64_t Type>
-void dequantize_row(const uint8_t* blocks, int64_t num_blocks, float* out) {
-  constexpr int64_t bytes = Type == Q4_0 ? 18 : Type == Q4_1 ? 20 : 34;
+// Row n of the weights (K / 32 blocks) -> K floats, from GGUF rows or from groups of four rows.
+template <int64_t Type, bool Grouped>
+void dequantize_row(const uint8_t* weights, int64_t n, int64_t num_blocks, float* out) {
   for (int64_t b = 0; b < num_blocks; ++b) {
     __m256 w[4];
-    dequantize_block<Type>(blocks + b * bytes, w);
+    if constexpr (Grouped) {
+      const uint8_t* group = weights + ((n / kGroupRows) * num_blocks + b) * grouped_bytes(Type);
+      const int64_t r = n % kGroupRows;
+      const float m = Type == Q4_1 ? half_at(group + kGroupCodeBytes + 8 + 2 * r) : 0.0f;
+      dequantize_block<Type>(group + 16 * r, half_at(group + kGroupCodeBytes + 2 * r), m, w);
+    } else {
+      const uint8_t* block = weights + (n * num_blocks + b) * block_bytes(Type);
+      const float m = Type == Q4_1 ? half_at(block + 2) : 0.0f;
+      dequantize_block<Type>(block + (Type == Q4_1 ? 4 : 2), half_at(block), m, w);
+    }
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * kGroup + 8 * j, w[j]);
   }
 }
@@ -203,10 +225,9 @@ void rows_times_panel(const float* x, int64_t ldx, const float* panel, int64_t k
   for (; j < rows; ++j) micro_kernel<TM, 1>(x, ldx, panel + j * k, k, k, y + j, ldy);
 }
 
-template <int64_t Type>
+template <int64_t Type, bool Grouped>
 void gguf_linear_panels(const float* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y) {
   const int64_t num_blocks = k / kGroup;
-  const int64_t row_bytes = num_blocks * block_bytes(Type);
   const int64_t num_panels = (n + kPanelRows - 1) / kPanelRows;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kPanelRows * k);
@@ -214,7 +235,7 @@ void gguf_linear_panels(const float* x, int64_t num_tokens, const uint8_t* block
       const int64_t n0 = p * kPanelRows;
       const int64_t rows = std::min(kPanelRows, n - n0);
       for (int64_t r = 0; r < rows; ++r)
-        dequantize_row<Type>(blocks + (n0 + r) * row_bytes, num_blocks, panel.data() + r * k);
+        dequantize_row<Type, Grouped>(blocks, n0 + r, num_blocks, panel.data() + r * k);
       int64_t m = 0;
       for (; m + kTileM <= num_tokens; m += kTileM)
         rows_times_panel<kTileM>(x + m * k, k, panel.data(), k, rows, y + m * n + n0, n);
@@ -254,33 +275,79 @@ bool cpu_has_avx512() {
 
 int64_t best_isa() { return cpu_has_avx512() ? kAvx512 : kAvx2; }
 
+// The Q4 weights of a GGUF tensor [N, K / 32 * block bytes] in the grouped layout [N / 4, K / 32 * record bytes].
+at::Tensor gguf_group_rows(const at::Tensor& blocks, int64_t quant_type, int64_t in_features) {
+  TORCH_CHECK(quant_type == Q4_0 || quant_type == Q4_1, "gguf_group_rows: Q4_0 or Q4_1 only, got type id ", quant_type);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
+              "gguf_group_rows: blocks must be 2-D uint8 on the CPU");
+  TORCH_CHECK(in_features % kGroup == 0, "gguf_group_rows: in_features must be a multiple of 32");
+  const int64_t n = blocks.size(0), nb = in_features / kGroup, bytes = block_bytes(quant_type);
+  TORCH_CHECK(blocks.size(1) == nb * bytes, "gguf_group_rows: blocks of ", blocks.size(1),
+              " bytes per row do not hold ", in_features, " weights");
+  TORCH_CHECK(n % kGroupRows == 0, "gguf_group_rows: rows must be a multiple of 4, got ", n);
+  const int64_t header = quant_type == Q4_1 ? 4 : 2, record = grouped_bytes(quant_type);
+  const at::Tensor bc = blocks.contiguous();
+  at::Tensor out = at::empty({n / kGroupRows, nb * record}, blocks.options());
+  const uint8_t* src = bc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kGroupRows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* rec = dst + (g * nb + b) * record;
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const uint8_t* block = src + ((g * kGroupRows + r) * nb + b) * bytes;
+          std::memcpy(rec + 16 * r, block + header, 16);
+          std::memcpy(rec + kGroupCodeBytes + 2 * r, block, 2);                              // d
+          if (quant_type == Q4_1) std::memcpy(rec + kGroupCodeBytes + 8 + 2 * r, block + 2, 2);  // m
+        }
+      }
+  });
+  return out;
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type, int64_t in_features,
-                       int64_t isa) {
+                       int64_t isa, int64_t layout) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "gguf_linear: blocks must be 2-D uint8");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "gguf_linear: x must be [T, ", in_features, "]");
   TORCH_CHECK(in_features % kGroup == 0, "gguf_linear: in_features must be a multiple of 32");
-  TORCH_CHECK(isa == kBest || isa == kAvx2 || isa == kAvx512, "gguf_linear: isa must be 0 (best), 1 (avx2) or 2 (avx512), got ", isa);
-  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(), "gguf_linear: isa avx512 asked for on a CPU without AVX-512 F/BW/DQ/VL");
-  const int64_t n = blocks.size(0);
-  TORCH_CHECK(blocks.size(1) == in_features / kGroup * block_bytes(quant_type),
-              "gguf_linear: blocks of ", blocks.size(1), " bytes per row do not hold ", in_features, " weights");
+  TORCH_CHECK(isa == kBest || isa == kAvx2 || isa == kAvx512,
+              "gguf_linear: isa must be 0 (best), 1 (avx2) or 2 (avx512), got ", isa);
+  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(),
+              "gguf_linear: isa avx512 asked for on a CPU without AVX-512 F/BW/DQ/VL");
+  TORCH_CHECK(layout == kRows || layout == kGroups, "gguf_linear: layout must be 0 (rows) or 1 (groups), got ", layout);
+  const int64_t nb = in_features / kGroup;
+  int64_t n = blocks.size(0);
+  if (layout == kGroups) {
+    TORCH_CHECK(quant_type == Q4_0 || quant_type == Q4_1, "gguf_linear: the grouped layout holds Q4_0 or Q4_1 only");
+    TORCH_CHECK(blocks.size(1) == nb * grouped_bytes(quant_type), "gguf_linear: grouped records of ",
+                blocks.size(1), " bytes per group do not hold ", in_features, " weights");
+    n *= kGroupRows;
+  } else {
+    TORCH_CHECK(blocks.size(1) == nb * block_bytes(quant_type), "gguf_linear: blocks of ", blocks.size(1),
+                " bytes per row do not hold ", in_features, " weights");
+  }
   const at::Tensor xc = x.contiguous();
   const at::Tensor bc = blocks.contiguous();
   const int64_t num_tokens = x.size(0);
-  const int64_t nb = in_features / kGroup;
   at::Tensor y = at::empty({num_tokens, n}, x.options());
   if (num_tokens == 0 || n == 0) return y;
-
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (num_tokens > kFewMaxTokens) {
+    const bool grouped = layout == kGroups;
     switch (quant_type) {
-      case Q4_0: gguf_linear_panels<Q4_0>(xp, num_tokens, bp, n, in_features, yp); break;
-      case Q4_1: gguf_linear_panels<Q4_1>(xp, num_tokens, bp, n, in_features, yp); break;
-      default: gguf_linear_panels<Q8_0>(xp, num_tokens, bp, n, in_features, yp); break;
+      case Q4_0:
+        grouped ? gguf_linear_panels<Q4_0, true>(xp, num_tokens, bp, n, in_features, yp)
+                : gguf_linear_panels<Q4_0, false>(xp, num_tokens, bp, n, in_features, yp);
+        break;
+      case Q4_1:
+        grouped ? gguf_linear_panels<Q4_1, true>(xp, num_tokens, bp, n, in_features, yp)
+                : gguf_linear_panels<Q4_1, false>(xp, num_tokens, bp, n, in_features, yp);
+        break;
+      default: gguf_linear_panels<Q8_0, false>(xp, num_tokens, bp, n, in_features, yp); break;
     }
     return y;
   }
@@ -291,19 +358,21 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
                  scaled_sum.data() + t * nb);
   const ActBlocks acts{codes.data(), scale.data(), scaled_sum.data(), in_features, nb};
   if ((isa == kBest ? best_isa() : isa) == kAvx512)
-    avx512::gguf_linear_dispatch(acts, num_tokens, bp, quant_type, n, yp);
+    avx512::gguf_linear_dispatch(acts, num_tokens, bp, quant_type, layout, n, yp);
   else
-    avx2::gguf_linear_dispatch(acts, num_tokens, bp, quant_type, n, yp);
+    avx2::gguf_linear_dispatch(acts, num_tokens, bp, quant_type, layout, n, yp);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(nanoserve, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int quant_type, int in_features, int isa=0) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int quant_type, int in_features, int isa=0, int layout=0) -> Tensor");
+  m.def("gguf_group_rows(Tensor blocks, int quant_type, int in_features) -> Tensor");
   m.def("gguf_linear_best_isa() -> int", &best_isa);
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_group_rows", &gguf_group_rows);
 }

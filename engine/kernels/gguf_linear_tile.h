@@ -162,12 +162,51 @@ struct BlockRows {
   }
 };
 
+// Q4 weights regrouped by four rows (gguf_linear.cpp's grouped layout): a tile of four rows
+// reads one record per block, its d (and m) converted together.
+template <int64_t Type>
+struct GroupRows {
+  const uint8_t* records;  // [N / 4, nb, kBytes]
+  int64_t nb;
+  static constexpr int64_t kBytes = kGroupCodeBytes + (Type == Q4_1 ? 16 : 8);
+  const uint8_t* record(int64_t n, int64_t b) const { return records + ((n / kGroupRows) * nb + b) * kBytes; }
+  Codes codes(int64_t n, int64_t b) const {
+    const Codes c = unpack_nibbles(record(n, b) + 16 * (n % kGroupRows));
+    return Type == Q4_0 ? minus_eight(c) : c;
+  }
+  float d(int64_t n, int64_t b) const { return fp16_at(record(n, b) + kGroupCodeBytes + 2 * (n % kGroupRows)); }
+  float m(int64_t n, int64_t b) const { return fp16_at(record(n, b) + kGroupCodeBytes + 8 + 2 * (n % kGroupRows)); }
+  template <int TN>
+  void headers(int64_t n, int64_t b, float* d_out, float* m_out) const {
+    if constexpr (TN == 4) {  // n is a group's first row: its record's four d (and m) at once
+      const uint8_t* h = record(n, b) + kGroupCodeBytes;
+      if constexpr (Type == Q4_1) {
+        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+        _mm_storeu_ps(d_out, _mm256_castps256_ps128(dm));
+        _mm_storeu_ps(m_out, _mm256_extractf128_ps(dm, 1));
+      } else {
+        _mm_storeu_ps(d_out, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h))));
+      }
+    } else {
+      for (int r = 0; r < TN; ++r) {
+        d_out[r] = d(n + r, b);
+        if constexpr (Type == Q4_1) m_out[r] = m(n + r, b);
+      }
+    }
+  }
+  void prefetch(int64_t n, int64_t b, int64_t) const {
+    const char* ahead = reinterpret_cast<const char*>(record(n, b)) + 2048;
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+  }
+};
+
 // y[i, r] (y already offset to column n0) for the TM rows of x and TN weight rows from row n0:
 //   sum_lanes(sum_b fma(lanes(a_ib . q_rb) * d_rb, dx_ib)) + sum_b fma(m_rb, dx_ib * sum(a_ib))
 // dx is a power of two, so the product's one rounding is that of d times the exact dot.
 // The min term (Q4_1 only) is a separate float chain in block order, four rows to a vector.
-template <int64_t Type, int TM, int TN>
-inline void tile(const ActBlocks& x, const BlockRows<Type>& w, int64_t n0, float* y, int64_t ldy) {
+template <int64_t Type, int TM, int TN, class Weights>
+inline void tile(const ActBlocks& x, const Weights& w, int64_t n0, float* y, int64_t ldy) {
   Lanes acc[TM][TN];
   float min_acc[TM][TN];
   __m128 min_acc4[TM];
@@ -221,35 +260,49 @@ constexpr int kFewTileN = TM == 1 ? 4 : TM == 2 ? 2 : 1;
 #endif
 
 // Up to kFewMaxTokens x rows against weight rows [begin, end), read from their blocks.
-template <int64_t Type, int TM>
-void few_tokens(const ActBlocks& x, const uint8_t* blocks, int64_t row_bytes, int64_t begin, int64_t end, float* y,
-                int64_t ldy) {
-  const BlockRows<Type> w{blocks, row_bytes};
+template <int64_t Type, int TM, class Weights>
+void few_tokens(const ActBlocks& x, const Weights& w, int64_t begin, int64_t end, float* y, int64_t ldy) {
   constexpr int TN = kFewTileN<TM>;
   int64_t r = begin;
-  for (; r + TN <= end; r += TN) tile<Type, TM, TN>(x, w, r, y + r, ldy);
-  for (; r < end; ++r) tile<Type, TM, 1>(x, w, r, y + r, ldy);
+  for (; r + TN <= end; r += TN) tile<Type, TM, TN, Weights>(x, w, r, y + r, ldy);
+  for (; r < end; ++r) tile<Type, TM, 1, Weights>(x, w, r, y + r, ldy);
 }
 
-// y [T, n] for T <= kFewMaxTokens rows of x, each worker taking a range of weight rows.
-template <int64_t Type>
-void gguf_linear_rows(const ActBlocks& x, int64_t num_tokens, const uint8_t* blocks, int64_t n, float* y) {
-  const int64_t row_bytes = x.nb * BlockRows<Type>::kBytes;
-  at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+// y [T, n] for T <= kFewMaxTokens rows of x, each worker taking a range of weight rows
+// (whole groups of four in the grouped layout, so that every tile is one group).
+template <int64_t Type, class Weights>
+void gguf_linear_rows(const ActBlocks& x, int64_t num_tokens, const Weights& w, int64_t n, float* y) {
+  const auto rows = [&](int64_t first, int64_t last) {
     switch (num_tokens) {
-      case 1: few_tokens<Type, 1>(x, blocks, row_bytes, begin, end, y, n); break;
-      case 2: few_tokens<Type, 2>(x, blocks, row_bytes, begin, end, y, n); break;
-      case 3: few_tokens<Type, 3>(x, blocks, row_bytes, begin, end, y, n); break;
-      default: few_tokens<Type, 4>(x, blocks, row_bytes, begin, end, y, n); break;
+      case 1: few_tokens<Type, 1>(x, w, first, last, y, n); break;
+      case 2: few_tokens<Type, 2>(x, w, first, last, y, n); break;
+      case 3: few_tokens<Type, 3>(x, w, first, last, y, n); break;
+      default: few_tokens<Type, 4>(x, w, first, last, y, n); break;
     }
+  };
+  const int64_t groups = n / kGroupRows;
+  if (groups == 0) return rows(0, n);  // GGUF rows only: the grouped layout holds whole groups
+  at::parallel_for(0, groups, kRowsPerTask / kGroupRows, [&](int64_t begin, int64_t end) {
+    rows(begin * kGroupRows, end == groups ? n : end * kGroupRows);  // GGUF rows: the ragged tail too
   });
 }
 
-inline void gguf_linear_dispatch(const ActBlocks& x, int64_t num_tokens, const uint8_t* blocks, int64_t type,
-                                 int64_t n, float* y) {
+inline void gguf_linear_dispatch(const ActBlocks& x, int64_t num_tokens, const uint8_t* weights, int64_t type,
+                                 int64_t layout, int64_t n, float* y) {
+  const int64_t row_bytes = x.nb * BlockRows<Q8_0>::kBytes;
   switch (type) {
-    case Q4_0: gguf_linear_rows<Q4_0>(x, num_tokens, blocks, n, y); break;
-    case Q4_1: gguf_linear_rows<Q4_1>(x, num_tokens, blocks, n, y); break;
-    default: gguf_linear_rows<Q8_0>(x, num_tokens, blocks, n, y); break;
+    case Q4_0:
+      if (layout == kGroups)
+        gguf_linear_rows<Q4_0>(x, num_tokens, GroupRows<Q4_0>{weights, x.nb}, n, y);
+      else
+        gguf_linear_rows<Q4_0>(x, num_tokens, BlockRows<Q4_0>{weights, x.nb * BlockRows<Q4_0>::kBytes}, n, y);
+      break;
+    case Q4_1:
+      if (layout == kGroups)
+        gguf_linear_rows<Q4_1>(x, num_tokens, GroupRows<Q4_1>{weights, x.nb}, n, y);
+      else
+        gguf_linear_rows<Q4_1>(x, num_tokens, BlockRows<Q4_1>{weights, x.nb * BlockRows<Q4_1>::kBytes}, n, y);
+      break;
+    default: gguf_linear_rows<Q8_0>(x, num_tokens, BlockRows<Q8_0>{weights, row_bytes}, n, y); break;
   }
 }

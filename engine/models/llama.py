@@ -323,7 +323,9 @@ class LlamaForCausalLM:
         self.embed_tokens = Embedding(embed, self.dtype, self.device)
         self.norm = tensor("model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings:  # one read of the tensor: a kept-quantized head shares the embedding's blocks
-            self.lm_head = make_linear(embed, self.dtype, self.device, quantization, None, dense_for_large_steps)
+            self.lm_head = make_linear(
+                embed, self.dtype, self.device, quantization, None, dense_for_large_steps, shares_weight=True
+            )
         else:
             self.lm_head = linear([("lm_head.weight", embed_shape)], None)
         for layer in self.layers:

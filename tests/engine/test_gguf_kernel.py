@@ -45,12 +45,52 @@ def fresh_kernel_state(monkeypatch):
 
 
 @needs_kernels
-def test_auto_keeps_every_gguf_block_type_in_its_blocks_without_a_copy():
+def test_auto_keeps_q8_0_and_shared_weights_in_the_files_blocks_and_regroups_q4():
     for quant_type in QUANT_TYPES:
         weight = random_blocks(quant_type, 24, 64)
         linear = make_linear(weight, torch.float32, CPU, "auto")
         assert isinstance(linear, GGUFLinear)
-        assert linear.blocks.data_ptr() == weight.blocks.data_ptr()
+        if quant_type == "Q8_0":
+            assert linear.layout == "rows"
+            assert linear.blocks.data_ptr() == weight.blocks.data_ptr()
+        else:  # the same bytes, regrouped: 24 rows -> 6 groups of 4
+            assert linear.layout == "groups"
+            assert linear.blocks.shape == (6, weight.blocks.shape[1] * 4)
+            assert linear.blocks.numel() == weight.blocks.numel()
+        shared = make_linear(weight, torch.float32, CPU, "auto", shares_weight=True)  # the tied embedding's
+        assert shared.layout == "rows"
+        assert shared.blocks.data_ptr() == weight.blocks.data_ptr()
+    ragged = make_linear(random_blocks("Q4_1", 6, 64), torch.float32, CPU, "auto")  # not whole groups
+    assert ragged.layout == "rows"
+
+
+@needs_kernels
+def test_the_grouped_layout_is_four_rows_nibbles_then_their_d_then_their_m():
+    rows = [q4_1_block(0.5 + r, -1.0 - r, [(r + j) % 16 for j in range(32)]) for r in range(4)]
+    blocks = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8).reshape(4, 20)
+    record = kernels.group_rows(blocks, "Q4_1", 32)
+    assert record.shape == (1, 80)
+    for r in range(4):
+        assert record[0, 16 * r : 16 * r + 16].tolist() == blocks[r, 4:].tolist()  # nibbles
+        assert record[0, 64 + 2 * r : 66 + 2 * r].tolist() == blocks[r, 0:2].tolist()  # d
+        assert record[0, 72 + 2 * r : 74 + 2 * r].tolist() == blocks[r, 2:4].tolist()  # m
+    with pytest.raises(RuntimeError, match="Q4_0 or Q4_1 only"):
+        kernels.group_rows(random_blocks("Q8_0", 4, 32).blocks, "Q8_0", 32)
+    with pytest.raises(RuntimeError, match="rows must be a multiple of 4, got 6"):
+        kernels.group_rows(random_blocks("Q4_0", 6, 32).blocks, "Q4_0", 32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
+def test_the_grouped_layout_gives_the_rows_layouts_bits(quant_type):
+    weight = random_blocks(quant_type, 48, 128, seed=9)
+    grouped = kernels.group_rows(weight.blocks, quant_type, 128)
+    isas = ["avx2", "avx512"] if kernels.best_isa() == "avx512" else ["avx2"]
+    for num_tokens in (1, 2, 3, 4, 5, 37):  # decode tiles and the float panels
+        x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens)) * 5
+        for isa in isas:
+            rows = kernels.gguf_linear(x, weight.blocks, quant_type, 128, isa=isa)
+            assert torch.equal(kernels.gguf_linear(x, grouped, quant_type, 128, isa=isa, layout="groups"), rows)
 
 
 @needs_kernels
