@@ -206,6 +206,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=100, help="decode steps profiled per batch size")
     parser.add_argument("--threads", type=int, default=1, help="the engine's num_threads; 0: tuned, as the server")
+    parser.add_argument(
+        "--event-log-url",
+        default=None,
+        help="the allocator's event log and request journal, as the server keeps them (it defaults to "
+        "sqlite:///nanoserve-log.db); default none",
+    )
     parser.add_argument("--baseline", default=None, help="git revision whose sampler and ForwardBatch take turns")
     args = parser.parse_args()
     configure_logging(log_level="info")  # as the server: debug lines filtered out
@@ -215,6 +221,7 @@ def main() -> None:
         EngineConfig.from_kwargs(
             model=args.model,
             num_threads=args.threads or None,
+            event_log_url=args.event_log_url,
             max_num_seqs=max(batch_sizes),
             num_kv_blocks=max(batch_sizes) * (-(-(args.prompt_len + max_tokens) // 16) + 1),
         )
@@ -223,7 +230,10 @@ def main() -> None:
     variants = [instrument(engine, timings)]
     if args.baseline:
         variants.append(baseline_variant(args.baseline, timings))
-    print(f"torch {torch.__version__}, {args.threads} threads, prompt {args.prompt_len}, {args.steps} decode steps")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, prompt {args.prompt_len}, {args.steps} decode steps, "
+        f"event log {args.event_log_url}"
+    )
     print(f"{'batch':>5} {'variant':<14} " + " ".join(f"{p:>9}" for p in PIECES) + "   (median µs per step)")
     for batch in batch_sizes:
         start_decoding(engine, batch, args.prompt_len, max_tokens)
