@@ -85,7 +85,7 @@ class ForwardBatch:
         if not seqs:
             raise ValueError("seqs must hold at least one sequence")
         num_seqs = len(seqs)
-        # one flat int64 list -> one tensor; the int64 fields are views of it:
+        # one flat list of ints -> one int64 array; the int64 fields are views of it:
         # [input_ids | positions | slots | logits_indices], each [num_tokens] but the last
         input_ids: list[int] = []
         positions: list[int] = []
