@@ -9,8 +9,10 @@ attention reads the whole context back through the sequence's block table.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanoserve.allocator import cdiv
@@ -49,6 +51,11 @@ class ForwardBatch:
     logits_indices: [num_logits] int64, rows of the packed tokens whose logits
         are returned (the last token of each sequence with ``needs_logits``).
     start_positions: [num_seqs], ``context_lens - query_lens``.
+
+    input_ids, positions, slot_mapping and logits_indices are views of one int64
+    array, made in one conversion from Python ints (and one copy to a device)
+    instead of four: a decode step's tensors are a few hundred bytes, and making
+    them is what costs. Nothing writes into them.
     """
 
     input_ids: torch.Tensor
@@ -77,46 +84,71 @@ class ForwardBatch:
         """
         if not seqs:
             raise ValueError("seqs must hold at least one sequence")
+        num_seqs = len(seqs)
+        # one flat list of ints -> one int64 array; the int64 fields are views of it:
+        # [input_ids | positions | slots | logits_indices], each [num_tokens] but the last
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
+        start_positions: list[int] = []
         logits_indices: list[int] = []
+        max_num_blocks = 0
         for i, seq in enumerate(seqs):
+            start = seq.start_position
             num_new = len(seq.token_ids)
             if num_new == 0:
                 raise ValueError(f"seqs[{i}].token_ids must not be empty")
-            if seq.start_position < 0:
-                raise ValueError(f"seqs[{i}].start_position must be >= 0, got {seq.start_position}")
-            context_len = seq.start_position + num_new
-            num_blocks_needed = cdiv(context_len, block_size)
-            if len(seq.block_ids) < num_blocks_needed:
+            if start < 0:
+                raise ValueError(f"seqs[{i}].start_position must be >= 0, got {start}")
+            context_len = start + num_new
+            block_ids = seq.block_ids
+            if len(block_ids) * block_size < context_len:  # fewer than cdiv(context_len, block_size) blocks
                 raise ValueError(
-                    f"seqs[{i}].block_ids holds {len(seq.block_ids)} blocks, "
-                    f"{num_blocks_needed} needed for {context_len} tokens of block_size {block_size}"
+                    f"seqs[{i}].block_ids holds {len(block_ids)} blocks, "
+                    f"{cdiv(context_len, block_size)} needed for {context_len} tokens of block_size {block_size}"
                 )
-            input_ids.extend(seq.token_ids)
-            for pos in range(seq.start_position, context_len):
-                positions.append(pos)
-                slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+            max_num_blocks = max(max_num_blocks, len(block_ids))
+            input_ids += seq.token_ids
+            if num_new == 1:  # a decode
+                positions.append(start)
+                slots.append(block_ids[start // block_size] * block_size + start % block_size)
+            else:
+                positions += range(start, context_len)
+                slots += [block_ids[pos // block_size] * block_size + pos % block_size for pos in positions[-num_new:]]
             query_lens.append(num_new)
             context_lens.append(context_len)
+            start_positions.append(start)
             if seq.needs_logits:
                 logits_indices.append(len(input_ids) - 1)
-        max_num_blocks = max(len(seq.block_ids) for seq in seqs)
-        table = [seq.block_ids + [0] * (max_num_blocks - len(seq.block_ids)) for seq in seqs]
-
-        def as_tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        num_tokens = len(input_ids)
+        packed = np.array(input_ids + positions + slots + logits_indices, dtype=np.int64)
+        if num_seqs == 1 or all(len(seq.block_ids) == max_num_blocks for seq in seqs):
+            table = np.array([seq.block_ids for seq in seqs], dtype=np.int32)
+        else:
+            table = np.array([seq.block_ids + [0] * (max_num_blocks - len(seq.block_ids)) for seq in seqs], np.int32)
+        ids, pos, slot_mapping, logits_rows = _int64_fields(packed, num_tokens, device)
         return cls(
-            input_ids=as_tensor(input_ids, torch.int64),
-            positions=as_tensor(positions, torch.int64),
-            slot_mapping=as_tensor(slots, torch.int64),
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slot_mapping,
             query_lens=query_lens,
             context_lens=context_lens,
-            block_tables=as_tensor(table, torch.int32),
-            logits_indices=as_tensor(logits_indices, torch.int64),
-            start_positions=[c - q for c, q in zip(context_lens, query_lens, strict=True)],
+            block_tables=torch.from_numpy(table).to(device, non_blocking=True),
+            logits_indices=logits_rows,
+            start_positions=start_positions,
         )
+
+
+def _int64_fields(packed: np.ndarray, num_tokens: int, device: torch.device | str) -> list[torch.Tensor]:
+    """``packed`` = [input_ids | positions | slots | logits_indices] -> the four tensors on ``device``.
+
+    On the CPU they are views of the array itself (no copy); elsewhere the array
+    goes over in one copy and is split there.
+    """
+    if torch.device(device).type == "cpu":
+        bounds = (0, num_tokens, 2 * num_tokens, 3 * num_tokens, len(packed))
+        return [torch.from_numpy(packed[start:end]) for start, end in itertools.pairwise(bounds)]
+    sizes = [num_tokens, num_tokens, num_tokens, len(packed) - 3 * num_tokens]
+    return list(torch.from_numpy(packed).to(device, non_blocking=True).split(sizes))

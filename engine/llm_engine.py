@@ -313,7 +313,7 @@ class LLMEngine:
         logits = self.runner.forward(batch)  # [len(sampled), vocab_size] float32
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
-            self.scheduler.register_computed(chunk.request)  # only now is the chunk's KV written
+            self.scheduler.register_computed(chunk.request, chunk.num_new_tokens)  # only now is the chunk's KV written
         if not sampled:
             return []
         result = self.sampler(logits, sampled)

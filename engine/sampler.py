@@ -7,7 +7,11 @@ Order (as in vLLM): penalties on the raw logits, min_tokens masking, then
 greedy rows (temperature 0, or below ``MIN_SAMPLING_TEMPERATURE``) take the
 argmax; the others are shifted by their largest logit, divided by their
 temperature, truncated by top-k, top-p and min-p, and drawn by inverse
-transform sampling.
+transform sampling. A batch whose rows are all greedy and ask for nothing
+else (no penalty, no pending min_tokens, no logprobs) skips all of that: numpy
+reads each row's argmax in place (``argmax_rows``), the same first-index
+tie-breaking as ``torch.argmax``, and only a row whose largest logit is not
+finite sends the batch down the general path.
 
 The draw: each sampled row gets one uniform ``u`` in [0, 1) from its seed and
 output position (``counter_rng``: SplitMix64 read at a position), and takes the
@@ -32,6 +36,7 @@ are never drawn.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -92,6 +97,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [num_seqs, vocab_size] float32, row i belonging to rows[i]."""
         assert logits.shape[0] == len(rows), f"{logits.shape[0]} logit rows for {len(rows)} sequences"
+        if only_argmax(rows):
+            argmax_ids = argmax_rows(logits)
+            if argmax_ids is not None:
+                return SamplerOutput(argmax_ids, [None] * len(rows))
         params = [row.sampling_params for row in rows]
         logits = finite_logits(logits)
         raw_logits = logits
@@ -106,6 +115,47 @@ class Sampler:
                 index = torch.tensor(drawn, device=logits.device)
                 token_ids[index] = draw(logits.index_select(0, index), [rows[i] for i in drawn])
         return SamplerOutput(token_ids.tolist(), gather_logprobs(raw_logits, token_ids, params))
+
+
+def only_argmax(rows: Sequence[SamplingRow]) -> bool:
+    """Every row is greedy and nothing but the argmax is asked for: no penalty, no
+    pending min_tokens, no logprobs. Then the token of a row whose largest logit is
+    finite is its argmax, before and after ``finite_logits`` alike."""
+    for row in rows:
+        p = row.sampling_params
+        if (
+            not p.greedy
+            or p.logprobs is not None
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+            or len(row.output_token_ids) < p.min_tokens
+        ):
+            return False
+    return True
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """Each row's argmax by numpy: [num_seqs, vocab_size] float32 on the CPU -> num_seqs token ids.
+
+    The first index of the largest value, as ``torch.argmax``; None (the caller
+    takes the general path) when a row's largest value is not finite (a NaN,
+    +inf or a row all -inf), or the logits are not float32 on the CPU. numpy
+    reads the tensor's memory in place in one vectorised pass per row, where
+    the general path makes two passes with torch (a finiteness check, then the
+    argmax) and torch's argmax is the slower: in a decode step of the default
+    model (bench/step_overhead.py), ~0.6 ms against ~3.4 at 64 rows.
+    """
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
+        return None
+    values = logits.numpy()  # [num_seqs, vocab_size], shares memory
+    token_ids: list[int] = values.argmax(axis=1).tolist()  # a NaN counts as largest, so it lands on one
+    # a Python loop over the chosen values: fewer numpy calls than a gather, and each
+    # numpy call costs tens of µs right after the model's forward has evicted the caches
+    for row, token_id in enumerate(token_ids):
+        if not math.isfinite(values[row, token_id]):
+            return None
+    return token_ids
 
 
 def draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -172,10 +172,21 @@ class Scheduler:
             return []
         return request.block_keys(self.allocator.block_size)[: (request.num_tokens - 1) // self.allocator.block_size]
 
-    def register_computed(self, request: Request) -> None:
-        """Register the request's full blocks whose KV the finished forward pass wrote."""
+    def register_computed(self, request: Request, num_new_tokens: int) -> None:
+        """Register the request's full blocks whose KV the finished forward pass wrote.
+
+        num_new_tokens: the tokens of the chunk just computed (``num_computed_tokens``
+        already counts them). A chunk that fills no block (most decodes) has nothing
+        to register: the blocks full before it were registered when the chunk that
+        filled them finished, or shared at admission. Skipping it spares the keys'
+        update each decode step.
+        """
+        block_size = self.allocator.block_size
+        num_computed = request.num_computed_tokens
+        if num_computed // block_size == (num_computed - num_new_tokens) // block_size:
+            return
         if self.enable_prefix_caching and request.block_table is not None:
-            request.block_table.register(request.block_keys(self.allocator.block_size), request.num_computed_tokens)
+            request.block_table.register(request.block_keys(block_size), num_computed)
 
     def preempt(self, request: Request) -> None:
         """Frees a running request's blocks and puts it at the front of the waiting queue."""

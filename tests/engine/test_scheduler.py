@@ -227,3 +227,38 @@ def test_any_workload_keeps_block_ownership_exact_and_ends_all_free(
     assert all(r.finished for r in requests)
     for request in requests:  # aborted ones stop early; the rest generate exactly max_tokens
         assert request.num_output_tokens <= request.max_tokens
+
+
+def _prefix_caching_scheduler(num_blocks: int, block_size: int = 2) -> Scheduler:
+    return Scheduler(SchedulerConfig(), BlockAllocator(num_blocks, block_size), enable_prefix_caching=True)
+
+
+def test_register_computed_registers_the_blocks_a_chunk_fills() -> None:
+    scheduler = _prefix_caching_scheduler(num_blocks=8)
+    request = _request("a", 5)
+    scheduler.add(request)
+    out = scheduler.schedule()
+    _complete(scheduler, out)
+    scheduler.register_computed(request, 5)
+    assert request.block_table is not None
+    assert request.block_table.num_registered_blocks == 2  # positions 0-3
+
+
+def test_register_computed_skips_a_chunk_that_fills_no_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = _prefix_caching_scheduler(num_blocks=8)
+    request = _request("a", 5)
+    scheduler.add(request)
+    _complete(scheduler, scheduler.schedule())
+    scheduler.register_computed(request, 5)
+    _complete(scheduler, scheduler.schedule())  # the decode of position 5 fills block 2
+    scheduler.register_computed(request, 1)
+    assert request.block_table is not None
+    assert request.block_table.num_registered_blocks == 3
+
+    def fail(block_size: int) -> list[object]:
+        raise AssertionError("keys updated for a chunk that filled no block")
+
+    monkeypatch.setattr(request, "block_keys", fail)
+    _complete(scheduler, scheduler.schedule())  # position 6 starts block 3
+    scheduler.register_computed(request, 1)
+    assert request.block_table.num_registered_blocks == 3
