@@ -25,8 +25,10 @@
 // of kPanelRows weight rows to float32 (gguf's values exactly: a product, then a sum, never
 // fused) and multiplies every row of x against it: eight partial sums, lane l taking k = l mod 8
 // in order, fused multiply-adds, one fixed pairwise sum. An output depends only on its x row
-// and weight row here too. The two paths differ by the activations' rounding (relative 2^-15
-// of a block's largest element), not by the weights.
+// and weight row here too. The AVX-512 body runs two x rows per register (the same eight lanes
+// each, so the same bits as the AVX2 body) and dequantizes sixteen weights per instruction.
+// The two paths differ by the activations' rounding (relative 2^-15 of a block's largest
+// element), not by the weights.
 #include <immintrin.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,7 +46,7 @@ namespace {
 constexpr int64_t kGroup = 32;         // weights per block
 constexpr int64_t kFewMaxTokens = 4;   // up to this many x rows: 16-bit activations, weights read from their blocks
 constexpr int64_t kRowsPerTask = 16;   // weight rows per parallel task on that path
-constexpr int64_t kPanelRows = 12;     // more x rows: weight rows dequantized at a time (a multiple of kTileN)
+constexpr int64_t kPanelRows = 12;     // more x rows: weight rows dequantized at a time (a multiple of both bodies' tile rows)
 constexpr int64_t kTileM = 4;          // x rows per float micro-kernel call
 constexpr int64_t kTileN = 3;          // weight rows per float micro-kernel call
 constexpr int kMinExponent = -100;     // blocks with max|x| < 2^-100 count as zero (dx would underflow)
@@ -225,21 +227,158 @@ void rows_times_panel(const float* x, int64_t ldx, const float* panel, int64_t k
   for (; j < rows; ++j) micro_kernel<TM, 1>(x, ldx, panel + j * k, k, k, y + j, ldy);
 }
 
+// All rows of x against one panel of `rows` dequantized weight rows (AVX2 body).
+void tokens_times_panel(const float* x, int64_t num_tokens, const float* panel, int64_t k, int64_t rows, float* y,
+                        int64_t ldy) {
+  int64_t m = 0;
+  for (; m + kTileM <= num_tokens; m += kTileM) rows_times_panel<kTileM>(x + m * k, k, panel, k, rows, y + m * ldy, ldy);
+  for (; m < num_tokens; ++m) rows_times_panel<1>(x + m * k, k, panel, k, rows, y + m * ldy, ldy);
+}
+
+}  // namespace
+
+// The AVX-512 body of the panel product, the same bits as the AVX2 one: a 16-lane register holds
+// two rows of x (lanes 0-7 row 2i, 8-15 row 2i + 1, eight k each) against one weight row's eight k
+// broadcast to both halves, so lane l of either half takes k = l mod 8 in order through the same
+// fused multiply-adds, and each half is summed by sum8. x is first packed by pairs:
+// [T / 2, K / 8, 16] floats.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")
+namespace avx512_panel {
+namespace {
+
+constexpr int kTilePairs = 4;  // pairs of x rows per micro-kernel call
+constexpr int kTileRows = 6;   // weight rows per micro-kernel call (kPanelRows a multiple of it)
+
+// dequantize_block's values (the same product, then sum) as two vectors of 16: elements 0-15, 16-31.
+template <int64_t Type>
+inline void dequantize_block16(const uint8_t* codes, float d_value, float m_value, __m512 w[2]) {
+  const __m512 d = _mm512_set1_ps(d_value);
+  if constexpr (Type == Q8_0) {
+    for (int j = 0; j < 2; ++j)
+      w[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * j)))));
+  } else {
+    const __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i low_mask = _mm512_set1_epi32(0x0F);
+    __m512i q[2] = {_mm512_and_si512(packed, low_mask), _mm512_srli_epi32(packed, 4)};
+    for (int j = 0; j < 2; ++j) {
+      if constexpr (Type == Q4_0) {
+        w[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[j], _mm512_set1_epi32(8))));
+      } else {
+        w[j] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(q[j])), _mm512_set1_ps(m_value));
+      }
+    }
+  }
+}
+
 template <int64_t Type, bool Grouped>
-void gguf_linear_panels(const float* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y) {
+void dequantize_row16(const uint8_t* weights, int64_t n, int64_t num_blocks, float* out) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m512 w[2];
+    if constexpr (Grouped) {
+      const uint8_t* group = weights + ((n / kGroupRows) * num_blocks + b) * grouped_bytes(Type);
+      const int64_t r = n % kGroupRows;
+      const float m = Type == Q4_1 ? half_at(group + kGroupCodeBytes + 8 + 2 * r) : 0.0f;
+      dequantize_block16<Type>(group + 16 * r, half_at(group + kGroupCodeBytes + 2 * r), m, w);
+    } else {
+      const uint8_t* block = weights + (n * num_blocks + b) * block_bytes(Type);
+      const float m = Type == Q4_1 ? half_at(block + 2) : 0.0f;
+      dequantize_block16<Type>(block + (Type == Q4_1 ? 4 : 2), half_at(block), m, w);
+    }
+    _mm512_storeu_ps(out + b * kGroup, w[0]);
+    _mm512_storeu_ps(out + b * kGroup + 16, w[1]);
+  }
+}
+
+// x rows 2i, 2i + 1 -> one [K / 8, 16] pair.
+void pack_pair(const float* x0, const float* x1, int64_t k, float* out) {
+  for (int64_t p = 0; p < k; p += 8) {
+    _mm256_storeu_ps(out + 2 * p, _mm256_loadu_ps(x0 + p));
+    _mm256_storeu_ps(out + 2 * p + 8, _mm256_loadu_ps(x1 + p));
+  }
+}
+
+template <int TP, int TN>
+void pair_kernel(const float* pairs, const float* w, int64_t k, float* y, int64_t ldy) {
+  __m512 acc[TP][TN];
+  for (int i = 0; i < TP; ++i)
+    for (int j = 0; j < TN; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; p += 8) {
+    __m512 wv[TN];
+    for (int j = 0; j < TN; ++j) wv[j] = _mm512_broadcast_f32x8(_mm256_loadu_ps(w + j * k + p));
+    for (int i = 0; i < TP; ++i) {
+      const __m512 xv = _mm512_loadu_ps(pairs + i * 2 * k + 2 * p);
+      for (int j = 0; j < TN; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < TP; ++i)
+    for (int j = 0; j < TN; ++j) {
+      y[2 * i * ldy + j] = sum8(_mm512_castps512_ps256(acc[i][j]));
+      y[(2 * i + 1) * ldy + j] = sum8(_mm512_extractf32x8_ps(acc[i][j], 1));
+    }
+}
+
+template <int TP>
+void pairs_times_panel(const float* pairs, const float* panel, int64_t k, int64_t rows, float* y, int64_t ldy) {
+  int64_t j = 0;
+  for (; j + kTileRows <= rows; j += kTileRows) pair_kernel<TP, kTileRows>(pairs, panel + j * k, k, y + j, ldy);
+  for (; j < rows; ++j) pair_kernel<TP, 1>(pairs, panel + j * k, k, y + j, ldy);
+}
+
+// All rows of x (pairs packed, an odd last row left in x) against one panel.
+void tokens_times_panel(const float* x, const float* pairs, int64_t num_tokens, const float* panel, int64_t k,
+                        int64_t rows, float* y, int64_t ldy) {
+  const int64_t num_pairs = num_tokens / 2;
+  int64_t i = 0;
+  for (; i + kTilePairs <= num_pairs; i += kTilePairs)
+    pairs_times_panel<kTilePairs>(pairs + i * 2 * k, panel, k, rows, y + 2 * i * ldy, ldy);
+  const float* rest = pairs + i * 2 * k;
+  float* y_rest = y + 2 * i * ldy;
+  switch (num_pairs - i) {  // up to kTilePairs - 1 pairs left
+    case 3: pairs_times_panel<3>(rest, panel, k, rows, y_rest, ldy); break;
+    case 2: pairs_times_panel<2>(rest, panel, k, rows, y_rest, ldy); break;
+    case 1: pairs_times_panel<1>(rest, panel, k, rows, y_rest, ldy); break;
+    default: break;
+  }
+  if (num_tokens % 2) rows_times_panel<1>(x + (num_tokens - 1) * k, k, panel, k, rows, y + (num_tokens - 1) * ldy, ldy);
+}
+
+}  // namespace
+}  // namespace avx512_panel
+#pragma GCC pop_options
+
+namespace {
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+template <int64_t Type, bool Grouped>
+void gguf_linear_panels(const float* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y,
+                        bool avx512) {
   const int64_t num_blocks = k / kGroup;
   const int64_t num_panels = (n + kPanelRows - 1) / kPanelRows;
+  std::vector<float> pairs;
+  if (avx512) {
+    pairs.resize(num_tokens / 2 * 2 * k);
+    for (int64_t i = 0; i < num_tokens / 2; ++i)
+      avx512_panel::pack_pair(x + 2 * i * k, x + (2 * i + 1) * k, k, pairs.data() + i * 2 * k);
+  }
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kPanelRows * k);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kPanelRows;
       const int64_t rows = std::min(kPanelRows, n - n0);
       for (int64_t r = 0; r < rows; ++r)
-        dequantize_row<Type, Grouped>(blocks, n0 + r, num_blocks, panel.data() + r * k);
-      int64_t m = 0;
-      for (; m + kTileM <= num_tokens; m += kTileM)
-        rows_times_panel<kTileM>(x + m * k, k, panel.data(), k, rows, y + m * n + n0, n);
-      for (; m < num_tokens; ++m) rows_times_panel<1>(x + m * k, k, panel.data(), k, rows, y + m * n + n0, n);
+        avx512 ? avx512_panel::dequantize_row16<Type, Grouped>(blocks, n0 + r, num_blocks, panel.data() + r * k)
+               : dequantize_row<Type, Grouped>(blocks, n0 + r, num_blocks, panel.data() + r * k);
+      if (avx512)
+        avx512_panel::tokens_times_panel(x, pairs.data(), num_tokens, panel.data(), k, rows, y + n0, n);
+      else
+        tokens_times_panel(x, num_tokens, panel.data(), k, rows, y + n0, n);
     }
   });
 }
@@ -266,12 +405,6 @@ namespace {
 #pragma GCC pop_options
 
 namespace {
-
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return has;
-}
 
 int64_t best_isa() { return cpu_has_avx512() ? kAvx512 : kAvx2; }
 
@@ -336,18 +469,19 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const bool avx512 = (isa == kBest ? best_isa() : isa) == kAvx512;
   if (num_tokens > kFewMaxTokens) {
     const bool grouped = layout == kGroups;
     switch (quant_type) {
       case Q4_0:
-        grouped ? gguf_linear_panels<Q4_0, true>(xp, num_tokens, bp, n, in_features, yp)
-                : gguf_linear_panels<Q4_0, false>(xp, num_tokens, bp, n, in_features, yp);
+        grouped ? gguf_linear_panels<Q4_0, true>(xp, num_tokens, bp, n, in_features, yp, avx512)
+                : gguf_linear_panels<Q4_0, false>(xp, num_tokens, bp, n, in_features, yp, avx512);
         break;
       case Q4_1:
-        grouped ? gguf_linear_panels<Q4_1, true>(xp, num_tokens, bp, n, in_features, yp)
-                : gguf_linear_panels<Q4_1, false>(xp, num_tokens, bp, n, in_features, yp);
+        grouped ? gguf_linear_panels<Q4_1, true>(xp, num_tokens, bp, n, in_features, yp, avx512)
+                : gguf_linear_panels<Q4_1, false>(xp, num_tokens, bp, n, in_features, yp, avx512);
         break;
-      default: gguf_linear_panels<Q8_0, false>(xp, num_tokens, bp, n, in_features, yp); break;
+      default: gguf_linear_panels<Q8_0, false>(xp, num_tokens, bp, n, in_features, yp, avx512); break;
     }
     return y;
   }
@@ -357,7 +491,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
     quantize_row(xp + t * in_features, nb, codes.data() + t * in_features, scale.data() + t * nb,
                  scaled_sum.data() + t * nb);
   const ActBlocks acts{codes.data(), scale.data(), scaled_sum.data(), in_features, nb};
-  if ((isa == kBest ? best_isa() : isa) == kAvx512)
+  if (avx512)
     avx512::gguf_linear_dispatch(acts, num_tokens, bp, quant_type, layout, n, yp);
   else
     avx2::gguf_linear_dispatch(acts, num_tokens, bp, quant_type, layout, n, yp);

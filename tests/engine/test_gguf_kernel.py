@@ -155,9 +155,10 @@ def test_decode_path_rounds_x_to_16_bits_per_block_by_a_power_of_two():
 @pytest.mark.skipif(kernels.load() and kernels.best_isa() != "avx512", reason="this CPU has no AVX-512")
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 def test_the_avx2_and_avx512_bodies_give_the_same_bits(quant_type):
-    weight = random_blocks(quant_type, 45, 192, seed=7)
-    x = torch.randn(4, 192, generator=torch.Generator().manual_seed(8)) * 30
-    for num_tokens in range(1, FEW_MAX_TOKENS + 1):
+    weight = random_blocks(quant_type, 45, 192, seed=7)  # 45 rows: whole and partial panels and tiles
+    x = torch.randn(70, 192, generator=torch.Generator().manual_seed(8)) * 30
+    # the decode path, then the panel path: odd and even row counts, whole tiles of 8 rows and ragged ones
+    for num_tokens in [*range(1, FEW_MAX_TOKENS + 1), 5, 6, 7, 8, 9, 10, 15, 16, 17, 33, 70]:
         avx2 = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx2")
         avx512 = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512")
         assert torch.equal(avx2, avx512), num_tokens
