@@ -186,8 +186,11 @@ def _vm_hwm_bytes(pid: int) -> int:
 class StartupFigures:
     """One ``nanoserve serve`` start: wall seconds to SERVING, and its memory from its ``model_runner.ready`` line.
 
-    rss_before_load_bytes: interpreter and imports, when the model runner starts; peak_rss_bytes:
-    VmHWM at SERVING; weight_bytes: the weights as loaded (``ModelRunner.weight_bytes``).
+    rss_before_load_bytes: interpreter and imports, when the model runner starts; load_peak_rss_bytes:
+    VmHWM when the model runner is ready (the load's peak, whatever came before it included);
+    peak_rss_bytes: VmHWM at SERVING, which also holds what starts after the load (the chat
+    template renderer's import begins on a thread at SERVING); weight_bytes: the weights as
+    loaded (``ModelRunner.weight_bytes``).
     """
 
     serving_s: float
@@ -195,21 +198,23 @@ class StartupFigures:
     tokenizer_wait_s: float  # of load_s, waiting for the tokenizer's thread after the weights
     rss_before_load_bytes: int
     rss_after_load_bytes: int
+    load_peak_rss_bytes: int
     peak_rss_bytes: int
     weight_bytes: int
 
     @property
     def load_transient_bytes(self) -> int:
-        """What the load added at its peak: peak minus the resident set before it."""
-        return self.peak_rss_bytes - self.rss_before_load_bytes
+        """What the load added at its peak: the load's peak minus the resident set before it."""
+        return self.load_peak_rss_bytes - self.rss_before_load_bytes
 
     def line(self) -> str:
         mib = 2**20
         return (
             f"nanoserve serve -> SERVING {self.serving_s:.2f} s (model runner {self.load_s:.2f} s, of which "
             f"{self.tokenizer_wait_s:.2f} s waiting for the tokenizer); RSS before load "
-            f"{self.rss_before_load_bytes / mib:.0f} MiB, peak {self.peak_rss_bytes / mib:.0f} MiB, after load "
-            f"{self.rss_after_load_bytes / mib:.0f} MiB, weights {self.weight_bytes / mib:.0f} MiB; "
+            f"{self.rss_before_load_bytes / mib:.0f} MiB, load's peak {self.load_peak_rss_bytes / mib:.0f} MiB, "
+            f"after load {self.rss_after_load_bytes / mib:.0f} MiB, peak at SERVING {self.peak_rss_bytes / mib:.0f} "
+            f"MiB, weights {self.weight_bytes / mib:.0f} MiB; "
             f"load peak - before {self.load_transient_bytes / mib:.0f} MiB = "
             f"{self.load_transient_bytes / self.weight_bytes:.2f}x weights (target < 1.5x)"
         )
@@ -254,6 +259,7 @@ def nanoserve_startup(quantization: str) -> StartupFigures:
         ready["tokenizer_wait_s"],
         ready["rss_before_load_bytes"],
         ready["rss_after_load_bytes"],
+        ready["peak_rss_bytes"],
         peak,
         ready["weight_bytes"],
     )
