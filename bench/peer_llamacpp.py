@@ -14,7 +14,9 @@ fastest setting here, see ``PEER_ENVIRON``) unless the environment chose. Worklo
   ``--parallel`` at once; generated tokens / wall seconds (nanoserve runs with
   ``max_num_seqs = --parallel``, llama.cpp with that many slots);
 
-then both again while a busy process spins on CPU 0 ("one core busy"). Start-up:
+then both again while a busy process spins on CPU 0 ("one core busy"). nanoserve's KV cache
+pages are written once before the runs, as llama.cpp's are at its load (``--cold-kv-cache``
+leaves them to fault in during the first run, as in a fresh server). Start-up:
 ``nanoserve serve`` to health SERVING and llama.cpp's ``Server(...)`` constructor,
 each in a fresh process, with its peak RSS (VmHWM) and, for nanoserve, the bytes
 the loaded weights take (``ModelRunner.weight_bytes``).
@@ -320,6 +322,11 @@ def main() -> None:
     parser.add_argument("--skip-quiet", action="store_true", help="no runs without a busy core")
     parser.add_argument("--skip-busy", action="store_true", help="no runs with a busy core")
     parser.add_argument("--skip-startup", action="store_true", help="no start-up measurement")
+    parser.add_argument(
+        "--cold-kv-cache",
+        action="store_true",
+        help="leave nanoserve's KV cache pages untouched before the runs (a fresh server's first minutes)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -333,6 +340,13 @@ def main() -> None:
         event_log_url=None,
         kv_cache_memory=1 << 30,
     )
+    if not args.cold_kv_cache:
+        # llama.cpp clears its KV cache at load, so its pages are resident from the start; nanoserve's
+        # cache is a lazily zeroed map whose pages fault in on first write (about a second of CPU per
+        # GiB, paid once by a fresh server): write them now, so both engines run with a warm cache
+        runner = llm.engine.runner
+        for cache in [*runner.kv_cache.key_caches, *runner.kv_cache.value_caches]:
+            cache.zero_()
     workload = build_workload(
         _ChatTokens(llm), args.num_requests, min_max_tokens=16, max_max_tokens=160, seed=args.seed
     )
