@@ -396,7 +396,7 @@ async def test_greedy_text_through_smg_equals_our_grpc_apis(served: Served, tmp_
         smg = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        model = await _wait_for_model(client, smg)
+        model = await _wait_for_model(client, smg, f"http://127.0.0.1:{port}")
         question = "What is the capital of France?"
         ours = [
             r
@@ -419,8 +419,12 @@ async def test_greedy_text_through_smg_equals_our_grpc_apis(served: Served, tmp_
         smg.wait(timeout=30)
 
 
-async def _wait_for_model(client: Any, smg: subprocess.Popen[bytes]) -> str:
+async def _wait_for_model(client: Any, smg: subprocess.Popen[bytes], gateway_url: str) -> str:
+    """The replica's model id, once smg lists it and its /readiness says ready: smg lists the
+    model before it has fetched the tokenizer, and answers 503 ("not registered yet") until then."""
     import asyncio
+
+    from nanoserve.service.gateway import _get_json
 
     deadline = time.monotonic() + 60
     while True:
@@ -428,7 +432,7 @@ async def _wait_for_model(client: Any, smg: subprocess.Popen[bytes]) -> str:
             models = [m.id async for m in client.models.list()]
         except openai.APIError:
             models = []
-        if models:
+        if models and await asyncio.to_thread(_get_json, f"{gateway_url}/readiness") is not None:
             return str(models[0])
         assert smg.poll() is None, "smg exited"
         assert time.monotonic() < deadline, "smg did not register the replica"
