@@ -44,9 +44,7 @@ def variants() -> list[str]:
     return ["avx2", "avx512"] if kernels.best_isa() == "avx512" else ["avx2"]
 
 
-def decode_calls(
-    batch: int, context_len: int, num_layers: int, names: list[str]
-) -> dict[str, Callable[[], None]]:
+def decode_calls(batch: int, context_len: int, num_layers: int, names: list[str]) -> dict[str, Callable[[], None]]:
     """Per variant, one call of the op per layer on the same random inputs: q [batch, 9, 64], ``context_len`` keys."""
     gen = torch.Generator().manual_seed(batch * 1000 + context_len)
     blocks_per_seq = math.ceil(context_len / BLOCK_SIZE)
