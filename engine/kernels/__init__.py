@@ -3,7 +3,9 @@
 - ``gguf_linear``: ``x @ w.T`` with w kept in its GGUF blocks (Q4_0, Q4_1, Q8_0;
   gguf_linear.cpp; up to 4 rows by 16-bit activations and exact integer dots, more in float32).
 - ``paged_decode_attention``: one query token per sequence against its K/V read through
-  the block table (paged_attention.cpp).
+  the block table, each query group (the heads sharing a KV head) in one pass over the
+  keys and one over the values, a vectorized exp; AVX2 and AVX-512 bodies chosen at run
+  time (paged_attention.cpp).
 - ``add_rms_norm``: the residual add and RMSNorm in one pass (rms_norm.cpp).
 - ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` in one pass (silu_and_mul.cpp).
 - ``rope_and_write_kv``: rotary embedding of Q and K in place, and K/V written into their
@@ -176,16 +178,32 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    isa: str = "best",
 ) -> torch.Tensor:
     """Decode attention through block tables (``load()`` first).
 
-    q: [B, H, D] float32; caches: [num_blocks, block_size, Hkv, D] float32, this step's
-    K/V already written; block_tables: [B, max_blocks] int32; context_lens: [B] int32
-    (keys per sequence, tokens). Returns [B, H * D] float32. Raises RuntimeError naming
-    the argument on a dtype or shape it cannot take, a context longer than its table,
-    or a block id outside the cache.
+    q: [B, H, D] float32, D a multiple of 8; caches: [num_blocks, block_size, Hkv, D]
+    float32, this step's K/V already written; block_tables: [B, max_blocks] int32;
+    context_lens: [B] int32 (keys per sequence, tokens). Returns [B, H * D] float32,
+    softmax(q k^T scale) v within float32 rounding (its own exp: ``attention_exp``).
+    isa: ``best`` (AVX-512 where the CPU has it), ``avx2`` or ``avx512``; the bodies sum
+    in different orders, so their bits may differ. Raises RuntimeError naming the
+    argument on a dtype or shape it cannot take, a context longer than its table, a
+    block id outside the cache, or ``avx512`` on a CPU without it.
     """
-    return torch.ops.nanoserve.paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale)
+    return torch.ops.nanoserve.paged_decode_attention(
+        q, key_cache, value_cache, block_tables, context_lens, scale, ISA_IDS[isa]
+    )
+
+
+def attention_exp(x: torch.Tensor, isa: str = "best") -> torch.Tensor:
+    """exp(x) by ``paged_decode_attention``'s vectorized exp (for tests; ``load()`` first).
+
+    x: float32, any shape, every value <= 0 (-inf included) as softmax's ``s - max s``.
+    Within 1e-7 relative of the exact exp; 0 below ln(2^-126) (subnormal results); exp(0)
+    = 1 exactly. Raises RuntimeError on another dtype or a positive value.
+    """
+    return torch.ops.nanoserve.paged_attention_exp(x, ISA_IDS[isa])
 
 
 def add_rms_norm(

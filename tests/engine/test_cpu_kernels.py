@@ -2,9 +2,12 @@
 against torch's ops, and the model's fused layer ops against its torch path.
 
 Tolerances: both compute in float32 like the reference, in another order; ``ATOL`` on
-outputs of magnitude about 1. ``silu_and_mul`` computes its own exp: ``SILU_RTOL``
-relative. ``rope_and_write_kv`` does torch's very operations: bit-equal here, allowed
-``ROPE_ATOL`` (an ulp of values up to 4) where a torch build rounds addcmul differently.
+outputs of magnitude about 1. The paged decode kernel computes its own exp: ``EXP_RTOL``
+relative to float64 (measured 8.5e-8, under an ulp), and is checked against a float64
+reference in both of its bodies (``isa`` avx2 and avx512, the latter where the CPU has
+it). ``silu_and_mul`` computes its own exp: ``SILU_RTOL`` relative. ``rope_and_write_kv``
+does torch's very operations: bit-equal here, allowed ``ROPE_ATOL`` (an ulp of values up
+to 4) where a torch build rounds addcmul differently.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from nanoserve.engine.models.rope import RotaryEmbedding, apply_rope
 ATOL = 1e-5
 SILU_RTOL = 1e-6  # measured: at most 3 ulp (3.4e-7) from torch's silu * up
 ROPE_ATOL = 1e-6
+EXP_RTOL = 1e-7
+EXP_SUBNORMAL = -87.3366  # ln(2^-126): below, the kernel's exp returns 0 (torch's a subnormal)
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 
@@ -54,6 +59,82 @@ def test_paged_decode_equals_sdpa_over_gathered_blocks(num_heads, num_kv_heads, 
     got = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale)
     assert got.shape == (5, num_heads * head_dim)
     torch.testing.assert_close(got, reference_decode(q, key_cache, value_cache, tables, lens, scale), rtol=0, atol=ATOL)
+
+
+def isa_params() -> list:
+    """Both kernel bodies; avx512 skipped where the CPU lacks it."""
+    no_avx512 = kernels.best_isa() != "avx512"
+    return ["avx2", pytest.param("avx512", marks=pytest.mark.skipif(no_avx512, reason="no AVX-512"))]
+
+
+def reference_decode_f64(q, key_cache, value_cache, tables, lens, scale):
+    """softmax(q k^T scale) v in float64 through each block table: [B, H * D] float64."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    out = []
+    for b in range(num_seqs):
+        keys = key_cache[tables[b].long()].flatten(0, 1)[: lens[b]].double()  # [L, Hkv, D]
+        values = value_cache[tables[b].long()].flatten(0, 1)[: lens[b]].double()
+        queries = q[b].double().view(num_kv_heads, num_heads // num_kv_heads, head_dim)  # [Hkv, G, D]
+        probs = torch.softmax(torch.einsum("hgd,lhd->hgl", queries, keys) * scale, dim=-1)
+        out.append(torch.einsum("hgl,lhd->hgd", probs, values).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (3, 3, 64), (6, 2, 128), (3, 3, 128), (6, 2, 40), (8, 1, 24), (7, 1, 64)],
+)
+def test_paged_decode_equals_float64_reference(isa, num_heads, num_kv_heads, head_dim):
+    # group sizes 3, 1, 8 (passes 4 + 4 / 3 + 3 + 2) and 7; head_dim 40 and 24: a half vector at the end
+    gen = torch.Generator().manual_seed(num_heads * head_dim)
+    block_size, num_blocks = 16, 64
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    lens = torch.tensor([1, 15, 16, 17, 100, 33], dtype=torch.int32)  # ragged: tails of 1, 15, 0, 1, 4, 1 keys
+    tables = torch.randperm(num_blocks, generator=gen)[:42].view(6, 7).to(torch.int32)
+    q = torch.randn(6, num_heads, head_dim, generator=gen) * 3  # peaked softmaxes too
+    scale = 1 / math.sqrt(head_dim)
+    got = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, scale, isa=isa)
+    expected = reference_decode_f64(q, key_cache, value_cache, tables, lens, scale)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=ATOL)
+
+
+def test_paged_decode_takes_a_strided_query_as_the_backend_passes_it():
+    gen = torch.Generator().manual_seed(3)
+    key_cache, value_cache = torch.randn(8, 16, 3, 64, generator=gen), torch.randn(8, 16, 3, 64, generator=gen)
+    qkv = torch.randn(2, 15 * 64, generator=gen)
+    q = qkv.view(2, 15, 64)[:, :9]  # q of (Q | K | V) rows
+    tables, lens = torch.tensor([[0, 1], [5, 6]], dtype=torch.int32), torch.tensor([20, 32], dtype=torch.int32)
+    got = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125)
+    expected = reference_decode_f64(q, key_cache, value_cache, tables, lens, 0.125)
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_attention_exp_is_within_an_ulp_down_to_the_subnormals(isa):
+    x = torch.cat([torch.linspace(EXP_SUBNORMAL + 1e-4, 0, 400_001), torch.tensor([-1e-30, -0.5, -1.0])])
+    got = kernels.attention_exp(x, isa=isa)
+    torch.testing.assert_close(got.double(), torch.exp(x.double()), rtol=EXP_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_attention_exp_gives_one_at_the_maximum_and_zero_below_the_normals(isa):
+    x = torch.tensor([0.0, -0.0, -87.34, -88.0, -103.0, -104.0, -1e4, -float("inf")])
+    assert kernels.attention_exp(x, isa=isa).tolist() == [1.0, 1.0, 0, 0, 0, 0, 0, 0]
+
+
+def test_attention_exp_rejects_positive_values():
+    with pytest.raises(RuntimeError, match=r"x must be <= 0, got 0\.5"):
+        kernels.attention_exp(torch.tensor([-1.0, 0.5]))
+
+
+def test_paged_decode_rejects_an_unknown_isa():
+    key_cache, q = torch.zeros(1, 4, 1, 8), torch.zeros(1, 1, 8)
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"isa must be 0 \(best\), 1 \(avx2\) or 2 \(avx512\), got 3"):
+        torch.ops.nanoserve.paged_decode_attention(q, key_cache, key_cache, tables, lens, 1.0, 3)
 
 
 def test_paged_decode_rejects_what_it_cannot_read():
