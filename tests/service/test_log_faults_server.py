@@ -140,6 +140,8 @@ async def test_full_disk_is_visible_and_honest_and_recovers_without_loss(tiny_mo
             assert sum(len(response.token_ids) for response in responses) == 120
             assert len(await serving.generate("after")) >= 1
             await eventually(lambda: serving.engine.pool_status().durable_seq == serving.engine.pool_status().last_seq)
+            # the monitor logs the drained backlog at its next look (every MONITOR_INTERVAL_S)
+            await eventually(lambda: any(entry["event"] == "event_log_backlog_cleared" for entry in logs))
         assert serving.engine.log_close_error is None
         report = audit(url)
         assert (report.clean, report.closed, report.state.num_free) == (True, True, 256)
