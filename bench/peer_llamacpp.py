@@ -1,7 +1,9 @@
 """nanoserve against llama.cpp's server engine (the ``xllamacpp`` wheel) on the same GGUF and workload.
 
 Both engines load the same file (SmolLM2-135M-Instruct Q4_1 by default) and take
-turns, round by round, so a change in the machine's load hits both. llama.cpp
+turns, round by round, so a change in the machine's load hits both. Each round of each
+condition (and the warm-up) has a workload of its own, seeded ``--seed`` + its index:
+prompts seen before would come from nanoserve's prefix cache. llama.cpp
 runs in a child process of its own: two OpenMP pools in one process (torch's and
 ggml's) wake and spin against each other, which cost nanoserve a quarter of its
 single-stream speed when both lived here. llama.cpp's OpenMP waits passively (its
@@ -43,6 +45,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -347,30 +350,40 @@ def main() -> None:
         runner = llm.engine.runner
         for cache in [*runner.kv_cache.key_caches, *runner.kv_cache.value_caches]:
             cache.zero_()
-    workload = build_workload(
-        _ChatTokens(llm), args.num_requests, min_max_tokens=16, max_max_tokens=160, seed=args.seed
-    )
-    single = workload[0]
-    slot_tokens = max(len(r.prompt_token_ids) + r.max_tokens for r in workload) + args.single_stream_tokens
-    peer = LlamaCppProcess(model_path, args.parallel, slot_tokens, threads)
-    workloads = args.workloads.split(",")
-    nanoserve_batch(llm, workload[:8])  # warm both up
-    peer.batch(workload[:8], args.parallel)
-
     conditions: list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]] = []
     if not args.skip_quiet:
         conditions.append(("quiet", contextlib.nullcontext))
     if not args.skip_busy:
         conditions.append(("one core busy", busy_core))
+    # a workload of its own (another seed) for the warm-up and for every condition and round: the
+    # same prompts again would be served from nanoserve's prefix cache (and a slot's prompt cache
+    # in llama.cpp), which measures the cache rather than the engine
+    workload_of = {
+        run_id: build_workload(
+            _ChatTokens(llm), args.num_requests, min_max_tokens=16, max_max_tokens=160, seed=args.seed + run_id
+        )
+        for run_id in range(len(conditions) * args.rounds + 1)
+    }
+    slot_tokens = args.single_stream_tokens + max(
+        len(r.prompt_token_ids) + r.max_tokens for workload in workload_of.values() for r in workload
+    )
+    peer = LlamaCppProcess(model_path, args.parallel, slot_tokens, threads)
+    workloads = args.workloads.split(",")
+    warm_up = workload_of[len(conditions) * args.rounds]
+    nanoserve_batch(llm, warm_up[:8])  # warm both up
+    peer.batch(warm_up[:8], args.parallel)
+
     results: dict[tuple[str, str, str], list[float]] = {}
-    for condition, context in conditions:
+    for condition_id, (condition, context) in enumerate(conditions):
         with context():
             for round_id in range(args.rounds):
+                workload = workload_of[condition_id * args.rounds + round_id]
+                single = workload[0]
                 runs: list[tuple[str, str, Callable[[], float]]] = [
-                    ("single", "nanoserve", lambda: nanoserve_single_stream(llm, single, args.single_stream_tokens)),
-                    ("single", "llama.cpp", lambda: peer.single_stream(single, args.single_stream_tokens)),
-                    ("batch", "nanoserve", lambda: nanoserve_batch(llm, workload)),
-                    ("batch", "llama.cpp", lambda: peer.batch(workload, args.parallel)),
+                    ("single", "nanoserve", partial(nanoserve_single_stream, llm, single, args.single_stream_tokens)),
+                    ("single", "llama.cpp", partial(peer.single_stream, single, args.single_stream_tokens)),
+                    ("batch", "nanoserve", partial(nanoserve_batch, llm, workload)),
+                    ("batch", "llama.cpp", partial(peer.batch, workload, args.parallel)),
                 ]
                 for workload_name, engine, run in runs:
                     if workload_name not in workloads:
