@@ -41,6 +41,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace {
 
 constexpr int64_t kGroup = 32;         // weights per block
@@ -175,21 +177,33 @@ inline void dequantize_block(const uint8_t* codes, float d_value, float m_value,
   }
 }
 
-// Row n of the weights (K / 32 blocks) -> K floats, from GGUF rows or from groups of four rows.
+// Where block b of weight row n lies: its codes, its d and (Q4_1) its m as floats.
+struct BlockRef {
+  const uint8_t* codes;
+  float d, m;
+};
+
+// Block b of row n (K / 32 = num_blocks blocks a row), in GGUF rows or in groups of four rows.
+template <int64_t Type, bool Grouped>
+inline BlockRef block_at(const uint8_t* weights, int64_t n, int64_t num_blocks, int64_t b) {
+  if constexpr (Grouped) {
+    const uint8_t* group = weights + ((n / kGroupRows) * num_blocks + b) * grouped_bytes(Type);
+    const int64_t r = n % kGroupRows;
+    return {group + 16 * r, half_at(group + kGroupCodeBytes + 2 * r),
+            Type == Q4_1 ? half_at(group + kGroupCodeBytes + 8 + 2 * r) : 0.0f};
+  } else {
+    const uint8_t* block = weights + (n * num_blocks + b) * block_bytes(Type);
+    return {block + (Type == Q4_1 ? 4 : 2), half_at(block), Type == Q4_1 ? half_at(block + 2) : 0.0f};
+  }
+}
+
+// Row n of the weights (K / 32 blocks) -> K floats.
 template <int64_t Type, bool Grouped>
 void dequantize_row(const uint8_t* weights, int64_t n, int64_t num_blocks, float* out) {
   for (int64_t b = 0; b < num_blocks; ++b) {
     __m256 w[4];
-    if constexpr (Grouped) {
-      const uint8_t* group = weights + ((n / kGroupRows) * num_blocks + b) * grouped_bytes(Type);
-      const int64_t r = n % kGroupRows;
-      const float m = Type == Q4_1 ? half_at(group + kGroupCodeBytes + 8 + 2 * r) : 0.0f;
-      dequantize_block<Type>(group + 16 * r, half_at(group + kGroupCodeBytes + 2 * r), m, w);
-    } else {
-      const uint8_t* block = weights + (n * num_blocks + b) * block_bytes(Type);
-      const float m = Type == Q4_1 ? half_at(block + 2) : 0.0f;
-      dequantize_block<Type>(block + (Type == Q4_1 ? 4 : 2), half_at(block), m, w);
-    }
+    const BlockRef block = block_at<Type, Grouped>(weights, n, num_blocks, b);
+    dequantize_block<Type>(block.codes, block.d, block.m, w);
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + b * kGroup + 8 * j, w[j]);
   }
 }
@@ -276,16 +290,8 @@ template <int64_t Type, bool Grouped>
 void dequantize_row16(const uint8_t* weights, int64_t n, int64_t num_blocks, float* out) {
   for (int64_t b = 0; b < num_blocks; ++b) {
     __m512 w[2];
-    if constexpr (Grouped) {
-      const uint8_t* group = weights + ((n / kGroupRows) * num_blocks + b) * grouped_bytes(Type);
-      const int64_t r = n % kGroupRows;
-      const float m = Type == Q4_1 ? half_at(group + kGroupCodeBytes + 8 + 2 * r) : 0.0f;
-      dequantize_block16<Type>(group + 16 * r, half_at(group + kGroupCodeBytes + 2 * r), m, w);
-    } else {
-      const uint8_t* block = weights + (n * num_blocks + b) * block_bytes(Type);
-      const float m = Type == Q4_1 ? half_at(block + 2) : 0.0f;
-      dequantize_block16<Type>(block + (Type == Q4_1 ? 4 : 2), half_at(block), m, w);
-    }
+    const BlockRef block = block_at<Type, Grouped>(weights, n, num_blocks, b);
+    dequantize_block16<Type>(block.codes, block.d, block.m, w);
     _mm512_storeu_ps(out + b * kGroup, w[0]);
     _mm512_storeu_ps(out + b * kGroup + 16, w[1]);
   }
@@ -349,12 +355,6 @@ void tokens_times_panel(const float* x, const float* pairs, int64_t num_tokens, 
 #pragma GCC pop_options
 
 namespace {
-
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return has;
-}
 
 template <int64_t Type, bool Grouped>
 void gguf_linear_panels(const float* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y,

@@ -42,6 +42,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_features.h"
+
 namespace {
 
 constexpr int64_t kBest = 0, kAvx2 = 1, kAvx512 = 2;  // the op's isa argument
@@ -443,12 +445,6 @@ void attend(const WorkItem& w, std::vector<float>& buffer) {
 #pragma GCC pop_options
 
 namespace {
-
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return has;
-}
 
 // Whether isa (0 best, 1 avx2, 2 avx512) means the AVX-512 body; raises on another value or
 // avx512 on a CPU without it. `op` names the caller in the message.

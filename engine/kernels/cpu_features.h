@@ -1,0 +1,13 @@
+// What the CPU this process runs on can do, for the kernels' choice of body at run time.
+#pragma once
+
+namespace {
+
+// AVX-512 F/BW/DQ/VL: what the kernels' AVX-512 bodies are compiled for (`#pragma GCC target`).
+inline bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+}  // namespace
