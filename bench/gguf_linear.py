@@ -8,9 +8,10 @@ to a record (``kernels.group_rows``), and the tied lm_head [49152, 576] in Q8_0 
 blocks are random codes with scales of the model's size (the cost does not depend on the
 values). Per token count T: ``--layers`` layers' four matmuls of x [T, K], then the
 lm_head once, each timed by ``time.process_time`` (CPU time: the machine is shared), the
-best of ``--repeats``, for each instruction-set body the CPU has (``isa`` avx2, avx512),
-interleaved in one process. Up to 4 tokens the decode path runs (16-bit activations,
-integer dots); beyond, the float32 panels. Both bodies give the same bits.
+best of ``--repeats``, for each body the CPU has (``isa`` avx2, avx512: float32 x, the
+same bits; avx512_bf16: bfloat16 x, as a bf16 model passes it), interleaved in one process.
+Up to 4 tokens the decode path runs (16-bit activations, integer dots; avx512_bf16 is
+avx512 there); beyond, the float32 panels, or avx512_bf16's bf16 dot products.
 """
 
 from __future__ import annotations
@@ -76,16 +77,19 @@ def main() -> None:
     layers = [(kernels.group_rows(random_blocks("Q4_1", n, k, rng), "Q4_1", k), k) for n, k in LAYER_SHAPES]
     lm_head = random_blocks("Q8_0", VOCAB_SIZE, HIDDEN_SIZE, rng)
     isas = ["avx2", "avx512"] if kernels.best_isa() == "avx512" else ["avx2"]
+    isas += ["avx512_bf16"] if kernels.has_bf16_dot() else []
     print(f"threads {args.threads}; {args.layers} layers; best of {args.repeats}; CPU ms")
-    print(f"{'T':>5} {'isa':>7} {'layers ms':>10} {'lm_head ms':>11}")
+    print(f"{'T':>5} {'isa':>11} {'layers ms':>10} {'lm_head ms':>11}")
     for num_tokens in (int(t) for t in args.tokens.split(",")):
-        inputs = {k: torch.randn(num_tokens, k) for _, k in LAYER_SHAPES}
+        float_inputs = {k: torch.randn(num_tokens, k) for _, k in LAYER_SHAPES}
+        bf16_inputs = {k: x.bfloat16() for k, x in float_inputs.items()}
         for isa in isas:
+            inputs = bf16_inputs if isa == "avx512_bf16" else float_inputs
             layers_ms = best_cpu_ms(partial(run_layers, layers, inputs, args.layers, isa), args.repeats)
             head_ms = best_cpu_ms(
                 partial(kernels.gguf_linear, inputs[HIDDEN_SIZE], lm_head, "Q8_0", HIDDEN_SIZE, isa=isa), args.repeats
             )
-            print(f"{num_tokens:>5} {isa:>7} {layers_ms:>10.1f} {head_ms:>11.1f}", flush=True)
+            print(f"{num_tokens:>5} {isa:>11} {layers_ms:>10.1f} {head_ms:>11.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+MATMUL_PRECISIONS = ("highest", "medium")  # torch's names (torch.set_float32_matmul_precision)
 
 
 def _check_positive(name: str, value: int | None) -> None:
@@ -39,6 +40,12 @@ class ModelConfig:
         float weights at load.
     num_threads: CPU threads for the model's math; ``None`` takes the CPUs this
         process may use (affinity mask and cgroup quota).
+    matmul_precision: ``medium`` lets nanoserve's GGUF kernel round the activations of
+        steps of more than 4 tokens (prefill, batches) to bfloat16 and multiply them by
+        the weights, also rounded to bfloat16, in bf16 dot products summed in float32,
+        on CPUs with AVX-512 BF16: twice the float32 rate, a bf16 model's rounding.
+        ``highest`` keeps them float32 (gguf's weight values exactly). Steps of up to 4
+        tokens, other CPUs and the other kernels are the same under both.
     dense_large_steps: int4 layers also keep a dense ``dtype`` copy, used for steps
         of more than 8 tokens (prefill, big batches), where the int4 CPU kernel is
         compute-bound and slower than oneDNN's dense matmul; costs that copy's memory.
@@ -51,6 +58,7 @@ class ModelConfig:
     quantization: str = "auto"
     num_threads: int | None = None
     dense_large_steps: bool = False
+    matmul_precision: str = "medium"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -60,6 +68,8 @@ class ModelConfig:
         _check_positive("max_model_len", self.max_model_len)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
         if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
             raise ValueError(f"num_threads must be in [1, 1024], got {self.num_threads}")
 

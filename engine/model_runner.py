@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 import torch
 
+from nanoserve.engine import kernels
 from nanoserve.engine.attention import select_backend
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.device import resolve_device, resolve_dtype
@@ -75,7 +76,9 @@ class ModelRunner:
             )
         self.max_model_len = config.model.max_model_len or arch.max_position_embeddings
         self.model = LlamaForCausalLM(arch, self.dtype, self.device, checkpoint.rope_freq_factors)
-        self.model.load_weights(checkpoint.weights, self.quantization, config.model.dense_large_steps)
+        self.model.load_weights(
+            checkpoint.weights, self.quantization, config.model.dense_large_steps, config.model.matmul_precision
+        )
         del checkpoint
         release_free_heap()  # the conversion's freed buffers
         weights_s = time.perf_counter() - started
@@ -95,6 +98,8 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quantization,
+            matmul_precision=config.model.matmul_precision,
+            bf16_large_steps=on_gguf_kernels and config.model.matmul_precision == "medium" and kernels.has_bf16_dot(),
             attention_backend=self.attention.name,
             attention_backend_reason=backend_reason,
             num_kv_blocks=self.num_kv_blocks,

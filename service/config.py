@@ -174,6 +174,16 @@ SETTINGS: tuple[Setting, ...] = (
         default_help="auto",
     ),
     Setting(
+        "matmul_precision",
+        "engine",
+        str,
+        "medium",
+        "medium: steps of more than 4 tokens (prefill, batches) on nanoserve's GGUF kernel round activations "
+        "and weights to bf16 and sum bf16 dot products in float32, twice the float32 rate, on CPUs with "
+        "AVX-512 BF16; highest: float32 activations and gguf's weight values exactly",
+        choices=("highest", "medium"),
+    ),
+    Setting(
         "dense_large_steps",
         "engine",
         _bool,

@@ -125,7 +125,7 @@ def unavailable_reason() -> str:
     return str(_state.get("reason", ""))
 
 
-ISA_IDS = {"best": 0, "avx2": 1, "avx512": 2}  # the kernel's isa argument
+ISA_IDS = {"best": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}  # the kernels' isa argument
 LAYOUT_IDS = {"rows": 0, "groups": 1}  # the kernel's layout argument
 GROUP_ROWS = 4  # rows per record of the grouped layout
 
@@ -138,17 +138,21 @@ def gguf_linear(
     isa: str = "best",
     layout: str = "rows",
 ) -> torch.Tensor:
-    """``x @ w.T``, w in GGUF blocks. x: [T, in_features] float32 -> [T, N] float32 (``load()`` first).
+    """``x @ w.T``, w in GGUF blocks. x: [T, in_features] float32 or bfloat16 -> [T, N] float32.
 
     Up to 4 rows of x are rounded to 16-bit integers per block of 32 by a power-of-two
     scale (at least 15 significant bits of each block's largest element) and their
-    products with the weights' codes summed exactly; more rows stay float32 (see
-    gguf_linear.cpp). isa: ``best`` (AVX-512 where the CPU has it), ``avx2`` or
-    ``avx512``: every choice gives the same bits. layout: ``rows`` (blocks as in the
-    file, [N, K / 32 * block bytes]) or ``groups`` (Q4_0/Q4_1 from ``group_rows``,
-    [N / 4, ...]): the same bits too.
-    Raises RuntimeError (from the op) on shapes, dtypes or layouts it cannot take, or
-    ``avx512`` on a CPU without it.
+    products with the weights' codes summed exactly. More rows: float32 x runs against
+    gguf's weight values in float32; bfloat16 x (a bf16 model's activations), on a CPU
+    with AVX-512 BF16, runs against the weights rounded to bf16 by bf16 dot products
+    summed in float32 (the dense bf16 path's arithmetic, twice the float32 rate), and
+    elsewhere is widened to float32 exactly (see gguf_linear.cpp).
+    isa: ``best`` (the most the CPU has), ``avx2``, ``avx512`` (the same bits as
+    ``avx2``) or ``avx512_bf16`` (``avx512`` plus the bf16 body). layout: ``rows`` (blocks
+    as in the file, [N, K / 32 * block bytes]) or ``groups`` (Q4_0/Q4_1 from
+    ``group_rows``, [N / 4, ...]): the same bits. ``load()`` first.
+    Raises RuntimeError (from the op) on shapes, dtypes or layouts it cannot take, or an
+    isa this CPU lacks.
     """
     return torch.ops.nanoserve.gguf_linear(
         x, blocks, GGML_TYPE_IDS[quant_type], in_features, ISA_IDS[isa], LAYOUT_IDS[layout]
@@ -164,6 +168,11 @@ def group_rows(blocks: torch.Tensor, quant_type: str, in_features: int) -> torch
     ``in_features`` weights per row.
     """
     return torch.ops.nanoserve.gguf_group_rows(blocks, GGML_TYPE_IDS[quant_type], in_features)
+
+
+def has_bf16_dot() -> bool:
+    """Whether ``gguf_linear`` has its bf16 body here (AVX-512 BF16; ``load()`` first)."""
+    return bool(torch.ops.nanoserve.gguf_linear_has_bf16_dot())
 
 
 def best_isa() -> str:

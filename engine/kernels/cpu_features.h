@@ -10,4 +10,10 @@ inline bool cpu_has_avx512() {
   return has;
 }
 
+// AVX-512 BF16 on top: the bf16 dot products (vdpbf16ps) of gguf_linear's bf16 panel body.
+inline bool cpu_has_avx512_bf16() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
 }  // namespace

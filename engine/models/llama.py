@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from nanoserve.engine import kernels
 from nanoserve.engine.attention import AttentionBackend, AttentionMetadata, write_kv
+from nanoserve.engine.config import MATMUL_PRECISIONS
 from nanoserve.engine.kv_cache import KVCache
 from nanoserve.engine.models.embedding import Embedding
 from nanoserve.engine.models.quantized_linear import AnyLinear, QuantizedWeight, linear_tensors, make_linear
@@ -282,18 +283,23 @@ class LlamaForCausalLM:
         weights: Mapping[str, torch.Tensor | QuantizedWeight],
         quantization: str = "none",
         dense_for_large_steps: bool = False,
+        matmul_precision: str = "highest",
     ) -> None:
         """Take Hugging Face-named tensors, cast to the model dtype and device, fuse per layer.
 
         quantization: ``none`` (dense, the exact path), ``auto`` (GGUF Q4_0/Q4_1/Q8_0
         stay quantized), ``int4`` / ``int8`` (float weights quantized here too); see
         ``make_linear``. dense_for_large_steps: int4 layers also keep a dense copy for
-        steps of many tokens (prefill, big batches). Tensors are converted one by one:
+        steps of many tokens (prefill, big batches). matmul_precision: ``medium`` lets
+        the GGUF kernel run steps of more than 4 tokens in bf16 (``ModelConfig``). Tensors are converted one by one:
         no dense copy of the whole model exists at any moment.
 
         Raises ValueError naming the first missing tensor or a shape mismatch.
         """
         c = self.config
+        if matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {matmul_precision!r}")
+        bf16 = matmul_precision == "medium"
 
         def raw(name: str, shape: tuple[int, ...]) -> torch.Tensor | QuantizedWeight:
             if name not in weights:
@@ -316,7 +322,9 @@ class LlamaForCausalLM:
                 fused = QuantizedWeight.cat(quantized)
             else:
                 fused = torch.cat([v.dequantize() if isinstance(v, QuantizedWeight) else v for v in values])
-            return make_linear(fused, self.dtype, self.device, quantization, bias, dense_for_large_steps)
+            return make_linear(
+                fused, self.dtype, self.device, quantization, bias, dense_for_large_steps, bf16_large_steps=bf16
+            )
 
         embed_shape = (c.vocab_size, c.hidden_size)
         embed = raw("model.embed_tokens.weight", embed_shape)
@@ -324,7 +332,14 @@ class LlamaForCausalLM:
         self.norm = tensor("model.norm.weight", (c.hidden_size,))
         if c.tie_word_embeddings:  # one read of the tensor: a kept-quantized head shares the embedding's blocks
             self.lm_head = make_linear(
-                embed, self.dtype, self.device, quantization, None, dense_for_large_steps, shares_weight=True
+                embed,
+                self.dtype,
+                self.device,
+                quantization,
+                None,
+                dense_for_large_steps,
+                shares_weight=True,
+                bf16_large_steps=bf16,
             )
         else:
             self.lm_head = linear([("lm_head.weight", embed_shape)], None)

@@ -192,10 +192,19 @@ class GGUFLinear:
     per block (``kernels.group_rows``: the same bytes rearranged, no more memory, about 13%
     faster decode steps); otherwise, and for Q8_0, the blocks are used as they are (a view of
     the memory-mapped file stays one; the tied embedding keeps sharing them).
-    x: [T, K] in any float dtype -> [T, N] in x's dtype, computed in float32.
+    bf16_large_steps: steps of more than 4 tokens round x and the weights to bf16 and sum
+    bf16 dot products in float32 (``isa`` ``avx512_bf16``, twice the float32 rate), where
+    the CPU has AVX-512 BF16; otherwise, and always up to 4 tokens, the same as without.
+    x: [T, K] in any float dtype -> [T, N] in x's dtype, summed in float32.
     """
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, group_rows: bool = True) -> None:
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        group_rows: bool = True,
+        bf16_large_steps: bool = False,
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.quant_type = weight.quant_type
         self.layout = "rows"
@@ -205,9 +214,12 @@ class GGUFLinear:
             self.layout = "groups"
         self.blocks = blocks
         self.bias = bias
+        self.isa = "avx512_bf16" if bf16_large_steps and kernels.has_bf16_dot() else "best"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.gguf_linear(x.float(), self.blocks, self.quant_type, self.in_features, layout=self.layout)
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        y = kernels.gguf_linear(x, self.blocks, self.quant_type, self.in_features, isa=self.isa, layout=self.layout)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -293,11 +305,14 @@ def make_linear(
     bias: torch.Tensor | None = None,
     dense_for_large_steps: bool = False,
     shares_weight: bool = False,
+    bf16_large_steps: bool = False,
 ) -> AnyLinear:
     """The fastest linear for a weight under a ``quantization`` setting.
 
     shares_weight: another holder (the tied embedding) keeps using the weight's GGUF blocks,
     so ``GGUFLinear`` leaves them as they are rather than regroup a second copy.
+    bf16_large_steps: a ``GGUFLinear`` runs steps of more than 4 tokens in bf16 where the
+    CPU has AVX-512 BF16 (``ModelConfig.matmul_precision`` ``medium``).
 
     ``none``: dense in ``dtype`` (a quantized weight is dequantized by gguf).
     ``auto``: Q4_0/Q4_1/Q8_0 -> ``GGUFLinear`` where nanoserve's kernels load (``kernels.load()``),
@@ -328,7 +343,7 @@ def make_linear(
     if want is None:
         return dense()
     if isinstance(weight, QuantizedWeight) and gguf_kernels_take({weight.quant_type}, quantization, device):
-        return GGUFLinear(weight, bias, group_rows=not shares_weight)
+        return GGUFLinear(weight, bias, group_rows=not shares_weight, bf16_large_steps=bf16_large_steps)
     if device.type != "cpu":
         if quantization in ("int4", "int8"):
             raise ValueError(

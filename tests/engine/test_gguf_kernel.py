@@ -4,7 +4,8 @@ Tolerance: the kernel uses each weight exactly as gguf dequantizes it (checked t
 identity input, where each output is one weight times 1.0, so any other rounding or a
 wrong nibble order shows). Up to ``FEW_MAX_TOKENS`` rows of x it rounds x to 16-bit codes
 per block of 32 (``rounded_x``, a power-of-two scale) and sums integer products exactly;
-beyond, it keeps x in float32. Against a float64 product of the same weights and of the
+beyond, it keeps x in float32, or (``isa`` avx512_bf16, ``matmul_precision`` medium)
+rounds x and the weights to bf16. Against a float64 product of the weights and of the
 x it used, it differs by float32 rounding of sums of up to K terms: ``FP32_RTOL`` of the
 output's scale; against the float x, by the 16-bit rounding too: ``ACT16_RTOL``.
 """
@@ -86,7 +87,8 @@ def test_the_grouped_layout_gives_the_rows_layouts_bits(quant_type):
     weight = random_blocks(quant_type, 48, 128, seed=9)
     grouped = kernels.group_rows(weight.blocks, quant_type, 128)
     isas = ["avx2", "avx512"] if kernels.best_isa() == "avx512" else ["avx2"]
-    for num_tokens in (1, 2, 3, 4, 5, 37):  # decode tiles and the float panels
+    isas += ["avx512_bf16"] if kernels.has_bf16_dot() else []
+    for num_tokens in (1, 2, 3, 4, 5, 37):  # decode tiles and the float (or bf16) panels
         x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens)) * 5
         for isa in isas:
             rows = kernels.gguf_linear(x, weight.blocks, quant_type, 128, isa=isa)
@@ -164,18 +166,63 @@ def test_the_avx2_and_avx512_bodies_give_the_same_bits(quant_type):
         assert torch.equal(avx2, avx512), num_tokens
 
 
+needs_bf16_dot = pytest.mark.skipif(
+    kernels.load() and not kernels.has_bf16_dot(), reason="this CPU has no AVX-512 BF16"
+)
+
+
+@needs_kernels
+@needs_bf16_dot
+@pytest.mark.parametrize("quant_type", QUANT_TYPES)
+def test_the_bf16_body_multiplies_bf16_rounded_x_and_weights(quant_type):
+    weight = random_blocks(quant_type, 45, 192, seed=4)  # 45 rows: a whole panel of 32 and a ragged one
+    dense = gguf_dense(weight)
+    rounded = dense.bfloat16()
+    assert not torch.equal(rounded.float(), dense)  # the test can tell the roundings apart
+    # identity rows of x: each output is one weight times 1.0, so exactly its bf16 rounding
+    got = kernels.gguf_linear(torch.eye(192), weight.blocks, quant_type, 192, isa="avx512_bf16")
+    assert torch.equal(got, rounded.float().T)
+    x = torch.randn(70, 192, generator=torch.Generator().manual_seed(5)) * 30
+    reference = x.bfloat16().double() @ rounded.double().T  # float64 of the rounded operands
+    scale = x.double().abs() @ dense.double().abs().T
+    for num_tokens in (5, 12, 13, 24, 70):  # whole tiles of 12 rows of x and ragged ones
+        got = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512_bf16")
+        assert ((got.double() - reference[:num_tokens]).abs() <= FP32_RTOL * scale[:num_tokens]).all()
+        # x already in bf16 (a bf16 model's activations): the same bits
+        bf16_x = kernels.gguf_linear(x[:num_tokens].bfloat16(), weight.blocks, quant_type, 192, isa="avx512_bf16")
+        assert torch.equal(bf16_x, got)
+    # up to 4 rows, the decode path: avx512's bits, bf16 or not
+    for num_tokens in range(1, FEW_MAX_TOKENS + 1):
+        want = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512")
+        assert torch.equal(kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512_bf16"), want)
+
+
+@needs_kernels
+@needs_bf16_dot
+def test_gguf_linear_takes_the_bf16_body_only_when_asked():
+    weight = random_blocks("Q4_1", 32, 64)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    bf16 = kernels.gguf_linear(x, weight.blocks, "Q4_1", 64, isa="avx512_bf16")
+    assert torch.equal(GGUFLinear(weight, bf16_large_steps=True)(x), bf16)
+    assert torch.equal(make_linear(weight, torch.float32, CPU, "auto", bf16_large_steps=True)(x), bf16)
+    float32 = GGUFLinear(weight)(x)  # matmul_precision highest
+    assert torch.equal(float32, kernels.gguf_linear(x, weight.blocks, "Q4_1", 64))
+    assert not torch.equal(float32, bf16)
+
+
 @needs_kernels
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
-def test_a_rows_output_does_not_depend_on_its_batch(quant_type):
+@pytest.mark.parametrize("bf16_large_steps", [False, True])
+def test_a_rows_output_does_not_depend_on_its_batch(quant_type, bf16_large_steps):
     weight = random_blocks(quant_type, 37, 96, seed=2)
-    linear = GGUFLinear(weight)
+    linear = GGUFLinear(weight, bf16_large_steps=bf16_large_steps)
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([linear(x[i : i + 1]) for i in range(70)])
     for size in (2, 3, 4):  # the decode path: any number of rows up to 4, ragged tiles
         batched = torch.cat([linear(x[i : i + size]) for i in range(0, 70, size)])
         assert torch.equal(batched, alone), size
     whole = linear(x)
-    for size in (5, 7, 16):  # the panel path: ragged panels and tiles
+    for size in (5, 7, 16):  # the panel path (float32 or bf16): ragged panels and tiles
         batched = torch.cat([linear(x[i : i + size]) for i in range(0, 70 - 70 % size, size)])
         assert torch.equal(batched, whole[: 70 - 70 % size]), size
     threads = torch.get_num_threads()
@@ -201,13 +248,13 @@ def test_bf16_activations_and_a_bias_come_back_in_their_dtype():
 @needs_kernels
 def test_inputs_it_cannot_take_are_clear_errors():
     weight = random_blocks("Q4_1", 16, 64)
-    with pytest.raises(RuntimeError, match="x must be float32, got Double"):
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16, got Double"):
         kernels.gguf_linear(torch.zeros(1, 64, dtype=torch.float64), weight.blocks, "Q4_1", 64)
     with pytest.raises(RuntimeError, match=r"x must be \[T, 64\]"):
         kernels.gguf_linear(torch.zeros(1, 32), weight.blocks, "Q4_1", 64)
     with pytest.raises(RuntimeError, match="blocks of 40 bytes per row do not hold 96 weights"):
         kernels.gguf_linear(torch.zeros(1, 96), weight.blocks, "Q4_1", 96)
-    with pytest.raises(RuntimeError, match="isa must be 0 \\(best\\), 1 \\(avx2\\) or 2 \\(avx512\\), got 7"):
+    with pytest.raises(RuntimeError, match=r"isa must be 0 \(best\), 1 \(avx2\), 2 \(avx512\) or 3 \(avx512_bf16\), got 7"):
         torch.ops.nanoserve.gguf_linear(torch.zeros(1, 64), weight.blocks, 3, 64, 7)
 
 

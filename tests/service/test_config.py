@@ -118,6 +118,17 @@ def test_quantization_threads_and_dense_large_steps_reach_the_model_config() -> 
     assert (model.quantization, model.num_threads, model.dense_large_steps) == ("auto", None, False)
 
 
+def test_matmul_precision_reaches_the_model_config_and_refuses_others() -> None:
+    _, engine = build_configs(_parse(), environ={})
+    assert engine.model.matmul_precision == "medium"
+    _, engine = build_configs(_parse("--matmul-precision", "highest"), environ={})
+    assert engine.model.matmul_precision == "highest"
+    _, engine = build_configs(_parse(), environ={"NANOSERVE_MATMUL_PRECISION": "highest"})
+    assert engine.model.matmul_precision == "highest"
+    with pytest.raises(ValueError, match=r"NANOSERVE_MATMUL_PRECISION must be one of \('highest', 'medium'\)"):
+        build_configs(_parse(), environ={"NANOSERVE_MATMUL_PRECISION": "high"})
+
+
 def test_unknown_quantization_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match=r"NANOSERVE_QUANTIZATION must be one of \('auto', 'none', 'int8', 'int4'\)"):
         build_configs(_parse(), environ={"NANOSERVE_QUANTIZATION": "int3"})
