@@ -16,4 +16,10 @@ inline bool cpu_has_avx512_bf16() {
   return has;
 }
 
+// AVX-512 VBMI (byte permutes): gguf_linear's bf16 body regroups 4-bit codes with vpermt2b where it has it.
+inline bool cpu_has_avx512_vbmi() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi");
+  return has;
+}
+
 }  // namespace

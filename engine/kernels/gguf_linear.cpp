@@ -404,7 +404,31 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Weight rows n0 .. n0 + rows - 1 (rows <= kBf16PanelRows; the rest zero) -> the panel by pairs.
+// Pair j of block b (j < 16) is elements 32b + j and 32b + j + 16: the two nibbles of byte j of
+// a 4-bit block. Word 2j of a block's 32 bf16 <- element j, word 2j + 1 <- element j + 16.
+inline __m512i pair_order() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                          19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+// 32 floats of one block (elements 0-15, 16-31) -> its sixteen pairs, bf16 (round to nearest even).
+inline __m512i block_pairs(__m512 first, __m512 second) {
+  return _mm512_permutexvar_epi16(pair_order(), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first)));
+}
+
+// x [T, K] (float32, or bf16 as uint16) -> bf16 by pairs: [T, K / 2] 32-bit words, block by block.
+void pack_x(const float* x, int64_t num_tokens, int64_t k, uint16_t* out) {
+  for (int64_t i = 0; i < num_tokens * k; i += kGroup)
+    _mm512_storeu_si512(out + i, block_pairs(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i + 16)));
+}
+void pack_x(const uint16_t* x, int64_t num_tokens, int64_t k, uint16_t* out) {
+  for (int64_t i = 0; i < num_tokens * k; i += kGroup)
+    _mm512_storeu_si512(out + i, _mm512_permutexvar_epi16(pair_order(), _mm512_loadu_si512(x + i)));
+}
+
+// Weight rows n0 .. n0 + rows - 1 (rows <= kBf16PanelRows; the rest zero) -> the panel by pairs:
+// each row's block dequantized (dequantize_block16), rounded to bf16 pairs, and sixteen rows'
+// pairs transposed so that a register holds one pair of sixteen rows.
 template <int64_t Type, bool Grouped>
 void dequantize_panel(const uint8_t* weights, int64_t n0, int64_t rows, int64_t num_blocks, uint32_t* panel) {
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -419,11 +443,87 @@ void dequantize_panel(const uint8_t* weights, int64_t n0, int64_t rows, int64_t 
         __m512 w[2];
         const BlockRef block = block_at<Type, Grouped>(weights, n0 + row, num_blocks, b);
         avx512_panel::dequantize_block16<Type>(block.codes, block.d, block.m, w);
-        words[r] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0]));  // elements 0..31 in order
+        words[r] = block_pairs(w[0], w[1]);
       }
       transpose16(words);  // words[p]: pair p of the sixteen rows
       for (int p = 0; p < 16; ++p)
         _mm512_storeu_si512(panel + (b * 16 + p) * kBf16PanelRows + half * 16, words[p]);
+    }
+  }
+}
+
+// The same panel from Q4 weights in the grouped layout, without the transpose: sixteen rows are
+// four records, whose nibbles are rearranged by byte (vpermt2b) so that byte j of the sixteen
+// rows lies in one 128-bit lane; byte j holds pair j (low nibble: element j, high: j + 16), so
+// widening it to one 32-bit lane per row gives both codes of the pair. d and m come as
+// sixteen-row vectors from the records' headers. The values are dequantize_block16's (a
+// product, then a sum), rounded alike. Needs AVX-512 VBMI (vpermt2b; Zen 4 on, Intel from
+// Ice Lake, not Cooper Lake): without it the grouped layout takes dequantize_panel.
+template <int64_t Type>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,f16c"))) void
+dequantize_panel_groups(const uint8_t* weights, int64_t n0, int64_t rows, int64_t num_blocks, uint32_t* panel) {
+  static_assert(Type == Q4_0 || Type == Q4_1);
+  constexpr int64_t kRecord = kGroupCodeBytes + (Type == Q4_1 ? 16 : 8);
+  // gather[q] byte 16 jj + r <- row (r mod 8)'s byte 4q + jj within two records (rows 0-7 or 8-15)
+  __m512i gather[4];
+  for (int q = 0; q < 4; ++q) {
+    alignas(64) uint8_t index[64];
+    for (int jj = 0; jj < 4; ++jj)
+      for (int r = 0; r < 16; ++r) index[16 * jj + r] = static_cast<uint8_t>(((r % 8) / 4) * 64 + 16 * (r % 4) + 4 * q + jj);
+    gather[q] = _mm512_load_si512(index);
+  }
+  const __mmask64 upper_rows = 0xFF00FF00FF00FF00ull;  // r >= 8 in each lane of 16
+  const __m512i low_nibble = _mm512_set1_epi32(0x0F);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int64_t half = 0; half < kBf16PanelRows / 16; ++half) {
+      const int64_t first = half * 16;
+      if (first >= rows) {
+        for (int p = 0; p < 16; ++p)
+          _mm512_storeu_si512(panel + (b * 16 + p) * kBf16PanelRows + first, _mm512_setzero_si512());
+        continue;
+      }
+      __m512i codes[4];
+      uint64_t d_bits[4] = {0, 0, 0, 0}, m_bits[4] = {0, 0, 0, 0};
+      for (int g = 0; g < 4; ++g) {
+        if (first + 4 * g >= rows) {  // rows come in whole groups of four
+          codes[g] = _mm512_setzero_si512();
+          continue;
+        }
+        const uint8_t* record = weights + (((n0 + first) / kGroupRows + g) * num_blocks + b) * kRecord;
+        codes[g] = _mm512_loadu_si512(record);
+        std::memcpy(&d_bits[g], record + kGroupCodeBytes, 8);
+        if constexpr (Type == Q4_1) std::memcpy(&m_bits[g], record + kGroupCodeBytes + 8, 8);
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_set_epi64x(d_bits[3], d_bits[2], d_bits[1], d_bits[0]));
+      const __m512 m = _mm512_cvtph_ps(_mm256_set_epi64x(m_bits[3], m_bits[2], m_bits[1], m_bits[0]));
+      for (int q = 0; q < 4; ++q) {
+        const __m512i bytes = _mm512_mask_blend_epi8(upper_rows, _mm512_permutex2var_epi8(codes[0], gather[q], codes[1]),
+                                                     _mm512_permutex2var_epi8(codes[2], gather[q], codes[3]));
+        for (int jj = 0; jj < 4; ++jj) {
+          __m128i lane;
+          switch (jj) {  // the lane index must be a constant
+            case 0: lane = _mm512_extracti32x4_epi32(bytes, 0); break;
+            case 1: lane = _mm512_extracti32x4_epi32(bytes, 1); break;
+            case 2: lane = _mm512_extracti32x4_epi32(bytes, 2); break;
+            default: lane = _mm512_extracti32x4_epi32(bytes, 3); break;
+          }
+          const __m512i both = _mm512_cvtepu8_epi32(lane);
+          __m512i lo = _mm512_and_si512(both, low_nibble), hi = _mm512_srli_epi32(both, 4);
+          __m512 w_lo, w_hi;
+          if constexpr (Type == Q4_0) {
+            const __m512i eight = _mm512_set1_epi32(8);
+            w_lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
+            w_hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+          } else {
+            w_lo = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
+            w_hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+          }
+          // lane r: (w_lo_r, w_hi_r) as bf16, the low half first
+          const __m512i pairs = _mm512_permutexvar_epi16(
+              pair_order(), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w_hi, w_lo)));
+          _mm512_storeu_si512(panel + (b * 16 + 4 * q + jj) * kBf16PanelRows + first, pairs);
+        }
+      }
     }
   }
 }
@@ -471,17 +571,25 @@ void tokens_times_panel(const uint16_t* x, int64_t num_tokens, const uint32_t* p
   if (m < num_tokens) tile_rest<kTileTokens - 1>(x + m * k, k, panel, rows, y + m * ldy, ldy, num_tokens - m);
 }
 
-template <int64_t Type, bool Grouped>
-void gguf_linear_panels(const uint16_t* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k,
-                        float* y) {
+template <int64_t Type, bool Grouped, class X>
+void gguf_linear_panels(const X* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y) {
+  std::vector<uint16_t> packed(num_tokens * k);
+  pack_x(x, num_tokens, k, packed.data());
   const int64_t num_panels = (n + kBf16PanelRows - 1) / kBf16PanelRows;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> panel(k / 2 * kBf16PanelRows);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kBf16PanelRows;
       const int64_t rows = std::min(kBf16PanelRows, n - n0);
-      dequantize_panel<Type, Grouped>(blocks, n0, rows, k / kGroup, panel.data());
-      tokens_times_panel(x, num_tokens, panel.data(), k, rows, y + n0, n);
+      if constexpr (Grouped && Type != Q8_0) {
+        if (cpu_has_avx512_vbmi())
+          dequantize_panel_groups<Type>(blocks, n0, rows, k / kGroup, panel.data());
+        else
+          dequantize_panel<Type, true>(blocks, n0, rows, k / kGroup, panel.data());
+      } else {
+        dequantize_panel<Type, Grouped>(blocks, n0, rows, k / kGroup, panel.data());
+      }
+      tokens_times_panel(packed.data(), num_tokens, panel.data(), k, rows, y + n0, n);
     }
   });
 }
@@ -574,6 +682,24 @@ at::Tensor gguf_group_rows(const at::Tensor& blocks, int64_t quant_type, int64_t
   return out;
 }
 
+template <class X>
+void bf16_panels(const X* x, int64_t num_tokens, const uint8_t* blocks, int64_t quant_type, int64_t layout, int64_t n,
+                 int64_t k, float* y) {
+  namespace bf16 = avx512_bf16_panel;
+  const bool grouped = layout == kGroups;
+  switch (quant_type) {
+    case Q4_0:
+      grouped ? bf16::gguf_linear_panels<Q4_0, true>(x, num_tokens, blocks, n, k, y)
+              : bf16::gguf_linear_panels<Q4_0, false>(x, num_tokens, blocks, n, k, y);
+      break;
+    case Q4_1:
+      grouped ? bf16::gguf_linear_panels<Q4_1, true>(x, num_tokens, blocks, n, k, y)
+              : bf16::gguf_linear_panels<Q4_1, false>(x, num_tokens, blocks, n, k, y);
+      break;
+    default: bf16::gguf_linear_panels<Q8_0, false>(x, num_tokens, blocks, n, k, y); break;
+  }
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t quant_type, int64_t in_features,
                        int64_t isa, int64_t layout) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "gguf_linear: CPU tensors only");
@@ -608,20 +734,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   if (num_tokens > kFewMaxTokens && chosen == kAvx512Bf16) {
-    const at::Tensor xc = x.to(at::kBFloat16).contiguous();  // float32 rounded to nearest even, as torch casts
-    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    const bool grouped = layout == kGroups;
-    switch (quant_type) {
-      case Q4_0:
-        grouped ? avx512_bf16_panel::gguf_linear_panels<Q4_0, true>(xb, num_tokens, bp, n, in_features, yp)
-                : avx512_bf16_panel::gguf_linear_panels<Q4_0, false>(xb, num_tokens, bp, n, in_features, yp);
-        break;
-      case Q4_1:
-        grouped ? avx512_bf16_panel::gguf_linear_panels<Q4_1, true>(xb, num_tokens, bp, n, in_features, yp)
-                : avx512_bf16_panel::gguf_linear_panels<Q4_1, false>(xb, num_tokens, bp, n, in_features, yp);
-        break;
-      default: avx512_bf16_panel::gguf_linear_panels<Q8_0, false>(xb, num_tokens, bp, n, in_features, yp); break;
-    }
+    // float32 x is rounded to bf16 (to nearest even, as torch casts) as it is packed
+    const at::Tensor xc = x.contiguous();
+    if (x.scalar_type() == at::kBFloat16)
+      bf16_panels(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), num_tokens, bp, quant_type, layout,
+                  n, in_features, yp);
+    else
+      bf16_panels(xc.data_ptr<float>(), num_tokens, bp, quant_type, layout, n, in_features, yp);
     return y;
   }
   const at::Tensor xc = x.to(at::kFloat).contiguous();  // bf16 widened exactly

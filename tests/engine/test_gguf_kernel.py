@@ -84,15 +84,17 @@ def test_the_grouped_layout_is_four_rows_nibbles_then_their_d_then_their_m():
 @needs_kernels
 @pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
 def test_the_grouped_layout_gives_the_rows_layouts_bits(quant_type):
-    weight = random_blocks(quant_type, 48, 128, seed=9)
-    grouped = kernels.group_rows(weight.blocks, quant_type, 128)
     isas = ["avx2", "avx512"] if kernels.best_isa() == "avx512" else ["avx2"]
     isas += ["avx512_bf16"] if kernels.has_bf16_dot() else []
-    for num_tokens in (1, 2, 3, 4, 5, 37):  # decode tiles and the float (or bf16) panels
-        x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens)) * 5
-        for isa in isas:
-            rows = kernels.gguf_linear(x, weight.blocks, quant_type, 128, isa=isa)
-            assert torch.equal(kernels.gguf_linear(x, grouped, quant_type, 128, isa=isa, layout="groups"), rows)
+    # 52 rows: bf16 panels of 32 and of 20 (one whole register of 16 rows and one group of 4)
+    for out_features in (48, 52):
+        weight = random_blocks(quant_type, out_features, 128, seed=9)
+        grouped = kernels.group_rows(weight.blocks, quant_type, 128)
+        for num_tokens in (1, 2, 3, 4, 5, 37):  # decode tiles and the float (or bf16) panels
+            x = torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens)) * 5
+            for isa in isas:
+                rows = kernels.gguf_linear(x, weight.blocks, quant_type, 128, isa=isa)
+                assert torch.equal(kernels.gguf_linear(x, grouped, quant_type, 128, isa=isa, layout="groups"), rows)
 
 
 @needs_kernels
