@@ -256,7 +256,9 @@ def test_inputs_it_cannot_take_are_clear_errors():
         kernels.gguf_linear(torch.zeros(1, 32), weight.blocks, "Q4_1", 64)
     with pytest.raises(RuntimeError, match="blocks of 40 bytes per row do not hold 96 weights"):
         kernels.gguf_linear(torch.zeros(1, 96), weight.blocks, "Q4_1", 96)
-    with pytest.raises(RuntimeError, match=r"isa must be 0 \(best\), 1 \(avx2\), 2 \(avx512\) or 3 \(avx512_bf16\), got 7"):
+    with pytest.raises(
+        RuntimeError, match=r"isa must be 0 \(best\), 1 \(avx2\), 2 \(avx512\) or 3 \(avx512_bf16\), got 7"
+    ):
         torch.ops.nanoserve.gguf_linear(torch.zeros(1, 64), weight.blocks, 3, 64, 7)
 
 
