@@ -213,6 +213,16 @@ def test_gguf_linear_takes_the_bf16_body_only_when_asked():
 
 
 @needs_kernels
+def test_a_cpu_without_avx512_bf16_keeps_the_float32_panels_at_medium_precision(monkeypatch):
+    monkeypatch.setattr(kernels, "has_bf16_dot", lambda: False)
+    weight = random_blocks("Q4_1", 32, 64)
+    linear = GGUFLinear(weight, bf16_large_steps=True)
+    assert linear.isa == "best"
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(linear(x), kernels.gguf_linear(x, weight.blocks, "Q4_1", 64, isa="avx2"))
+
+
+@needs_kernels
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 @pytest.mark.parametrize("bf16_large_steps", [False, True])
 def test_a_rows_output_does_not_depend_on_its_batch(quant_type, bf16_large_steps):
