@@ -16,7 +16,6 @@ from typing import Any
 import structlog
 import torch
 
-from nanoserve.engine import kernels
 from nanoserve.engine.attention import select_backend
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.device import resolve_device, resolve_dtype
@@ -99,7 +98,7 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quantization,
             matmul_precision=config.model.matmul_precision,
-            bf16_large_steps=on_gguf_kernels and config.model.matmul_precision == "medium" and kernels.has_bf16_dot(),
+            bf16_large_steps=getattr(self.model.lm_head, "isa", None) == "avx512_bf16",  # what GGUFLinear chose
             attention_backend=self.attention.name,
             attention_backend_reason=backend_reason,
             num_kv_blocks=self.num_kv_blocks,

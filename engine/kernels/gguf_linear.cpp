@@ -360,11 +360,11 @@ void tokens_times_panel(const float* x, const float* pairs, int64_t num_tokens, 
 }  // namespace avx512_panel
 #pragma GCC pop_options
 
-// The bfloat16 body of the panel product (AVX-512 BF16), for x already in bf16 (a bf16 model's
-// activations): the dense bf16 path's arithmetic. A panel of kBf16PanelRows weight rows is
-// dequantized as above (gguf's float values exactly), rounded to bf16 (round to nearest even,
-// as torch's cast) and stored by pairs of k: [K / 2, kBf16PanelRows] 32-bit words, word (p, r)
-// holding row r's elements 2p (low half) and 2p + 1. A register of sixteen rows' pair p then
+// The bfloat16 body of the panel product (AVX-512 BF16), for x in float32 or bf16: the dense
+// bf16 path's arithmetic. A panel of kBf16PanelRows weight rows is dequantized as above
+// (gguf's float values exactly), rounded to bf16 (round to nearest even, as torch's cast) and
+// stored by pairs of k: [K / 2, kBf16PanelRows] 32-bit words, word (p, r) holding row r's two
+// elements of pair p (pair_order, below); x is rounded and paired alike. A register of sixteen rows' pair p then
 // meets one x row's pair p broadcast to every lane, and one dot-product instruction adds both
 // products to each row's float32 sum: 32 multiply-adds per instruction, twice the float32
 // body's. Lane r takes the pairs in order, so an output depends only on its x row and weight
@@ -459,19 +459,28 @@ void dequantize_panel(const uint8_t* weights, int64_t n0, int64_t rows, int64_t 
 // sixteen-row vectors from the records' headers. The values are dequantize_block16's (a
 // product, then a sum), rounded alike. Needs AVX-512 VBMI (vpermt2b; Zen 4 on, Intel from
 // Ice Lake, not Cooper Lake): without it the grouped layout takes dequantize_panel.
+// vpermt2b indices: table q, byte 16 jj + r <- row (r mod 8)'s byte 4q + jj within two records
+// (rows 0-7 or 8-15 of sixteen).
+struct RegroupIndex {
+  alignas(64) uint8_t bytes[4][64];
+};
+constexpr RegroupIndex regroup_index() {
+  RegroupIndex index{};
+  for (int q = 0; q < 4; ++q)
+    for (int jj = 0; jj < 4; ++jj)
+      for (int r = 0; r < 16; ++r)
+        index.bytes[q][16 * jj + r] = static_cast<uint8_t>(((r % 8) / 4) * 64 + 16 * (r % 4) + 4 * q + jj);
+  return index;
+}
+constexpr RegroupIndex kRegroupIndex = regroup_index();
+
 template <int64_t Type>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,f16c"))) void
 dequantize_panel_groups(const uint8_t* weights, int64_t n0, int64_t rows, int64_t num_blocks, uint32_t* panel) {
   static_assert(Type == Q4_0 || Type == Q4_1);
   constexpr int64_t kRecord = kGroupCodeBytes + (Type == Q4_1 ? 16 : 8);
-  // gather[q] byte 16 jj + r <- row (r mod 8)'s byte 4q + jj within two records (rows 0-7 or 8-15)
   __m512i gather[4];
-  for (int q = 0; q < 4; ++q) {
-    alignas(64) uint8_t index[64];
-    for (int jj = 0; jj < 4; ++jj)
-      for (int r = 0; r < 16; ++r) index[16 * jj + r] = static_cast<uint8_t>(((r % 8) / 4) * 64 + 16 * (r % 4) + 4 * q + jj);
-    gather[q] = _mm512_load_si512(index);
-  }
+  for (int q = 0; q < 4; ++q) gather[q] = _mm512_load_si512(kRegroupIndex.bytes[q]);
   const __mmask64 upper_rows = 0xFF00FF00FF00FF00ull;  // r >= 8 in each lane of 16
   const __m512i low_nibble = _mm512_set1_epi32(0x0F);
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -519,9 +528,7 @@ dequantize_panel_groups(const uint8_t* weights, int64_t n0, int64_t rows, int64_
             w_hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
           }
           // lane r: (w_lo_r, w_hi_r) as bf16, the low half first
-          const __m512i pairs = _mm512_permutexvar_epi16(
-              pair_order(), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w_hi, w_lo)));
-          _mm512_storeu_si512(panel + (b * 16 + 4 * q + jj) * kBf16PanelRows + first, pairs);
+          _mm512_storeu_si512(panel + (b * 16 + 4 * q + jj) * kBf16PanelRows + first, block_pairs(w_lo, w_hi));
         }
       }
     }
@@ -581,7 +588,7 @@ void gguf_linear_panels(const X* x, int64_t num_tokens, const uint8_t* blocks, i
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kBf16PanelRows;
       const int64_t rows = std::min(kBf16PanelRows, n - n0);
-      if constexpr (Grouped && Type != Q8_0) {
+      if constexpr (Grouped) {  // Q4 only
         if (cpu_has_avx512_vbmi())
           dequantize_panel_groups<Type>(blocks, n0, rows, k / kGroup, panel.data());
         else
