@@ -42,7 +42,10 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("gguf_linear.cpp", "paged_attention.cpp", "rms_norm.cpp", "silu_and_mul.cpp", "rope_kv.cpp")
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("gguf_linear_tile.h", "cpu_features.h")]  # included by SOURCES
+# included by SOURCES
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("gguf_linear_tile.h", "paged_attention_body.h", "cpu_features.h")
+]
 # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (torch ships libgomp.so.1, which the loader reuses)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 LIBRARY_NAME = "nanoserve_kernels"

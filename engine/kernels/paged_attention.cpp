@@ -22,6 +22,8 @@
 //   3. out_h = sum_t p_h,t v_t / sum_t p_h,t: each value row loaded once and accumulated
 //      into every head's output, the outputs held in registers (pieces of 64 floats with
 //      AVX-512, 32 with AVX2).
+// Each body defines its vector primitives (score_tile, softmax_row, values_of); the passes
+// around them (scores_of, attend_heads, attend) are paged_attention_body.h, included in both.
 // The two bodies sum in different orders (their bits may differ), both within float32
 // rounding of softmax(q k^T scale) v. Attention follows Vaswani et al. 2017; the paged
 // layout follows vLLM (Kwon et al. 2023).
@@ -123,6 +125,7 @@ namespace {
 
 constexpr int kMaxHeads = 3;  // 3 x 4 score accumulators + a key: 13 of 16 registers
 constexpr int64_t kPiece = 32;  // output floats per value pass: 4 vectors x 3 heads in registers
+constexpr int64_t kQueryPad = 8;  // head_dim is a multiple of 8: no padding
 
 inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -187,19 +190,6 @@ inline void score_tile(const float* q, int64_t dq, int64_t d, const float* key, 
   }
 }
 
-// Scores of kHeads queries against every key of the item, rows of s lp apart.
-template <int kD, int kHeads>
-void scores_of(const WorkItem& w, const float* q, int64_t dq, float* s, int64_t lp) {
-  for (int64_t blk = 0, t0 = 0; t0 < w.context_len; ++blk, t0 += w.block_size) {
-    const float* base = w.keys + w.table[blk] * w.block_stride;
-    const int64_t n = std::min(w.block_size, w.context_len - t0);
-    int64_t i = 0;
-    for (; i + kTileKeys <= n; i += kTileKeys)
-      score_tile<kD, kHeads, kTileKeys>(q, dq, w.head_dim, base + i * w.token_stride, w.token_stride, s + t0 + i, lp);
-    for (; i < n; ++i) score_tile<kD, kHeads, 1>(q, dq, w.head_dim, base + i * w.token_stride, 0, s + t0 + i, lp);
-  }
-}
-
 // s[0..lp) <- exp(s - max s) (the tail past the context is -inf, so 0); returns their sum.
 float softmax_row(float* s, int64_t lp) {
   __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -236,48 +226,20 @@ void values_piece(const WorkItem& w, const float* p, int64_t lp, int64_t col, co
       _mm256_storeu_ps(o + h * w.head_dim + col + 8 * u, _mm256_mul_ps(acc[h][u], _mm256_set1_ps(inv[h])));
 }
 
+// o_h = inv_h sum_t p_h,t v_t for kHeads heads, kPiece output floats per pass.
 template <int kHeads>
-void attend_heads(const WorkItem& w, const float* q, int64_t dq, float* s, int64_t lp, float* o) {
-  if (w.head_dim == 64) {
-    scores_of<64, kHeads>(w, q, dq, s, lp);
-  } else if (w.head_dim == 128) {
-    scores_of<128, kHeads>(w, q, dq, s, lp);
-  } else {
-    scores_of<0, kHeads>(w, q, dq, s, lp);
-  }
-  float inv[kHeads];
-  for (int h = 0; h < kHeads; ++h) {
-    std::fill(s + h * lp + w.context_len, s + (h + 1) * lp, -std::numeric_limits<float>::infinity());
-    inv[h] = 1.0f / softmax_row(s + h * lp, lp);
-  }
+void values_of(const WorkItem& w, const float* p, int64_t lp, const float* inv, float* o) {
   for (int64_t col = 0; col < w.head_dim; col += kPiece) {
     switch (std::min<int64_t>(kPiece, w.head_dim - col) / 8) {
-      case 1: values_piece<kHeads, 1>(w, s, lp, col, inv, o); break;
-      case 2: values_piece<kHeads, 2>(w, s, lp, col, inv, o); break;
-      case 3: values_piece<kHeads, 3>(w, s, lp, col, inv, o); break;
-      default: values_piece<kHeads, 4>(w, s, lp, col, inv, o); break;
+      case 1: values_piece<kHeads, 1>(w, p, lp, col, inv, o); break;
+      case 2: values_piece<kHeads, 2>(w, p, lp, col, inv, o); break;
+      case 3: values_piece<kHeads, 3>(w, p, lp, col, inv, o); break;
+      default: values_piece<kHeads, 4>(w, p, lp, col, inv, o); break;
     }
   }
 }
 
-// The item's G heads; buffer: scratch, grown as needed.
-void attend(const WorkItem& w, std::vector<float>& buffer) {
-  const int64_t d = w.head_dim, lp = round_up(w.context_len, kRowPad);
-  buffer.resize(w.group * (d + lp));
-  float* q = buffer.data();  // [G, D], scaled
-  float* s = q + w.group * d;  // [G, lp]
-  for (int64_t i = 0; i < w.group * d; ++i) q[i] = w.scale * w.queries[i];
-  for (const HeadRange& r : head_passes(w.group, kMaxHeads)) {
-    const float* qr = q + r.first * d;
-    float* sr = s + r.first * lp;
-    float* o = w.out + r.first * d;
-    switch (r.count) {
-      case 1: attend_heads<1>(w, qr, d, sr, lp, o); break;
-      case 2: attend_heads<2>(w, qr, d, sr, lp, o); break;
-      default: attend_heads<3>(w, qr, d, sr, lp, o); break;
-    }
-  }
-}
+#include "paged_attention_body.h"
 
 }  // namespace
 }  // namespace avx2_body
@@ -289,6 +251,7 @@ namespace {
 
 constexpr int kMaxHeads = 4;    // 4 x 4 score accumulators + 4 keys + 4 query vectors: 24 of 32 registers
 constexpr int64_t kPiece = 64;  // output floats per value pass: 4 vectors x 4 heads in registers
+constexpr int64_t kQueryPad = kRowPad;  // query rows zero-padded to whole 16-lane vectors
 
 // The lane sums of a[0..3] as one vector [sum a0, sum a1, sum a2, sum a3].
 inline __m128 sum4x16(const __m512 a[4]) {
@@ -341,19 +304,6 @@ inline void score_tile(const float* q, int64_t dq, int64_t d, const float* key, 
   }
 }
 
-// Scores of kHeads queries against every key of the item, rows of s lp apart.
-template <int kD, int kHeads>
-void scores_of(const WorkItem& w, const float* q, int64_t dq, float* s, int64_t lp) {
-  for (int64_t blk = 0, t0 = 0; t0 < w.context_len; ++blk, t0 += w.block_size) {
-    const float* base = w.keys + w.table[blk] * w.block_stride;
-    const int64_t n = std::min(w.block_size, w.context_len - t0);
-    int64_t i = 0;
-    for (; i + kTileKeys <= n; i += kTileKeys)
-      score_tile<kD, kHeads, kTileKeys>(q, dq, w.head_dim, base + i * w.token_stride, w.token_stride, s + t0 + i, lp);
-    for (; i < n; ++i) score_tile<kD, kHeads, 1>(q, dq, w.head_dim, base + i * w.token_stride, 0, s + t0 + i, lp);
-  }
-}
-
 // s[0..lp) <- exp(s - max s) (the tail past the context is -inf, so 0); returns their sum.
 float softmax_row(float* s, int64_t lp) {
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -396,52 +346,22 @@ void values_piece(const WorkItem& w, const float* p, int64_t lp, int64_t col, __
                             _mm512_mul_ps(acc[h][u], _mm512_set1_ps(inv[h])));
 }
 
+// o_h = inv_h sum_t p_h,t v_t for kHeads heads, kPiece output floats per pass.
 template <int kHeads>
-void attend_heads(const WorkItem& w, const float* q, int64_t dq, float* s, int64_t lp, float* o) {
-  if (w.head_dim == 64) {
-    scores_of<64, kHeads>(w, q, dq, s, lp);
-  } else if (w.head_dim == 128) {
-    scores_of<128, kHeads>(w, q, dq, s, lp);
-  } else {
-    scores_of<0, kHeads>(w, q, dq, s, lp);
-  }
-  float inv[kHeads];
-  for (int h = 0; h < kHeads; ++h) {
-    std::fill(s + h * lp + w.context_len, s + (h + 1) * lp, -std::numeric_limits<float>::infinity());
-    inv[h] = 1.0f / softmax_row(s + h * lp, lp);
-  }
+void values_of(const WorkItem& w, const float* p, int64_t lp, const float* inv, float* o) {
   for (int64_t col = 0; col < w.head_dim; col += kPiece) {
     const int64_t width = std::min(kPiece, w.head_dim - col);  // a multiple of 8
     const __mmask16 last = width % 16 ? 0x00FF : 0xFFFF;
     switch ((width + 15) / 16) {
-      case 1: values_piece<kHeads, 1>(w, s, lp, col, last, inv, o); break;
-      case 2: values_piece<kHeads, 2>(w, s, lp, col, last, inv, o); break;
-      case 3: values_piece<kHeads, 3>(w, s, lp, col, last, inv, o); break;
-      default: values_piece<kHeads, 4>(w, s, lp, col, last, inv, o); break;
+      case 1: values_piece<kHeads, 1>(w, p, lp, col, last, inv, o); break;
+      case 2: values_piece<kHeads, 2>(w, p, lp, col, last, inv, o); break;
+      case 3: values_piece<kHeads, 3>(w, p, lp, col, last, inv, o); break;
+      default: values_piece<kHeads, 4>(w, p, lp, col, last, inv, o); break;
     }
   }
 }
 
-// The item's G heads; buffer: scratch, grown as needed.
-void attend(const WorkItem& w, std::vector<float>& buffer) {
-  const int64_t d = w.head_dim, dq = round_up(d, kRowPad), lp = round_up(w.context_len, kRowPad);
-  buffer.resize(w.group * (dq + lp));
-  float* q = buffer.data();     // [G, dq], scaled, zero past d
-  float* s = q + w.group * dq;  // [G, lp]
-  for (int64_t h = 0; h < w.group; ++h)
-    for (int64_t i = 0; i < dq; ++i) q[h * dq + i] = i < d ? w.scale * w.queries[h * d + i] : 0.0f;
-  for (const HeadRange& r : head_passes(w.group, kMaxHeads)) {
-    const float* qr = q + r.first * dq;
-    float* sr = s + r.first * lp;
-    float* o = w.out + r.first * d;
-    switch (r.count) {
-      case 1: attend_heads<1>(w, qr, dq, sr, lp, o); break;
-      case 2: attend_heads<2>(w, qr, dq, sr, lp, o); break;
-      case 3: attend_heads<3>(w, qr, dq, sr, lp, o); break;
-      default: attend_heads<4>(w, qr, dq, sr, lp, o); break;
-    }
-  }
-}
+#include "paged_attention_body.h"
 
 }  // namespace
 }  // namespace avx512_body
