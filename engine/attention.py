@@ -123,12 +123,21 @@ def write_kv(
 ) -> None:
     """This step's K/V [num_tokens, num_kv_heads, head_dim] into their slots, before any read of the cache.
 
+    K and V are cast to the cache's dtype (rounded to nearest even when it is narrower).
     The model's unfused path calls it per layer; ``kernels.rope_and_write_kv`` does the same
     writes for a float32 CPU model.
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x [.., head_dim] as a cache of ``cache_dtype`` holds it, in x's dtype: x itself when the
+    dtypes agree, else rounded to the cache's dtype and back. Prefill attends over this
+    chunk's K/V as computed; this makes it read what decode will later read from the cache
+    (and what a prefix-cache hit or a recompute after preemption reads)."""
+    return x if x.dtype == cache_dtype else x.to(cache_dtype).to(x.dtype)
 
 
 MAX_DECODE_BUCKETS = 4
@@ -284,6 +293,7 @@ class TorchAttentionBackend:
         shape = (num_decodes, -1, num_kv_heads, head_dim)
         keys = key_cache.index_select(0, bucket.block_ids).view(shape)[:, : bucket.num_keys].transpose(1, 2)
         values = value_cache.index_select(0, bucket.block_ids).view(shape)[:, : bucket.num_keys].transpose(1, 2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a no-op unless the cache is narrower
         queries = q.reshape(num_decodes, num_kv_heads, group, head_dim)  # G query rows per KV head
         if bucket.mask is not None and (bucket.additive_mask is None or bucket.additive_mask.dtype != q.dtype):
             bucket.additive_mask = torch.zeros(bucket.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
@@ -303,12 +313,13 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         queries = q[p.token_start : p.token_end].transpose(0, 1)  # [H, T, D]
-        if p.mask is None:  # the whole context is this chunk: use it as computed
-            keys = k[p.token_start : p.token_end].transpose(0, 1)
-            values = v[p.token_start : p.token_end].transpose(0, 1)
+        if p.mask is None:  # the whole context is this chunk: use it as computed (as the cache holds it)
+            keys = as_cached(k[p.token_start : p.token_end], key_cache.dtype).transpose(0, 1)
+            values = as_cached(v[p.token_start : p.token_end], value_cache.dtype).transpose(0, 1)
         else:  # earlier tokens live only in the cache
             keys = key_cache.index_select(0, p.block_ids).flatten(0, 1)[: p.context_len].transpose(0, 1)
             values = value_cache.index_select(0, p.block_ids).flatten(0, 1)[: p.context_len].transpose(0, 1)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if p.mask is not None and (p.additive_mask is None or p.additive_mask.dtype != q.dtype):
             p.additive_mask = torch.zeros(p.mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
                 ~p.mask, float("-inf")
@@ -404,14 +415,19 @@ def _flash_attn_version() -> tuple[int, ...] | None:
     return tuple(int(part) for part in flash_attn.__version__.split(".")[:2] if part.isdigit())
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> tuple[AttentionBackend[Any], str]:
+def select_backend(
+    device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype, block_size: int
+) -> tuple[AttentionBackend[Any], str]:
     """The attention backend for this device, and why it was chosen (for the start-up log).
 
-    flash-attn when on CUDA, importable (>= 2.6, paged KV), with fp16/bf16 and a
-    block size that is a multiple of 256; the torch backend otherwise.
+    dtype: the model's; kv_cache_dtype: the cache's. nanoserve's paged decode kernel for a
+    float32 model on the CPU (any cache dtype); flash-attn when on CUDA, importable (>= 2.6,
+    paged KV), with fp16/bf16, the cache in the model's dtype and a block size that is a
+    multiple of 256; the torch backend otherwise.
     """
     if device.type == "cpu" and dtype == torch.float32 and kernels.load():
-        return CpuPagedAttentionBackend(), "float32 on the CPU: nanoserve's paged decode kernel"
+        cache = str(kv_cache_dtype).removeprefix("torch.")
+        return CpuPagedAttentionBackend(), f"float32 on the CPU: nanoserve's paged decode kernel ({cache} cache)"
     if device.type != "cuda":
         return TorchAttentionBackend(), f"device is {device.type}"
     version = _flash_attn_version()
@@ -421,6 +437,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, block_size: int) ->
         return TorchAttentionBackend(), f"flash-attn {version} predates paged KV (2.6)"
     if dtype not in (torch.float16, torch.bfloat16):
         return TorchAttentionBackend(), f"flash-attn needs float16/bfloat16, dtype is {dtype}"
+    if kv_cache_dtype != dtype:
+        return TorchAttentionBackend(), f"flash-attn needs the KV cache in the model's {dtype}, it is {kv_cache_dtype}"
     if block_size % 256:
         return TorchAttentionBackend(), f"flash-attn paged KV needs block_size % 256 == 0, block_size is {block_size}"
     from nanoserve.engine.flash_attention import FlashAttentionBackend

@@ -14,6 +14,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 MATMUL_PRECISIONS = ("highest", "medium")  # torch's names (torch.set_float32_matmul_precision)
 
 
@@ -83,14 +84,24 @@ class CacheConfig:
     enable_prefix_caching: reuse the KV of full prompt blocks another request
     computed (vLLM's automatic prefix caching; on by default, as there). Off,
     the pool is the plain LIFO pool: no block is registered or shared.
+    kv_cache_dtype: the element type of K and V in the cache; ``auto`` takes the
+    model's dtype (vLLM's meaning), but float16 where a float32 model runs on
+    nanoserve's GGUF kernels (llama.cpp's default cache type for the same files).
+    ``float16`` / ``bfloat16`` under a float32 model
+    halve a block's bytes (twice the tokens in the same ``kv_cache_memory``) and the
+    bytes decode attention reads; K and V are rounded once, as they are written, and
+    every attention (prefill included) reads the rounded values.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30  # bytes
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         _check_positive("num_kv_blocks", self.num_kv_blocks)

@@ -99,6 +99,7 @@ class LLMEngine:
             max_prompt_bytes=(min(self.max_model_len, self.num_blocks * self.block_size) - 1)
             * self.tokenizer.max_token_bytes,
             bos_token_id=self.tokenizer.bos_token_id,
+            kv_cache_dtype=str(self.runner.kv_cache_dtype).removeprefix("torch."),
         )
         self.input_processor = InputProcessor(self.tokenizer, self.model_info)
         self.recovery: RecoveryPlanner | None = None  # set by _open_event_log when the journal is kept

@@ -18,7 +18,7 @@ import torch
 
 from nanoserve.engine.attention import select_backend
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.device import resolve_device, resolve_dtype
+from nanoserve.engine.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from nanoserve.engine.forward_batch import ForwardBatch
 from nanoserve.engine.kv_cache import KVCache, KVCacheSpec
 from nanoserve.engine.models.llama import LlamaForCausalLM
@@ -85,10 +85,11 @@ class ModelRunner:
         tokenizer_wait_s = time.perf_counter() - started - weights_s
 
         self.block_size = config.cache.block_size
-        spec = KVCacheSpec(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype, on_gguf_kernels)
+        spec = KVCacheSpec(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, self.kv_cache_dtype)
         self.num_kv_blocks = config.cache.num_kv_blocks or spec.num_blocks_for(config.cache.kv_cache_memory)
         self.kv_cache = KVCache(spec, self.num_kv_blocks, self.device)
-        self.attention, backend_reason = select_backend(self.device, self.dtype, self.block_size)
+        self.attention, backend_reason = select_backend(self.device, self.dtype, self.kv_cache_dtype, self.block_size)
         memory_after = process_memory()
         log.info(
             "model_runner.ready",
@@ -101,6 +102,7 @@ class ModelRunner:
             bf16_large_steps=getattr(self.model.lm_head, "isa", None) == "avx512_bf16",  # what GGUFLinear chose
             attention_backend=self.attention.name,
             attention_backend_reason=backend_reason,
+            kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             num_kv_tokens=self.kv_cache.num_tokens,

@@ -19,6 +19,8 @@ class ModelInfo:
         alone, before tokenization (a server derives its message size limit
         from it).
     bos_token_id: the tokenizer's BOS id; None where it defines none.
+    kv_cache_dtype: the KV cache's element type (float32, bfloat16 or float16); ``dtype``
+        is the model's.
     """
 
     model_name: str
@@ -32,6 +34,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     max_prompt_bytes: int
     bos_token_id: int | None = None
+    kv_cache_dtype: str = "float32"
 
     @property
     def max_seq_len(self) -> int:

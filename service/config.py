@@ -150,7 +150,7 @@ SETTINGS: tuple[Setting, ...] = (
         "engine",
         str,
         "auto",
-        "weights and KV cache dtype: auto, float32, bfloat16 or float16; "
+        "the model's dtype (and the KV cache's, unless --kv-cache-dtype): auto, float32, bfloat16 or float16; "
         "auto = bfloat16 on CUDA and CPUs with AVX-512 BF16/AMX, float32 otherwise",
     ),
     Setting("device", "engine", str, "auto", "device: auto, cpu, cuda or cuda:N"),
@@ -216,6 +216,17 @@ SETTINGS: tuple[Setting, ...] = (
         1 << 30,
         "KV cache budget in bytes (suffixes KiB, MiB, GiB allowed)",
         default_help="1GiB",
+    ),
+    Setting(
+        "kv_cache_dtype",
+        "engine",
+        str,
+        "auto",
+        "element type of the KV cache: auto (the model's --dtype; float16 for a float32 model on nanoserve's GGUF "
+        "kernels, as llama.cpp), float32, bfloat16 or float16; float16/bfloat16 "
+        "under a float32 model hold twice the tokens in --kv-cache-memory and halve the bytes decode attention "
+        "reads, K and V rounded once as they are written",
+        choices=("auto", "float32", "bfloat16", "float16"),
     ),
     Setting(
         "enable_prefix_caching",

@@ -279,6 +279,7 @@ def to_model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
         vocab_size=info.vocab_size,
         has_chat_template=info.has_chat_template,
         eos_token_ids=info.eos_token_ids,
+        kv_cache_dtype=info.kv_cache_dtype,
     )
 
 

@@ -251,7 +251,7 @@ def to_server_info(
         uptime_seconds=uptime_s,
         server_type="nanoserve",
         data_parallel_size=1,
-        kv_cache_dtype=info.dtype,
+        kv_cache_dtype=info.kv_cache_dtype,
         block_size=info.block_size,
         model_dtype=info.dtype,
         max_num_seqs=max_num_seqs,

@@ -1,8 +1,10 @@
-// Decode attention over the paged KV cache, float32, for the CPU: an AVX2 + FMA body and an
-// AVX-512 one, chosen at run time (isa 0 = best, 1 = avx2, 2 = avx512).
+// Decode attention over the paged KV cache, for the CPU: an AVX2 + FMA body and an AVX-512 one,
+// chosen at run time (isa 0 = best, 1 = avx2, 2 = avx512).
 //
-// One query token per sequence. q: [B, H, D]; key_cache, value_cache: [num_blocks,
-// block_size, Hkv, D]; block_tables: [B, max_blocks] int32 (logical block -> physical
+// One query token per sequence. q: [B, H, D] float32; key_cache, value_cache: [num_blocks,
+// block_size, Hkv, D], float32, float16 or bfloat16 (both alike; a 16-bit element is widened to
+// float32 as it is loaded, exactly, so the result is the float32 one on the cache's values and
+// only half the bytes are read); block_tables: [B, max_blocks] int32 (logical block -> physical
 // block); context_lens: [B] int32 (keys per sequence, the new token's included, already
 // written through the slot mapping). Returns [B, H * D]. D a multiple of 8; fast paths
 // (D known at compile time) for D = 64 and 128.
@@ -52,7 +54,7 @@ namespace {
 constexpr int64_t kBest = 0, kAvx2 = 1, kAvx512 = 2;  // the op's isa argument
 constexpr int64_t kRowPad = 16;   // score rows (and AVX-512 query rows) padded to a multiple of this
 constexpr int kTileKeys = 4;      // keys per score tile
-constexpr int64_t kLineFloats = 16;  // floats per 64-byte cache line
+constexpr int64_t kLineBytes = 64;  // a cache line
 
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693145751953125f;           // ln2's first 16 bits
@@ -64,10 +66,12 @@ constexpr float kExpC[6] = {1.0f, 0.4999999403953552f, 0.16666431725025177f,
 
 constexpr int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Where one (sequence, KV head)'s keys and values lie, and what to compute.
+// Where one (sequence, KV head)'s keys and values lie, and what to compute. KV: the cache's
+// element type (float, at::Half or at::BFloat16); strides count elements.
+template <typename KV>
 struct WorkItem {
-  const float* keys;        // key_cache + kv_head * D: add block id * block_stride + offset * token_stride
-  const float* values;      // the same in value_cache
+  const KV* keys;           // key_cache + kv_head * D: add block id * block_stride + offset * token_stride
+  const KV* values;         // the same in value_cache
   const int32_t* table;     // the sequence's block table
   int64_t context_len, block_size, token_stride, block_stride;
   const float* queries;     // q of the group's first head: [G, D]
@@ -86,16 +90,19 @@ struct WorkItem {
 // rest of the row): each block is then one contiguous sweep, and the other KV heads' items
 // find their rows in L2 (batch 64, 2 threads, K/V cold: 10-30% faster per call at 64-256
 // keys, 6-9% at 512-1024, against one sweep per item over its own head's 256-byte pieces).
-void fetch_lines(const WorkItem& w) {
-  __m256 kept_keys = _mm256_setzero_ps(), kept_values = _mm256_setzero_ps();
+template <typename KV>
+void fetch_lines(const WorkItem<KV>& w) {
+  constexpr int64_t kLine = kLineBytes / sizeof(KV);  // elements per cache line
+  __m128i kept_keys = _mm_setzero_si128(), kept_values = _mm_setzero_si128();
   for (int64_t blk = 0, t0 = 0; t0 < w.context_len; ++blk, t0 += w.block_size) {
-    const float* keys = w.keys + w.table[blk] * w.block_stride;
-    const float* values = w.values + w.table[blk] * w.block_stride;
+    const KV* keys = w.keys + w.table[blk] * w.block_stride;
+    const KV* values = w.values + w.table[blk] * w.block_stride;
     const int64_t n = std::min(w.block_size, w.context_len - t0);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t f = 0; f < w.head_dim; f += kLineFloats) {
-        kept_keys = _mm256_max_ps(kept_keys, _mm256_loadu_ps(keys + i * w.token_stride + f));
-        kept_values = _mm256_max_ps(kept_values, _mm256_loadu_ps(values + i * w.token_stride + f));
+      for (int64_t f = 0; f < w.head_dim; f += kLine) {  // 16 bytes at each line's start: 8 elements or more remain
+        kept_keys = _mm_max_epu8(kept_keys, _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + i * w.token_stride + f)));
+        kept_values =
+            _mm_max_epu8(kept_values, _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i * w.token_stride + f)));
       }
   }
   asm volatile("" : : "x"(kept_keys), "x"(kept_values));  // the loads stay
@@ -167,10 +174,18 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
+// Eight cache elements as floats (exact: a half or a bfloat16 widens without rounding).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+
 // s[h * s_stride + j] = q_h . k_j for kHeads queries (rows dq apart) and kKeys keys (rows `stride` apart).
 // kD: head_dim when known at compile time, else 0 and d at run time.
-template <int kD, int kHeads, int kKeys>
-inline void score_tile(const float* q, int64_t dq, int64_t d, const float* key, int64_t stride, float* s,
+template <int kD, int kHeads, int kKeys, typename KV>
+inline void score_tile(const float* q, int64_t dq, int64_t d, const KV* key, int64_t stride, float* s,
                        int64_t s_stride) {
   const int64_t dim = kD ? kD : d;
   __m256 acc[kHeads][kKeys];
@@ -178,7 +193,7 @@ inline void score_tile(const float* q, int64_t dq, int64_t d, const float* key, 
     for (int j = 0; j < kKeys; ++j) acc[h][j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < dim; i += 8)
     for (int j = 0; j < kKeys; ++j) {
-      const __m256 k = _mm256_loadu_ps(key + j * stride + i);
+      const __m256 k = load8(key + j * stride + i);
       for (int h = 0; h < kHeads; ++h) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dq + i), k, acc[h][j]);
     }
   for (int h = 0; h < kHeads; ++h) {
@@ -205,19 +220,19 @@ float softmax_row(float* s, int64_t lp) {
 }
 
 // o_h[col, col + 8 kVecs) = inv_h sum_t p_h,t v_t[...] for kHeads heads (p rows lp apart, o rows d apart).
-template <int kHeads, int kVecs>
-void values_piece(const WorkItem& w, const float* p, int64_t lp, int64_t col, const float* inv, float* o) {
+template <int kHeads, int kVecs, typename KV>
+void values_piece(const WorkItem<KV>& w, const float* p, int64_t lp, int64_t col, const float* inv, float* o) {
   __m256 acc[kHeads][kVecs];
   for (int h = 0; h < kHeads; ++h)
     for (int u = 0; u < kVecs; ++u) acc[h][u] = _mm256_setzero_ps();
   for (int64_t blk = 0, t0 = 0; t0 < w.context_len; ++blk, t0 += w.block_size) {
-    const float* base = w.values + w.table[blk] * w.block_stride + col;
+    const KV* base = w.values + w.table[blk] * w.block_stride + col;
     const int64_t n = std::min(w.block_size, w.context_len - t0);
     for (int64_t i = 0; i < n; ++i) {
-      const float* row = base + i * w.token_stride;
+      const KV* row = base + i * w.token_stride;
       for (int h = 0; h < kHeads; ++h) {
         const __m256 ph = _mm256_broadcast_ss(p + h * lp + t0 + i);
-        for (int u = 0; u < kVecs; ++u) acc[h][u] = _mm256_fmadd_ps(ph, _mm256_loadu_ps(row + 8 * u), acc[h][u]);
+        for (int u = 0; u < kVecs; ++u) acc[h][u] = _mm256_fmadd_ps(ph, load8(row + 8 * u), acc[h][u]);
       }
     }
   }
@@ -227,8 +242,8 @@ void values_piece(const WorkItem& w, const float* p, int64_t lp, int64_t col, co
 }
 
 // o_h = inv_h sum_t p_h,t v_t for kHeads heads, kPiece output floats per pass.
-template <int kHeads>
-void values_of(const WorkItem& w, const float* p, int64_t lp, const float* inv, float* o) {
+template <int kHeads, typename KV>
+void values_of(const WorkItem<KV>& w, const float* p, int64_t lp, const float* inv, float* o) {
   for (int64_t col = 0; col < w.head_dim; col += kPiece) {
     switch (std::min<int64_t>(kPiece, w.head_dim - col) / 8) {
       case 1: values_piece<kHeads, 1>(w, p, lp, col, inv, o); break;
@@ -278,11 +293,24 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);  // p 2^n
 }
 
+// Sixteen cache elements as floats (exact), those outside `m` zero.
+inline __m512 load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(__mmask16 m, const at::Half* p) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+inline __m512 load16(__mmask16 m, const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
 // s[h * s_stride + j] = q_h . k_j for kHeads queries (rows dq apart, zero-padded to 16) and kKeys keys
 // (rows `stride` apart). kD: head_dim when known at compile time, else 0 and d at run time (the last
 // vector of a key then masked to d mod 16 where that is 8).
-template <int kD, int kHeads, int kKeys>
-inline void score_tile(const float* q, int64_t dq, int64_t d, const float* key, int64_t stride, float* s,
+template <int kD, int kHeads, int kKeys, typename KV>
+inline void score_tile(const float* q, int64_t dq, int64_t d, const KV* key, int64_t stride, float* s,
                        int64_t s_stride) {
   const int64_t dim = kD ? kD : d;
   __m512 acc[kHeads][kKeys];
@@ -291,7 +319,7 @@ inline void score_tile(const float* q, int64_t dq, int64_t d, const float* key, 
   for (int64_t i = 0; i < dim; i += 16) {
     const __mmask16 m = (kD || i + 16 <= dim) ? 0xFFFF : 0x00FF;
     for (int j = 0; j < kKeys; ++j) {
-      const __m512 k = kD ? _mm512_loadu_ps(key + j * stride + i) : _mm512_maskz_loadu_ps(m, key + j * stride + i);
+      const __m512 k = kD ? load16(key + j * stride + i) : load16(m, key + j * stride + i);
       for (int h = 0; h < kHeads; ++h) acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * dq + i), k, acc[h][j]);
     }
   }
@@ -320,20 +348,20 @@ float softmax_row(float* s, int64_t lp) {
 
 // o_h[col, col + 16 kVecs) = inv_h sum_t p_h,t v_t[...] for kHeads heads (p rows lp apart, o rows d
 // apart); the last vector masked by `last` (d mod 16 = 8).
-template <int kHeads, int kVecs>
-void values_piece(const WorkItem& w, const float* p, int64_t lp, int64_t col, __mmask16 last, const float* inv,
+template <int kHeads, int kVecs, typename KV>
+void values_piece(const WorkItem<KV>& w, const float* p, int64_t lp, int64_t col, __mmask16 last, const float* inv,
                   float* o) {
   __m512 acc[kHeads][kVecs];
   for (int h = 0; h < kHeads; ++h)
     for (int u = 0; u < kVecs; ++u) acc[h][u] = _mm512_setzero_ps();
   for (int64_t blk = 0, t0 = 0; t0 < w.context_len; ++blk, t0 += w.block_size) {
-    const float* base = w.values + w.table[blk] * w.block_stride + col;
+    const KV* base = w.values + w.table[blk] * w.block_stride + col;
     const int64_t n = std::min(w.block_size, w.context_len - t0);
     for (int64_t i = 0; i < n; ++i) {
-      const float* row = base + i * w.token_stride;
+      const KV* row = base + i * w.token_stride;
       __m512 v[kVecs];
       for (int u = 0; u < kVecs; ++u)
-        v[u] = _mm512_maskz_loadu_ps(u + 1 < kVecs ? __mmask16(0xFFFF) : last, row + 16 * u);
+        v[u] = load16(u + 1 < kVecs ? __mmask16(0xFFFF) : last, row + 16 * u);
       for (int h = 0; h < kHeads; ++h) {
         const __m512 ph = _mm512_set1_ps(p[h * lp + t0 + i]);
         for (int u = 0; u < kVecs; ++u) acc[h][u] = _mm512_fmadd_ps(ph, v[u], acc[h][u]);
@@ -347,8 +375,8 @@ void values_piece(const WorkItem& w, const float* p, int64_t lp, int64_t col, __
 }
 
 // o_h = inv_h sum_t p_h,t v_t for kHeads heads, kPiece output floats per pass.
-template <int kHeads>
-void values_of(const WorkItem& w, const float* p, int64_t lp, const float* inv, float* o) {
+template <int kHeads, typename KV>
+void values_of(const WorkItem<KV>& w, const float* p, int64_t lp, const float* inv, float* o) {
   for (int64_t col = 0; col < w.head_dim; col += kPiece) {
     const int64_t width = std::min(kPiece, w.head_dim - col);  // a multiple of 8
     const __mmask16 last = width % 16 ? 0x00FF : 0xFFFF;
@@ -378,12 +406,46 @@ bool use_avx512(int64_t isa, const char* op) {
   return isa == kAvx512 || (isa == kBest && cpu_has_avx512());
 }
 
+// The op's work for a cache of element type KV: every (sequence, KV head) item, in parallel.
+template <typename KV>
+void attend_all(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const int32_t* tables,
+                const int32_t* lens, int64_t max_blocks, float scale, bool avx512, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const float* q_ptr = q.data_ptr<float>();
+  const KV* k_ptr = key_cache.data_ptr<KV>();
+  const KV* v_ptr = value_cache.data_ptr<KV>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t token_stride = num_kv_heads * head_dim;  // elements between positions of one block
+  const int64_t block_stride = block_size * token_stride;
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / num_kv_heads, kv_head = work % num_kv_heads;
+      const int64_t first_head = b * num_heads + kv_head * group;
+      const WorkItem<KV> item{k_ptr + kv_head * head_dim, v_ptr + kv_head * head_dim, tables + b * max_blocks,
+                              lens[b], block_size, token_stride, block_stride, q_ptr + first_head * head_dim,
+                              out_ptr + first_head * head_dim, group, head_dim, scale};
+      if (kv_head == 0 || work == begin) {  // this and the sequence's later KV heads' rows, one sweep per block
+        WorkItem<KV> rows = item;
+        rows.head_dim = token_stride - kv_head * head_dim;
+        fetch_lines(rows);
+      }
+      avx512 ? avx512_body::attend(item, buffer) : avx2_body::attend(item, buffer);
+    }
+  });
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t isa) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
+  const at::ScalarType kv_type = key_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: q must be float32");
+  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
+                  value_cache.scalar_type() == kv_type,
+              "paged_decode_attention: key_cache and value_cache must both be float32, float16 or bfloat16");
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "paged_decode_attention: q [B, H, D], caches [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
@@ -398,7 +460,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
               " KV heads");
   TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs,
               "paged_decode_attention: one block table and one context length per sequence");
-  const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   at::Tensor qc = q.contiguous();
   at::Tensor tables = block_tables.contiguous();
@@ -413,29 +474,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
                   "paged_decode_attention: block id ", table_ptr[b * max_blocks + i], " outside the cache");
   }
   at::Tensor out = at::empty({num_seqs, num_heads * head_dim}, q.options());
-  const float* q_ptr = qc.data_ptr<float>();
-  const float* k_ptr = key_cache.data_ptr<float>();
-  const float* v_ptr = value_cache.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const int64_t token_stride = num_kv_heads * head_dim;  // floats between positions of one block
-  const int64_t block_stride = block_size * token_stride;
-
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer;
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t b = work / num_kv_heads, kv_head = work % num_kv_heads;
-      const int64_t first_head = b * num_heads + kv_head * group;
-      const WorkItem item{k_ptr + kv_head * head_dim, v_ptr + kv_head * head_dim, table_ptr + b * max_blocks,
-                          len_ptr[b], block_size, token_stride, block_stride, q_ptr + first_head * head_dim,
-                          out_ptr + first_head * head_dim, group, head_dim, static_cast<float>(scale)};
-      if (kv_head == 0 || work == begin) {  // this and the sequence's later KV heads' rows, one sweep per block
-        WorkItem rows = item;
-        rows.head_dim = token_stride - kv_head * head_dim;
-        fetch_lines(rows);
-      }
-      avx512 ? avx512_body::attend(item, buffer) : avx2_body::attend(item, buffer);
-    }
-  });
+  const float s = static_cast<float>(scale);
+  if (kv_type == at::kHalf) {
+    attend_all<at::Half>(qc, key_cache, value_cache, table_ptr, len_ptr, max_blocks, s, avx512, out);
+  } else if (kv_type == at::kBFloat16) {
+    attend_all<at::BFloat16>(qc, key_cache, value_cache, table_ptr, len_ptr, max_blocks, s, avx512, out);
+  } else {
+    attend_all<float>(qc, key_cache, value_cache, table_ptr, len_ptr, max_blocks, s, avx512, out);
+  }
   return out;
 }
 

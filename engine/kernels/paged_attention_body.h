@@ -7,10 +7,10 @@
 // Expects from the includer: WorkItem, HeadRange, head_passes, round_up, kRowPad, kTileKeys.
 
 // Scores of kHeads queries against every key of the item, rows of s lp apart.
-template <int kD, int kHeads>
-void scores_of(const WorkItem& w, const float* q, int64_t dq, float* s, int64_t lp) {
+template <int kD, int kHeads, typename KV>
+void scores_of(const WorkItem<KV>& w, const float* q, int64_t dq, float* s, int64_t lp) {
   for (int64_t blk = 0, t0 = 0; t0 < w.context_len; ++blk, t0 += w.block_size) {
-    const float* base = w.keys + w.table[blk] * w.block_stride;
+    const KV* base = w.keys + w.table[blk] * w.block_stride;
     const int64_t n = std::min(w.block_size, w.context_len - t0);
     int64_t i = 0;
     for (; i + kTileKeys <= n; i += kTileKeys)
@@ -20,8 +20,8 @@ void scores_of(const WorkItem& w, const float* q, int64_t dq, float* s, int64_t 
 }
 
 // kHeads heads of the item: scores (head_dim 64 and 128 known at compile time), softmax, values.
-template <int kHeads>
-void attend_heads(const WorkItem& w, const float* q, int64_t dq, float* s, int64_t lp, float* o) {
+template <int kHeads, typename KV>
+void attend_heads(const WorkItem<KV>& w, const float* q, int64_t dq, float* s, int64_t lp, float* o) {
   if (w.head_dim == 64) {
     scores_of<64, kHeads>(w, q, dq, s, lp);
   } else if (w.head_dim == 128) {
@@ -38,7 +38,8 @@ void attend_heads(const WorkItem& w, const float* q, int64_t dq, float* s, int64
 }
 
 // The item's G heads; buffer: scratch, grown as needed.
-void attend(const WorkItem& w, std::vector<float>& buffer) {
+template <typename KV>
+void attend(const WorkItem<KV>& w, std::vector<float>& buffer) {
   const int64_t d = w.head_dim, dq = round_up(d, kQueryPad), lp = round_up(w.context_len, kRowPad);
   buffer.resize(w.group * (dq + lp));
   float* q = buffer.data();     // [G, dq], scaled, zero past d

@@ -1,5 +1,5 @@
 // Rotary embedding of Q and K and the write of K and V into the paged cache, in one pass,
-// float32, for the CPU with AVX2.
+// float32 (the cache float32, float16 or bfloat16), for the CPU with AVX2.
 //
 // rope_and_write_kv(qkv [T, (H + 2 Hkv) D], cos, sin_signed [T, D] (or [T, 1, D]),
 // key_cache, value_cache [num_blocks, block_size, Hkv, D], slot_mapping [T] int64, H, Hkv)
@@ -14,7 +14,8 @@
 //
 // Exactness: the same float32 operations as apply_rope, whose addcmul torch computes as
 // fma(swap(x), sin_signed, x * cos) (x * cos rounded, then one fused multiply-add), so q,
-// k and the cache contents equal the torch path's bit for bit. Every slot is checked
+// k and the cache contents equal the torch path's bit for bit (a 16-bit cache: k and v rounded by
+// torch's cast). Every slot is checked
 // against the cache's size before anything is written.
 #include <immintrin.h>
 #include <ATen/ATen.h>
@@ -49,6 +50,14 @@ inline void rotate_half(float* x, const float* cos, const float* sin_signed, int
   }
 }
 
+// n floats into a cache row: copied, or rounded to the cache's 16-bit type as torch's cast rounds
+// (to nearest, ties to even), so the cache holds what write_kv's index_copy_ of k.to(dtype) holds.
+inline void store_row(const float* x, int64_t n, float* out) { std::memcpy(out, x, n * sizeof(float)); }
+template <typename Half16>
+inline void store_row(const float* x, int64_t n, Half16* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<Half16>(x[i]);
+}
+
 // Tokens per thread at least: a decode step of a few sequences stays on the calling thread.
 constexpr int64_t kGrainTokens = 32;
 
@@ -58,10 +67,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_write_kv(const at::Tenso
                                                                  const at::Tensor& value_cache,
                                                                  const at::Tensor& slot_mapping, int64_t num_heads,
                                                                  int64_t num_kv_heads) {
+  const at::ScalarType kv_type = key_cache.scalar_type();
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
-                  sin_signed.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "rope_and_write_kv: float32 only");
+                  sin_signed.scalar_type() == at::kFloat,
+              "rope_and_write_kv: qkv, cos and sin_signed must be float32");
+  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
+                  value_cache.scalar_type() == kv_type,
+              "rope_and_write_kv: key_cache and value_cache must both be float32, float16 or bfloat16");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "rope_and_write_kv: slot_mapping must be int64");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.size(2) == num_kv_heads,
               "rope_and_write_kv: caches [num_blocks, block_size, num_kv_heads, head_dim], both alike");
@@ -87,18 +99,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_write_kv(const at::Tenso
   float* qkv_ptr = qkv.data_ptr<float>();
   const float* cos_ptr = cos.data_ptr<float>();
   const float* sin_ptr = sin_signed.data_ptr<float>();
-  float* k_cache = key_cache.data_ptr<float>();
-  float* v_cache = value_cache.data_ptr<float>();
-  at::parallel_for(0, num_tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* row = qkv_ptr + t * row_size;
-      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
-        rotate_half(row + h * head_dim, cos_ptr + t * head_dim, sin_ptr + t * head_dim, head_dim);
-      const float* k = row + num_heads * head_dim;
-      std::memcpy(k_cache + slot_ptr[t] * kv_size, k, kv_size * sizeof(float));
-      std::memcpy(v_cache + slot_ptr[t] * kv_size, k + kv_size, kv_size * sizeof(float));
-    }
-  });
+  const auto rotate_and_write = [&](auto* k_cache, auto* v_cache) {
+    at::parallel_for(0, num_tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        float* row = qkv_ptr + t * row_size;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
+          rotate_half(row + h * head_dim, cos_ptr + t * head_dim, sin_ptr + t * head_dim, head_dim);
+        const float* k = row + num_heads * head_dim;
+        store_row(k, kv_size, k_cache + slot_ptr[t] * kv_size);
+        store_row(k + kv_size, kv_size, v_cache + slot_ptr[t] * kv_size);
+      }
+    });
+  };
+  if (kv_type == at::kHalf) {
+    rotate_and_write(key_cache.data_ptr<at::Half>(), value_cache.data_ptr<at::Half>());
+  } else if (kv_type == at::kBFloat16) {
+    rotate_and_write(key_cache.data_ptr<at::BFloat16>(), value_cache.data_ptr<at::BFloat16>());
+  } else {
+    rotate_and_write(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
+  }
   // the views are made here: made in Python they took as long as the rest of the op at T = 1
   const std::vector<at::Tensor> parts = qkv.view({num_tokens, num_heads + 2 * num_kv_heads, head_dim})
                                             .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);

@@ -19,14 +19,14 @@ def mixed_batch() -> ForwardBatch:
 
 
 def test_cpu_gets_torch_backend():
-    backend, reason = select_backend(torch.device("cpu"), torch.bfloat16, 16)
+    backend, reason = select_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 16)
     assert isinstance(backend, TorchAttentionBackend)
     assert reason == "device is cpu"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="checks the fallback")
 def test_cuda_without_flash_attn_gets_torch_backend():
-    backend, reason = select_backend(torch.device("cuda"), torch.bfloat16, 256)
+    backend, reason = select_backend(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 256)
     assert isinstance(backend, TorchAttentionBackend)
     assert reason.startswith("flash-attn not installed")
 

@@ -101,6 +101,31 @@ def test_paged_decode_equals_float64_reference(isa, num_heads, num_kv_heads, hea
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("isa", isa_params())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 40)])
+def test_paged_decode_on_a_16_bit_cache_equals_float32_on_its_values(isa, dtype, num_heads, num_kv_heads, head_dim):
+    # each element widened exactly as it is loaded: the float32 body's bits on the cache's values
+    gen = torch.Generator().manual_seed(head_dim)
+    key_cache = torch.randn(64, 16, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(64, 16, num_kv_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([1, 15, 16, 17, 100, 33], dtype=torch.int32)
+    tables = torch.randperm(64, generator=gen)[:42].view(6, 7).to(torch.int32)
+    q = torch.randn(6, num_heads, head_dim, generator=gen) * 3
+    got = kernels.paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125, isa=isa)
+    widened = kernels.paged_decode_attention(q, key_cache.float(), value_cache.float(), tables, lens, 0.125, isa=isa)
+    assert torch.equal(got, widened)
+
+
+def test_paged_decode_rejects_mixed_cache_dtypes():
+    key_cache, q = torch.zeros(4, 4, 1, 8), torch.zeros(1, 1, 8)
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="must both be float32, float16 or bfloat16"):
+        kernels.paged_decode_attention(q, key_cache, key_cache.half(), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="must both be float32, float16 or bfloat16"):
+        kernels.paged_decode_attention(q, key_cache.double(), key_cache.double(), tables, lens, 1.0)
+
+
 def test_paged_decode_takes_a_strided_query_as_the_backend_passes_it():
     gen = torch.Generator().manual_seed(3)
     key_cache, value_cache = torch.randn(8, 16, 3, 64, generator=gen), torch.randn(8, 16, 3, 64, generator=gen)
@@ -144,17 +169,17 @@ def test_paged_decode_rejects_what_it_cannot_read():
         kernels.paged_decode_attention(q, key_cache, key_cache, torch.tensor([[0, 9]], dtype=torch.int32), lens, 1.0)
     with pytest.raises(RuntimeError, match=r"context length 5 of sequence 0 outside 1\.\.4"):
         kernels.paged_decode_attention(q, key_cache, key_cache, torch.tensor([[0]], dtype=torch.int32), lens, 1.0)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="q must be float32"):
         kernels.paged_decode_attention(
             q.bfloat16(), key_cache, key_cache, torch.tensor([[0, 1]], dtype=torch.int32), lens, 1.0
         )
 
 
 def test_float32_cpu_models_get_the_kernel_backend_and_others_the_torch_one():
-    backend, reason = select_backend(torch.device("cpu"), torch.float32, 16)
+    backend, reason = select_backend(torch.device("cpu"), torch.float32, torch.float32, 16)
     assert isinstance(backend, CpuPagedAttentionBackend)
-    assert reason == "float32 on the CPU: nanoserve's paged decode kernel"
-    backend, _ = select_backend(torch.device("cpu"), torch.bfloat16, 16)
+    assert reason == "float32 on the CPU: nanoserve's paged decode kernel (float32 cache)"
+    backend, _ = select_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 16)
     assert type(backend) is TorchAttentionBackend
 
 
@@ -242,6 +267,28 @@ def test_rope_and_write_kv_equals_apply_rope_then_write_kv(num_tokens, num_heads
     assert torch.equal(v, v_ref)
     torch.testing.assert_close(key_cache, ref_keys, rtol=0, atol=ROPE_ATOL)  # untouched slots: equal
     assert torch.equal(value_cache, ref_values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rope_and_write_kv_rounds_into_a_16_bit_cache_as_torchs_cast(dtype):
+    gen = torch.Generator().manual_seed(7)
+    rope = RotaryEmbedding(64, 4096, 10000.0, None, torch.float32, torch.device("cpu"))
+    cos, sin = rope.lookup(torch.randint(0, 4096, (37,), generator=gen))
+    qkv = torch.randn(37, 15 * 64, generator=gen) * 300  # float16's ulp at 256-512 is 0.25: rounding shows
+    slots = torch.randperm(128, generator=gen)[:37]
+    key_cache, value_cache = torch.zeros(32, 4, 3, 64, dtype=dtype), torch.zeros(32, 4, 3, 64, dtype=dtype)
+    ref_keys, ref_values = key_cache.clone(), value_cache.clone()
+    q_ref, k_ref, _ = rope_reference(qkv.clone(), cos, sin, ref_keys, ref_values, slots, 9, 3)
+
+    q, k, v = kernels.rope_and_write_kv(qkv, cos, sin, key_cache, value_cache, slots, 9, 3)
+    assert q.dtype == k.dtype == v.dtype == torch.float32  # the step's own q, k, v stay float32
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=ROPE_ATOL * 300)
+    torch.testing.assert_close(k, k_ref, rtol=0, atol=ROPE_ATOL * 300)
+    assert torch.equal(key_cache.view(-1, 3, 64)[slots], k.to(dtype))  # k rounded by torch's cast
+    assert torch.equal(value_cache.view(-1, 3, 64)[slots], v.to(dtype))
+    assert torch.equal(value_cache, ref_values)  # write_kv's cast: the same
+    written = torch.zeros(128, dtype=torch.bool).index_fill_(0, slots, True)
+    assert not key_cache.view(128, -1)[~written].any()  # nothing else written
 
 
 def test_rope_and_write_kv_rejects_a_slot_outside_the_cache_before_writing():

@@ -80,7 +80,10 @@ def test_start_up_log_reports_blocks_tokens_and_bytes(tiny_runner_factory):
 
     if kernels.load():  # float32 on the CPU
         assert ready["attention_backend"] == "cpu-paged"
-        assert ready["attention_backend_reason"] == "float32 on the CPU: nanoserve's paged decode kernel"
+        assert (
+            ready["attention_backend_reason"] == "float32 on the CPU: nanoserve's paged decode kernel (float32 cache)"
+        )
     else:
         assert ready["attention_backend"] == "torch-sdpa"
         assert ready["attention_backend_reason"] == "device is cpu"
+    assert ready["kv_cache_dtype"] == "float32"  # auto: the model's, a float checkpoint

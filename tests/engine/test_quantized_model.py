@@ -20,7 +20,9 @@ keeps the activations in float32, so in a float32 model it equals the exact path
 (``quantization none``, float32) up to float32 sum order: ``EXACT_RTOL`` of the logits'
 scale, and the same argmax at every position. In decode steps of up to 4 tokens it
 rounds the activations to 16 bits per block of 32: ``DECODE_RTOL`` of the logits'
-scale, and the same greedy tokens as the exact path.
+scale, and the same greedy tokens as the exact path. Those comparisons keep a float32 KV
+cache (``kv_cache_dtype`` float32; auto is float16 on this path), so that they see the
+weights' arithmetic alone: the cache's rounding is test_kv_cache_dtype.py's.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def test_gguf_kernel_in_float32_equals_the_exact_path(real_runner):
 
     if not kernels.load():
         pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
-    kept = make_real_runner(quantization="auto", dtype="float32", matmul_precision="highest")
+    kept = make_real_runner(quantization="auto", dtype="float32", matmul_precision="highest", kv_cache_dtype="float32")
     assert isinstance(kept.model.lm_head, GGUFLinear)
     token_ids = real_runner.tokenizer.encode(PARAGRAPH)
     batch = ForwardBatch.build([SeqSlice(token_ids, 0, list(range(-(-len(token_ids) // 16))))], 16, kept.device)
@@ -172,7 +174,7 @@ def test_gguf_kernel_decode_steps_pick_the_exact_paths_greedy_tokens(real_runner
 
     if not kernels.load():
         pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
-    kept = make_real_runner(quantization="auto", dtype="float32", matmul_precision="highest")
+    kept = make_real_runner(quantization="auto", dtype="float32", matmul_precision="highest", kv_cache_dtype="float32")
     prompt = real_runner.tokenizer.encode("The capital of France is")
     table = list(range(8))  # 128 tokens of 16
     token_ids = list(prompt)
@@ -195,7 +197,7 @@ def test_gguf_kernel_at_medium_precision_rounds_large_steps_like_a_bf16_model(re
 
     if not kernels.load() or not kernels.has_bf16_dot():
         pytest.skip("no AVX-512 BF16 here: medium runs the float32 panels, tested above")
-    kept = make_real_runner(quantization="auto", dtype="float32", matmul_precision="medium")
+    kept = make_real_runner(quantization="auto", dtype="float32", matmul_precision="medium", kv_cache_dtype="float32")
     assert kept.model.lm_head.isa == "avx512_bf16"
     token_ids = real_runner.tokenizer.encode(PARAGRAPH)
     batch = ForwardBatch.build([SeqSlice(token_ids, 0, list(range(-(-len(token_ids) // 16))))], 16, kept.device)

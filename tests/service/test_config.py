@@ -137,3 +137,14 @@ def test_unknown_quantization_is_refused_with_the_choices() -> None:
 def test_num_threads_out_of_range_names_the_range() -> None:
     with pytest.raises(ValueError, match=r"num_threads must be in \[1, 1024\], got 0"):
         build_configs(_parse("--num-threads", "0"), environ={})
+
+
+def test_kv_cache_dtype_reaches_the_cache_config_and_refuses_others() -> None:
+    _, engine = build_configs(_parse(), environ={})
+    assert engine.cache.kv_cache_dtype == "auto"
+    _, engine = build_configs(_parse("--kv-cache-dtype", "bfloat16"), environ={"NANOSERVE_KV_CACHE_DTYPE": "float16"})
+    assert engine.cache.kv_cache_dtype == "bfloat16"
+    _, engine = build_configs(_parse(), environ={"NANOSERVE_KV_CACHE_DTYPE": "float32"})
+    assert engine.cache.kv_cache_dtype == "float32"
+    with pytest.raises(ValueError, match=r"NANOSERVE_KV_CACHE_DTYPE must be one of \('auto', 'float32', 'bfloat16'"):
+        build_configs(_parse(), environ={"NANOSERVE_KV_CACHE_DTYPE": "fp8"})

@@ -343,9 +343,13 @@ async def test_reflection_lists_the_services(served: Served) -> None:
 
 
 async def test_model_info_describes_smollm2(served: Served) -> None:
+    from nanoserve.engine import kernels
+
     info = await _generation(served).GetModelInfo(pb.GetModelInfoRequest())
     assert (info.max_model_len, info.block_size, info.num_blocks, info.vocab_size) == (1024, 16, NUM_KV_BLOCKS, 49152)
     assert info.dtype == "float32"
+    # auto: float16 for a float32 model on nanoserve's GGUF kernels (llama.cpp's cache type), else the model's
+    assert info.kv_cache_dtype == ("float16" if kernels.load() else "float32")
     assert info.has_chat_template
     assert list(info.eos_token_ids) == sorted(served.engine.tokenizer.eos_token_ids)
     assert list(info.eos_token_ids) == [2]  # SmolLM2's <|im_end|>

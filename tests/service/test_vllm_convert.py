@@ -322,6 +322,7 @@ INFO = ModelInfo(
     eos_token_ids=(0, 2),
     max_prompt_bytes=1000,
     bos_token_id=1,
+    kv_cache_dtype="float16",
 )
 STATUS = PoolStatus(
     pool_id="replica-0",
@@ -383,7 +384,7 @@ def test_server_info_reports_the_engine() -> None:
         uptime_seconds=12.5,
         server_type="nanoserve",
         data_parallel_size=1,
-        kv_cache_dtype="bfloat16",
+        kv_cache_dtype="float16",  # the cache's, not the model's
         block_size=16,
         model_dtype="bfloat16",
         max_num_seqs=8,
