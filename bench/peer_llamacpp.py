@@ -16,7 +16,9 @@ fastest setting here, see ``PEER_ENVIRON``) unless the environment chose. Worklo
   ``--parallel`` at once; generated tokens / wall seconds (nanoserve runs with
   ``max_num_seqs = --parallel``, llama.cpp with that many slots);
 
-then both again while a busy process spins on CPU 0 ("one core busy"). nanoserve's KV cache
+then both again while a busy process spins on CPU 0 ("one core busy"). Both caches hold K/V
+in float16 by default (llama.cpp's cache type f16; nanoserve's ``--kv-cache-dtype`` auto on
+its GGUF kernels). nanoserve's KV cache
 pages are written once before the runs, as llama.cpp's are at its load (``--cold-kv-cache``
 leaves them to fault in during the first run, as in a fresh server). Start-up:
 ``nanoserve serve`` to health SERVING and llama.cpp's ``Server(...)`` constructor,
@@ -320,6 +322,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per condition")
     parser.add_argument("--quantization", default="auto", help="nanoserve's --quantization")
     parser.add_argument("--dtype", default="auto", help="nanoserve's --dtype")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="nanoserve's --kv-cache-dtype (auto: float16, as llama.cpp's cache)"
+    )
     parser.add_argument("--llamacpp-threads", type=int, default=None, help="default: the CPUs this process may use")
     parser.add_argument("--workloads", default="single,batch", help="comma-separated: single, batch")
     parser.add_argument("--skip-quiet", action="store_true", help="no runs without a busy core")
@@ -339,10 +344,12 @@ def main() -> None:
     llm = LLM(
         quantization=args.quantization,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.parallel,
         event_log_url=None,
         kv_cache_memory=1 << 30,
     )
+    print(f"# nanoserve kv cache {llm.engine.runner.kv_cache_dtype}", flush=True)
     if not args.cold_kv_cache:
         # llama.cpp clears its KV cache at load, so its pages are resident from the start; nanoserve's
         # cache is a lazily zeroed map whose pages fault in on first write (about a second of CPU per

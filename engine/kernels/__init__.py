@@ -11,7 +11,8 @@
 - ``rope_and_write_kv``: rotary embedding of Q and K in place, and K/V written into their
   cache slots, in one pass (rope_kv.cpp).
 
-All take and return float32 CPU tensors.
+All take and return float32 CPU tensors; the KV caches that ``paged_decode_attention``
+reads and ``rope_and_write_kv`` writes may also be float16 or bfloat16.
 
 The source is compiled by ``torch.utils.cpp_extension`` (needs a C++ compiler and
 ninja) into ``cache_dir("kernels")/<key>/``, key = hash of the source, the flags, the
@@ -195,7 +196,8 @@ def paged_decode_attention(
     """Decode attention through block tables (``load()`` first).
 
     q: [B, H, D] float32, D a multiple of 8; caches: [num_blocks, block_size, Hkv, D]
-    float32, this step's K/V already written; block_tables: [B, max_blocks] int32;
+    float32, float16 or bfloat16 (both alike; a 16-bit element is widened exactly as it is
+    loaded: the float32 result on the cache's values), this step's K/V already written; block_tables: [B, max_blocks] int32;
     context_lens: [B] int32 (keys per sequence, tokens). Returns [B, H * D] float32,
     softmax(q k^T scale) v within float32 rounding (its own exp: ``attention_exp``).
     isa: ``best`` (AVX-512 where the CPU has it), ``avx2`` or ``avx512``; the bodies sum
@@ -254,7 +256,8 @@ def rope_and_write_kv(
     qkv: [T, (num_heads + 2 * num_kv_heads) * D] float32, contiguous, rows (Q | K | V),
     modified in place; cos, sin_signed: [T, 1, D] or [T, D] float32, contiguous, the rows
     ``RotaryEmbedding.lookup`` gives ("rotate half" layout); caches: [num_blocks,
-    block_size, num_kv_heads, D] float32, contiguous; slot_mapping: [T] int64, token t's
+    block_size, num_kv_heads, D] float32, float16 or bfloat16 (both alike; K and V rounded
+    by torch's cast), contiguous; slot_mapping: [T] int64, token t's
     slot ``block_id * block_size + offset``. Returns views of qkv: q [T, num_heads, D],
     k and v [T, num_kv_heads, D], k rotated. The values equal ``apply_rope`` then
     ``write_kv``'s bit for bit (the same float32 ops). Raises RuntimeError naming the

@@ -14,9 +14,9 @@
 //
 // Exactness: the same float32 operations as apply_rope, whose addcmul torch computes as
 // fma(swap(x), sin_signed, x * cos) (x * cos rounded, then one fused multiply-add), so q,
-// k and the cache contents equal the torch path's bit for bit (a 16-bit cache: k and v rounded by
-// torch's cast). Every slot is checked
-// against the cache's size before anything is written.
+// k and the cache contents equal the torch path's bit for bit (a 16-bit cache: k and v rounded as
+// torch's cast rounds them). Every slot is checked against the cache's size before anything is
+// written.
 #include <immintrin.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
