@@ -4,9 +4,9 @@
         [--threads 1] [--repeats 7] [--layers 4] [--kv-cache-dtype float32,float16]
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, block size 16, caches
-[num_blocks, 16, 3, 64] in each ``--kv-cache-dtype``, the same values rounded); every sequence ``--context-len`` tokens, its blocks
-scattered over one layer's cache (num_blocks = batch x blocks per sequence, shuffled).
-Calls cycle over ``--layers`` such caches, as a model's decode step does, so that with
+[num_blocks, 16, 3, 64] in each ``--kv-cache-dtype``, the same values rounded); every
+sequence ``--context-len`` tokens, its blocks scattered over one layer's cache (num_blocks =
+batch x blocks per sequence, shuffled). Calls cycle over ``--layers`` such caches, as a model's decode step does, so that with
 4 (25 MB each at batch 64, context 256) each call finds its K/V out of L3; with 1 they
 stay in L3 up to about context 128 at batch 64.
 Per (batch, context): the best over ``--repeats`` runs of ``time.process_time`` (CPU time,
@@ -118,6 +118,7 @@ def main() -> None:
             us = {n: t / args.layers for n, t in best_us_per_call(fns, calls, args.repeats).items()}
             row = " ".join(f"{us[c]:>16.1f}" for c in columns)
             print(f"{batch:>5} {context_len:>7} {row} {us[first] / us[last]:>6.2f}")
+
 
 if __name__ == "__main__":
     main()
