@@ -6,9 +6,9 @@
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, block size 16, caches
 [num_blocks, 16, 3, 64] in each ``--kv-cache-dtype``, the same values rounded); every
 sequence ``--context-len`` tokens, its blocks scattered over one layer's cache (num_blocks =
-batch x blocks per sequence, shuffled). Calls cycle over ``--layers`` such caches, as a model's decode step does, so that with
-4 (25 MB each at batch 64, context 256) each call finds its K/V out of L3; with 1 they
-stay in L3 up to about context 128 at batch 64.
+batch x blocks per sequence, shuffled). Calls cycle over ``--layers`` such caches, as a
+model's decode step does, so that with 4 (25 MB each at batch 64, context 256) each call
+finds its K/V out of L3; with 1 they stay in L3 up to about context 128 at batch 64.
 Per (batch, context): the best over ``--repeats`` runs of ``time.process_time`` (CPU time,
 the machine is shared) of enough calls for about 2M keys read, the variants interleaved
 (A/B/A/B) in one process: ``isa`` avx2 and avx512 where the kernel takes it and the CPU

@@ -198,8 +198,9 @@ def paged_decode_attention(
     q: [B, H, D] float32, D a multiple of 8; caches: [num_blocks, block_size, Hkv, D]
     float32, float16 or bfloat16 (both alike; a 16-bit element is widened exactly as it is
     loaded: the float32 result on the cache's values), this step's K/V already written;
-    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (keys per sequence, tokens). Returns [B, H * D] float32,
-    softmax(q k^T scale) v within float32 rounding (its own exp: ``attention_exp``).
+    block_tables: [B, max_blocks] int32; context_lens: [B] int32 (keys per sequence,
+    tokens). Returns [B, H * D] float32, softmax(q k^T scale) v within float32 rounding (its
+    own exp: ``attention_exp``).
     isa: ``best`` (AVX-512 where the CPU has it), ``avx2`` or ``avx512``; the bodies sum
     in different orders, so their bits may differ. Raises RuntimeError naming the
     argument on a dtype or shape it cannot take, a context longer than its table, a
