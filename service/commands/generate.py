@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -190,11 +192,15 @@ def run(args: argparse.Namespace) -> int:
         printer = _Printer(args.json)
         resuming = False  # the current call is a Resume
         while True:
+            interrupt = _CancelOnInterrupt(call)
             try:
-                for response in call:
-                    printer.print(response)
-                return 0
+                with interrupt:
+                    for response in call:
+                        printer.print(response)
+                return _interrupted(printer) if interrupt.interrupted else 0
             except grpc.RpcError as exc:
+                if interrupt.interrupted:  # the call ended because Ctrl-C cancelled it
+                    return _interrupted(printer)
                 if resuming and exc.code() == grpc.StatusCode.NOT_FOUND and printer.num_tokens == 0:
                     # the crash came before the journal held the request: nothing was sent, so send it again
                     print(
@@ -222,10 +228,46 @@ def run(args: argparse.Namespace) -> int:
                 resume = pb.ResumeRequest(request_id=request.request_id, after_token_index=printer.num_tokens)
                 call = stub.Resume(resume, timeout=_remaining(deadline), metadata=metadata)
                 resuming = True
-            except KeyboardInterrupt:
-                call.cancel()  # the server sees the cancel and aborts the request
-                printer.end_line()
-                return EXIT_INTERRUPTED
+            except KeyboardInterrupt:  # Ctrl-C with no call streaming (waiting to resume): nothing to cancel
+                return _interrupted(printer)
+
+
+class _CancelOnInterrupt:
+    """While a call streams, Ctrl-C (SIGINT) cancels it and is remembered, instead of raising
+    KeyboardInterrupt wherever the main thread is: inside grpc's locks that loses the interrupt
+    (the stream runs on to its end) or breaks the lock ("cannot release un-acquired lock"),
+    seen on a loaded machine. The server sees the cancel and aborts the request.
+
+    interrupted: whether SIGINT came. The previous handler is back on exit, so Ctrl-C
+    outside the block (waiting to resume) raises KeyboardInterrupt as usual.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.interrupted = False
+        self._installed = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _CancelOnInterrupt:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._installed:  # None: the previous handler was not set from Python; Python's own is the default
+            signal.signal(signal.SIGINT, signal.default_int_handler if self._previous is None else self._previous)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.interrupted = True
+        # from another thread: the handler may run while this one holds the call's lock mid-update
+        threading.Thread(target=self.call.cancel, name="cancel-on-interrupt", daemon=True).start()
+
+
+def _interrupted(printer: _Printer) -> int:
+    """Ctrl-C's exit: the open line ended, nothing on stderr, 130 as shells report it."""
+    printer.end_line()
+    return EXIT_INTERRUPTED
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -199,3 +199,28 @@ def test_other_commands_run_with_the_collector_on() -> None:
         assert gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_generate_ctrl_c_while_streaming_cancels_the_call_without_raising() -> None:
+    # a KeyboardInterrupt raised inside grpc's iterator was lost (the stream ran to its end, exit 0)
+    # or broke its lock (a traceback) on a loaded machine: the handler cancels the call instead
+    import signal
+    import threading
+
+    from nanoserve.service.commands.generate import _CancelOnInterrupt
+
+    cancelled = threading.Event()
+
+    class Call:
+        def cancel(self) -> bool:
+            cancelled.set()
+            return True
+
+    before = signal.getsignal(signal.SIGINT)
+    with _CancelOnInterrupt(Call()) as interrupt:
+        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt here
+        assert cancelled.wait(timeout=5.0)
+    assert interrupt.interrupted
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt):  # outside a stream Ctrl-C raises as usual again
+        signal.raise_signal(signal.SIGINT)
