@@ -79,3 +79,28 @@ def test_tuner_follows_a_change_of_load():
     tuner.record(1, 1, 0.05)  # the neighbour left: now two threads are faster
     tuner.record(1, 2, 0.005)
     assert tuner.choose(1) == 2
+
+
+def test_tuner_takes_a_trial_as_it_comes_not_averaged_with_a_cold_first_step():
+    # the first 2-thread step ran on cold caches (30 ms); 1 thread ran at 9 ms since. On the next
+    # round of trials 2 threads take 6 ms: that count runs from then on, not hundreds of steps later
+    tuner = ThreadTuner(2, explore_every=64)
+    seconds = {1: 0.009, 2: 0.030}
+    chosen = []
+    for _ in range(70):
+        n = tuner.choose(1)
+        chosen.append(n)
+        tuner.record(1, n, seconds[n])
+        if len(chosen) == 2:
+            seconds[2] = 0.006  # warm now
+    assert chosen[:66] == [1, 2] + [1] * 62 + [1, 2]
+    assert chosen[66:] == [2, 2, 2, 2]
+
+
+def test_tuner_goes_back_when_a_trial_was_luckier_than_the_count_runs():
+    tuner = ThreadTuner(2, explore_every=64)
+    tuner.record(1, 1, 0.009)
+    tuner.record(1, 2, 0.008)  # one lucky step
+    assert tuner.choose(1) == 2
+    tuner.record(1, 2, 0.012)  # its real speed: the average, 9.2 ms, passes 1 thread's 9 ms
+    assert tuner.choose(1) == 1
