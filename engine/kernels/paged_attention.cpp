@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "kv_cache_types.h"
 
 namespace {
 
@@ -450,11 +451,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& key_cache, const at::Tens
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                                   int64_t isa) {
-  const at::ScalarType kv_type = key_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_decode_attention: q must be float32");
-  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
-                  value_cache.scalar_type() == kv_type,
-              "paged_decode_attention: key_cache and value_cache must both be float32, float16 or bfloat16");
+  check_kv_cache_types(key_cache, value_cache, "paged_decode_attention");
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "paged_decode_attention: q [B, H, D], caches [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
@@ -484,13 +482,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
   }
   at::Tensor out = at::empty({num_seqs, num_heads * head_dim}, q.options());
   const float s = static_cast<float>(scale);
-  if (kv_type == at::kHalf) {
-    attend_all<at::Half>(qc, key_cache, value_cache, table_ptr, len_ptr, max_blocks, s, avx512, out);
-  } else if (kv_type == at::kBFloat16) {
-    attend_all<at::BFloat16>(qc, key_cache, value_cache, table_ptr, len_ptr, max_blocks, s, avx512, out);
-  } else {
-    attend_all<float>(qc, key_cache, value_cache, table_ptr, len_ptr, max_blocks, s, avx512, out);
-  }
+  dispatch_kv_cache_type(key_cache, [&](auto kv) {
+    attend_all<decltype(kv)>(qc, key_cache, value_cache, table_ptr, len_ptr, max_blocks, s, avx512, out);
+  });
   return out;
 }
 

@@ -28,6 +28,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kv_cache_types.h"
+
 namespace {
 
 // Rotates one head x [D] in place; cos and sin_signed are this token's rows [D].
@@ -67,13 +69,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_write_kv(const at::Tenso
                                                                  const at::Tensor& value_cache,
                                                                  const at::Tensor& slot_mapping, int64_t num_heads,
                                                                  int64_t num_kv_heads) {
-  const at::ScalarType kv_type = key_cache.scalar_type();
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
                   sin_signed.scalar_type() == at::kFloat,
               "rope_and_write_kv: qkv, cos and sin_signed must be float32");
-  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kHalf || kv_type == at::kBFloat16) &&
-                  value_cache.scalar_type() == kv_type,
-              "rope_and_write_kv: key_cache and value_cache must both be float32, float16 or bfloat16");
+  check_kv_cache_types(key_cache, value_cache, "rope_and_write_kv");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "rope_and_write_kv: slot_mapping must be int64");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.size(2) == num_kv_heads,
               "rope_and_write_kv: caches [num_blocks, block_size, num_kv_heads, head_dim], both alike");
@@ -99,7 +98,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_write_kv(const at::Tenso
   float* qkv_ptr = qkv.data_ptr<float>();
   const float* cos_ptr = cos.data_ptr<float>();
   const float* sin_ptr = sin_signed.data_ptr<float>();
-  const auto rotate_and_write = [&](auto* k_cache, auto* v_cache) {
+  dispatch_kv_cache_type(key_cache, [&](auto kv) {
+    using KV = decltype(kv);
+    KV* k_cache = key_cache.data_ptr<KV>();
+    KV* v_cache = value_cache.data_ptr<KV>();
     at::parallel_for(0, num_tokens, kGrainTokens, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         float* row = qkv_ptr + t * row_size;
@@ -110,14 +112,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_and_write_kv(const at::Tenso
         store_row(k + kv_size, kv_size, v_cache + slot_ptr[t] * kv_size);
       }
     });
-  };
-  if (kv_type == at::kHalf) {
-    rotate_and_write(key_cache.data_ptr<at::Half>(), value_cache.data_ptr<at::Half>());
-  } else if (kv_type == at::kBFloat16) {
-    rotate_and_write(key_cache.data_ptr<at::BFloat16>(), value_cache.data_ptr<at::BFloat16>());
-  } else {
-    rotate_and_write(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
-  }
+  });
   // the views are made here: made in Python they took as long as the rest of the op at T = 1
   const std::vector<at::Tensor> parts = qkv.view({num_tokens, num_heads + 2 * num_kv_heads, head_dim})
                                             .split_with_sizes({num_heads, num_kv_heads, num_kv_heads}, 1);
