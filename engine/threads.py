@@ -150,8 +150,9 @@ class ThreadTuner:
         self._steps[bucket] = self._steps.get(bucket, 0) + 1
         key = (bucket, num_threads)
         old = self._seconds.get(key)
-        running = old is not None and num_threads == self._fastest(bucket)
-        self._seconds[key] = old + self.smoothing * (seconds - old) if running else seconds
+        if old is not None and num_threads == self._fastest(bucket):  # the count that runs: averaged
+            seconds = old + self.smoothing * (seconds - old)
+        self._seconds[key] = seconds
 
     def _fastest(self, bucket: int) -> int | None:
         """The count with the least average seconds in ``bucket`` (None before any is timed)."""

@@ -45,7 +45,8 @@ SOURCES = [
 ]
 # included by SOURCES
 HEADERS = [
-    Path(__file__).with_name(name) for name in ("gguf_linear_tile.h", "paged_attention_body.h", "cpu_features.h", "kv_cache_types.h")
+    Path(__file__).with_name(name)
+    for name in ("gguf_linear_tile.h", "paged_attention_body.h", "cpu_features.h", "kv_cache_types.h")
 ]
 # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (torch ships libgomp.so.1, which the loader reuses)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
