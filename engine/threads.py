@@ -115,7 +115,7 @@ class ThreadTuner:
     runs is averaged step by step (``smoothing``); a trial of another count
     replaces that count's figure, which is ``explore_every`` steps old: averaged
     in, a first trial slowed by a cold cache kept 2 threads out for hundreds of
-    steps (single-stream decode at 110 tok/s on 1 thread, 150 on 2).
+    steps (quiet, single-stream decode runs at 87-101 tok/s on 1 thread, 134-151 on 2).
     Invariant: ``choose`` returns a member of ``candidates``.
     """
 
