@@ -81,6 +81,12 @@ struct WorkItem {
   float scale;
 };
 
+// 16 bytes at p folded into `kept`: the line is loaded (p starts a line of a row of at least 8 elements).
+template <typename KV>
+inline __m128i touch(__m128i kept, const KV* p) {
+  return _mm_max_epu8(kept, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // Loads one vector from every cache line of the item's keys and values, doing nothing with them
 // but keeping them: a few instructions per line, so the out-of-order window holds many misses
 // at once, where the score pass (about 30 instructions per key row) holds few. With the K/V
@@ -91,12 +97,6 @@ struct WorkItem {
 // rest of the row): each block is then one contiguous sweep, and the other KV heads' items
 // find their rows in L2 (batch 64, 2 threads, K/V cold: 10-30% faster per call at 64-256
 // keys, 6-9% at 512-1024, against one sweep per item over its own head's 256-byte pieces).
-// 16 bytes at p folded into `kept`: the line is loaded (p starts a line of a row of at least 8 elements).
-template <typename KV>
-inline __m128i touch(__m128i kept, const KV* p) {
-  return _mm_max_epu8(kept, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 template <typename KV>
 void fetch_lines(const WorkItem<KV>& w) {
   constexpr int64_t kLine = kLineBytes / sizeof(KV);  // elements per cache line

@@ -243,7 +243,7 @@ class _CancelOnInterrupt:
     """
 
     def __init__(self, call: Any) -> None:
-        self.call = call
+        self._call = call
         self.interrupted = False
         self._installed = False
         self._previous: Any = None
@@ -261,7 +261,7 @@ class _CancelOnInterrupt:
     def _on_sigint(self, signum: int, frame: object) -> None:
         self.interrupted = True
         # from another thread: the handler may run while this one holds the call's lock mid-update
-        threading.Thread(target=self.call.cancel, name="cancel-on-interrupt", daemon=True).start()
+        threading.Thread(target=self._call.cancel, name="cancel-on-interrupt", daemon=True).start()
 
 
 def _interrupted(printer: _Printer) -> int:
