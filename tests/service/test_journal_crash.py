@@ -167,6 +167,41 @@ def wait_for_tokens(clients: list[Client], num_tokens: int, timeout_s: float = 6
         time.sleep(0.005)
 
 
+def read_rest(process: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
+    """The rest of ``process``'s stdout and all its stderr once it exits, killed after ``timeout_s``.
+
+    stdout is read through the reader the test already read from: ``communicate()`` reads the pipe
+    itself and skips what ``readline()`` buffered (lines the CLI wrote early, as under load)."""
+    stdout, stderr = process.stdout, process.stderr
+    assert stdout is not None
+    assert stderr is not None
+    killer = threading.Timer(timeout_s, process.kill)
+    killer.start()
+    try:
+        err: list[str] = []
+        reader = threading.Thread(target=lambda: err.append(stderr.read()), daemon=True)
+        reader.start()
+        out = stdout.read()
+        reader.join()
+        process.wait()
+    finally:
+        killer.cancel()
+    return out, err[0]
+
+
+def test_read_rest_keeps_the_lines_readline_buffered() -> None:
+    """The oracle of the CLI tests below: lines the child wrote before the test read its first ones
+    are kept (``communicate()`` lost them: a token missing from a resumed CLI's output, seen under load)."""
+    script = "import sys, time\nprint(*range(6), sep='\\n', flush=True)\ntime.sleep(0.3)\nprint('end', flush=True)"
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    time.sleep(0.2)  # all six lines are in the pipe before the first readline
+    first = [child.stdout.readline() for _ in range(3)]
+    out, err = read_rest(child, 30)
+    assert first + out.splitlines(keepends=True) == ["0\n", "1\n", "2\n", "3\n", "4\n", "5\n", "end\n"]
+    assert (err, child.returncode) == ("", 0)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """The eight completions of an uninterrupted run."""
@@ -366,7 +401,7 @@ def test_generate_resumes_by_itself_when_the_server_comes_back(
     lines = [cli.stdout.readline() for _ in range(3)]
     server.kill()
     server = Server(command)
-    out, err = cli.communicate(timeout=120)
+    out, err = read_rest(cli, 120)
     server.stop()
     messages = [json.loads(line) for line in lines + out.splitlines() if line.strip()]
     token_ids = [t for m in messages for t in m.get("token_ids", [])]
@@ -394,10 +429,7 @@ def test_generate_resumed_text_is_the_uninterrupted_text(
     first = cli.stdout.read(8)  # some text has been streamed
     server.kill()
     server = Server(command)
-    out = cli.stdout.read()  # through the same reader as `first` (communicate() would skip what it buffered)
-    assert cli.stderr is not None
-    err = cli.stderr.read()
-    cli.wait(30)
+    out, err = read_rest(cli, 120)
     uninterrupted = subprocess.run(generate, capture_output=True, text=True, env=clean_env(), timeout=120, check=True)
     server.stop()
     assert cli.returncode == 0, err
