@@ -9,9 +9,10 @@ blocks are random codes with scales of the model's size (the cost does not depen
 values). Per token count T: ``--layers`` layers' four matmuls of x [T, K], then the
 lm_head once, each timed by ``time.process_time`` (CPU time: the machine is shared), the
 best of ``--repeats``, for each body the CPU has (``isa`` avx2, avx512: float32 x, the
-same bits; avx512_bf16: bfloat16 x, as a bf16 model passes it), interleaved in one process.
-Up to 4 tokens the decode path runs (16-bit activations, integer dots; avx512_bf16 is
-avx512 there); beyond, the float32 panels, or avx512_bf16's bf16 dot products.
+same bits; avx512_bf16 and amx_bf16: bfloat16 x, as a bf16 model passes it), interleaved in
+one process. Up to 4 tokens the decode path runs (16-bit activations, integer dots; the bf16
+isas are avx512 there); beyond, the float32 panels, avx512_bf16's bf16 dot products, or
+amx_bf16's AMX tiles.
 """
 
 from __future__ import annotations
@@ -78,13 +79,14 @@ def main() -> None:
     lm_head = random_blocks("Q8_0", VOCAB_SIZE, HIDDEN_SIZE, rng)
     isas = ["avx2", "avx512"] if kernels.best_isa() == "avx512" else ["avx2"]
     isas += ["avx512_bf16"] if kernels.has_bf16_dot() else []
+    isas += ["amx_bf16"] if kernels.has_amx_bf16() else []
     print(f"threads {args.threads}; {args.layers} layers; best of {args.repeats}; CPU ms")
     print(f"{'T':>5} {'isa':>11} {'layers ms':>10} {'lm_head ms':>11}")
     for num_tokens in (int(t) for t in args.tokens.split(",")):
         float_inputs = {k: torch.randn(num_tokens, k) for _, k in LAYER_SHAPES}
         bf16_inputs = {k: x.bfloat16() for k, x in float_inputs.items()}
         for isa in isas:
-            inputs = bf16_inputs if isa == "avx512_bf16" else float_inputs
+            inputs = bf16_inputs if isa.endswith("_bf16") else float_inputs
             layers_ms = best_cpu_ms(partial(run_layers, layers, inputs, args.layers, isa), args.repeats)
             head_ms = best_cpu_ms(
                 partial(kernels.gguf_linear, inputs[HIDDEN_SIZE], lm_head, "Q8_0", HIDDEN_SIZE, isa=isa), args.repeats

@@ -99,7 +99,8 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quantization,
             matmul_precision=config.model.matmul_precision,
-            bf16_large_steps=getattr(self.model.lm_head, "isa", None) == "avx512_bf16",  # what GGUFLinear chose
+            bf16_large_steps=getattr(self.model.lm_head, "isa", "best") != "best",  # what GGUFLinear chose
+            large_step_isa=getattr(self.model.lm_head, "isa", None),
             attention_backend=self.attention.name,
             attention_backend_reason=backend_reason,
             kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),

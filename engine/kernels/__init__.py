@@ -130,7 +130,7 @@ def unavailable_reason() -> str:
     return str(_state.get("reason", ""))
 
 
-ISA_IDS = {"best": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}  # the kernels' isa argument
+ISA_IDS = {"best": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3, "amx_bf16": 4}  # the kernels' isa argument
 LAYOUT_IDS = {"rows": 0, "groups": 1}  # the kernel's layout argument
 GROUP_ROWS = 4  # rows per record of the grouped layout
 
@@ -153,7 +153,9 @@ def gguf_linear(
     summed in float32 (the dense bf16 path's arithmetic, twice the float32 rate), and
     elsewhere is widened to float32 exactly (see gguf_linear.cpp).
     isa: ``best`` (the most the CPU has), ``avx2``, ``avx512`` (the same bits as
-    ``avx2``) or ``avx512_bf16`` (``avx512`` plus the bf16 body). layout: ``rows`` (blocks
+    ``avx2``), ``avx512_bf16`` (``avx512`` plus the bf16 body) or ``amx_bf16`` (the bf16
+    body's operands multiplied by AMX tiles, Sapphire Rapids on: the same up to 4 rows,
+    beyond it equal to ``avx512_bf16`` to float32 rounding, not to the bit). layout: ``rows`` (blocks
     as in the file, [N, K / 32 * block bytes]) or ``groups`` (Q4_0/Q4_1 from
     ``group_rows``, [N / 4, ...]): the same bits. ``load()`` first.
     Raises RuntimeError (from the op) on shapes, dtypes or layouts it cannot take, or an
@@ -178,6 +180,12 @@ def group_rows(blocks: torch.Tensor, quant_type: str, in_features: int) -> torch
 def has_bf16_dot() -> bool:
     """Whether ``gguf_linear`` has its bf16 body here (AVX-512 BF16; ``load()`` first)."""
     return bool(torch.ops.nanoserve.gguf_linear_has_bf16_dot())
+
+
+def has_amx_bf16() -> bool:
+    """Whether ``gguf_linear`` has its AMX body here: AMX-BF16 tiles, and Linux gave this process
+    their state (``arch_prctl``, Linux 5.16 on). ``load()`` first."""
+    return bool(torch.ops.nanoserve.gguf_linear_has_amx_bf16())
 
 
 def best_isa() -> str:

@@ -35,6 +35,11 @@
 // then round to nearest even: the dense bf16 path's weights), and bf16 dot products (two
 // products per 32-bit lane, vdpbf16ps) sum them in float32 per output row, twice the float32
 // body's multiply-adds per instruction. An output still depends only on its x row and weight row.
+//
+// isa amx_bf16 (CPUs with AMX, Sapphire Rapids on) takes the same bf16 panels and packed x, and
+// multiplies them by AMX tiles (tdpbf16ps: 16 x 16 outputs, 32 k a block per instruction),
+// 3-7x the dot-product body from 16 rows of x on (avx512_bf16_panel::amx_tokens_times_panel).
+// Up to 4 rows it is the avx512 decode path, as avx512_bf16 is.
 #include <immintrin.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,7 +65,7 @@ constexpr int64_t kTileN = 3;          // weight rows per float micro-kernel cal
 constexpr int kMinExponent = -100;     // blocks with max|x| < 2^-100 count as zero (dx would underflow)
 
 enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
-enum Isa : int64_t { kBest = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum Isa : int64_t { kBest = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 enum Layout : int64_t { kRows = 0, kGroups = 1 };  // GGUF rows, or Q4 rows regrouped by four (below)
 
 // The grouped layout (Q4_0 / Q4_1, repacked once at load): rows taken four at a time, and for
@@ -578,6 +583,119 @@ void tokens_times_panel(const uint16_t* x, int64_t num_tokens, const uint32_t* p
   if (m < num_tokens) tile_rest<kTileTokens - 1>(x + m * k, k, panel, rows, y + m * ldy, ldy, num_tokens - m);
 }
 
+// The AMX body (isa amx_bf16): the same panel and packed x, multiplied by tiles. A B tile is
+// sixteen pairs of k (one block) of sixteen weight rows: the panel as it is, 128 bytes a pair
+// (kBf16PanelRows words). An A tile is sixteen x rows' 32 bf16 of one block, in the pairs'
+// order (pack_x), so that A's pair j meets B's pair j. Per 32 x rows: four float32 C tiles
+// (two A by two B), one tile dot product each per block, blocks in order; C row i depends only
+// on A row i, so an output still depends only on its x row and weight row. The tile unit sums
+// a product pair per lane as the dot instruction does, but its order and rounding are its
+// own: amx_bf16 and avx512_bf16 agree to float32 rounding, not to the bit.
+#define NANOSERVE_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,f16c,amx-tile,amx-bf16")))
+constexpr int64_t kAmxTileRows = 16;                 // rows of every tile: x rows of A and C, pairs of B
+constexpr int64_t kAmxTokens = 2 * kAmxTileRows;     // x rows per pass over the panel
+static_assert(kBf16PanelRows == 2 * kAmxTileRows, "a panel is two B tiles wide");
+
+// GCC's tile intrinsics (12) do not tell the compiler what memory they read: ldtilecfg names
+// only the configuration's first 8 bytes, tileloadd none. Stores before them (the
+// configuration, the panel, packed x) are forced out first by this barrier.
+inline void memory_barrier() { asm volatile("" ::: "memory"); }
+
+// The tile configuration of one thread, from construction to destruction (ldtilecfg is per
+// thread). Tiles 0-3: C, 4-5: A, 6-7: B; each 16 rows of 64 bytes.
+class AmxTiles {
+ public:
+  NANOSERVE_AMX_TARGET AmxTiles() {
+    struct alignas(64) {
+      uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+      uint16_t colsb[16] = {};
+      uint8_t rows[16] = {};
+    } config;
+    for (int t = 0; t < 8; ++t) {
+      config.colsb[t] = 64;
+      config.rows[t] = kAmxTileRows;
+    }
+    memory_barrier();
+    _tile_loadconfig(&config);
+  }
+  NANOSERVE_AMX_TARGET ~AmxTiles() { _tile_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
+// All T rows of x (packed, padded with zero rows to a multiple of kAmxTokens) against one
+// panel of `rows` weight rows; y [T, ldy] offset to the panel's first column.
+NANOSERVE_AMX_TARGET void amx_tokens_times_panel(const uint16_t* x, int64_t num_tokens, const uint32_t* panel,
+                                                 int64_t k, int64_t rows, float* y, int64_t ldy) {
+  alignas(64) float part[kAmxTokens][kBf16PanelRows];  // a ragged pass lands here first
+  memory_barrier();  // the panel's and x's stores are done
+  const int64_t x_stride = k * 2, y_stride = ldy * 4, pair_stride = kBf16PanelRows * 4;
+  for (int64_t m0 = 0; m0 < num_tokens; m0 += kAmxTokens) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* a = x + m0 * k;
+    for (int64_t b = 0; b < k / kGroup; ++b) {
+      const uint32_t* block = panel + b * 16 * kBf16PanelRows;
+      _tile_loadd(6, block, pair_stride);
+      _tile_loadd(7, block + 16, pair_stride);
+      _tile_loadd(4, a + b * kGroup, x_stride);
+      _tile_loadd(5, a + kAmxTileRows * k + b * kGroup, x_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    const int64_t tokens = std::min(kAmxTokens, num_tokens - m0);
+    float* out = y + m0 * ldy;
+    if (tokens == kAmxTokens && rows == kBf16PanelRows) {
+      _tile_stored(0, out, y_stride);
+      _tile_stored(1, out + 16, y_stride);
+      _tile_stored(2, out + kAmxTileRows * ldy, y_stride);
+      _tile_stored(3, out + kAmxTileRows * ldy + 16, y_stride);
+      continue;
+    }
+    constexpr int64_t part_stride = kBf16PanelRows * 4;
+    _tile_stored(0, &part[0][0], part_stride);
+    _tile_stored(1, &part[0][16], part_stride);
+    _tile_stored(2, &part[kAmxTileRows][0], part_stride);
+    _tile_stored(3, &part[kAmxTileRows][16], part_stride);
+    for (int64_t i = 0; i < tokens; ++i) std::memcpy(out + i * ldy, part[i], rows * sizeof(float));
+  }
+}
+
+template <int64_t Type, bool Grouped>
+void dequantize_any_panel(const uint8_t* blocks, int64_t n0, int64_t rows, int64_t k, uint32_t* panel) {
+  if constexpr (Grouped) {  // Q4 only
+    if (cpu_has_avx512_vbmi())
+      dequantize_panel_groups<Type>(blocks, n0, rows, k / kGroup, panel);
+    else
+      dequantize_panel<Type, true>(blocks, n0, rows, k / kGroup, panel);
+  } else {
+    dequantize_panel<Type, Grouped>(blocks, n0, rows, k / kGroup, panel);
+  }
+}
+
+template <int64_t Type, bool Grouped, class X>
+void gguf_linear_amx(const X* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y) {
+  const int64_t padded = (num_tokens + kAmxTokens - 1) / kAmxTokens * kAmxTokens;
+  std::vector<uint16_t> packed(padded * k);  // the padding rows stay zero
+  pack_x(x, num_tokens, k, packed.data());
+  const int64_t num_panels = (n + kBf16PanelRows - 1) / kBf16PanelRows;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> panel(k / 2 * kBf16PanelRows);
+    const AmxTiles tiles;
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kBf16PanelRows;
+      const int64_t rows = std::min(kBf16PanelRows, n - n0);
+      dequantize_any_panel<Type, Grouped>(blocks, n0, rows, k, panel.data());
+      amx_tokens_times_panel(packed.data(), num_tokens, panel.data(), k, rows, y + n0, n);
+    }
+  });
+}
+
 template <int64_t Type, bool Grouped, class X>
 void gguf_linear_panels(const X* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y) {
   std::vector<uint16_t> packed(num_tokens * k);
@@ -588,14 +706,7 @@ void gguf_linear_panels(const X* x, int64_t num_tokens, const uint8_t* blocks, i
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kBf16PanelRows;
       const int64_t rows = std::min(kBf16PanelRows, n - n0);
-      if constexpr (Grouped) {  // Q4 only
-        if (cpu_has_avx512_vbmi())
-          dequantize_panel_groups<Type>(blocks, n0, rows, k / kGroup, panel.data());
-        else
-          dequantize_panel<Type, true>(blocks, n0, rows, k / kGroup, panel.data());
-      } else {
-        dequantize_panel<Type, Grouped>(blocks, n0, rows, k / kGroup, panel.data());
-      }
+      dequantize_any_panel<Type, Grouped>(blocks, n0, rows, k, panel.data());
       tokens_times_panel(packed.data(), num_tokens, panel.data(), k, rows, y + n0, n);
     }
   });
@@ -689,21 +800,27 @@ at::Tensor gguf_group_rows(const at::Tensor& blocks, int64_t quant_type, int64_t
   return out;
 }
 
+template <int64_t Type, bool Grouped, class X>
+void bf16_panels_of(const X* x, int64_t num_tokens, const uint8_t* blocks, int64_t n, int64_t k, float* y, bool amx) {
+  namespace bf16 = avx512_bf16_panel;
+  amx ? bf16::gguf_linear_amx<Type, Grouped>(x, num_tokens, blocks, n, k, y)
+      : bf16::gguf_linear_panels<Type, Grouped>(x, num_tokens, blocks, n, k, y);
+}
+
 template <class X>
 void bf16_panels(const X* x, int64_t num_tokens, const uint8_t* blocks, int64_t quant_type, int64_t layout, int64_t n,
-                 int64_t k, float* y) {
-  namespace bf16 = avx512_bf16_panel;
+                 int64_t k, float* y, bool amx) {
   const bool grouped = layout == kGroups;
   switch (quant_type) {
     case Q4_0:
-      grouped ? bf16::gguf_linear_panels<Q4_0, true>(x, num_tokens, blocks, n, k, y)
-              : bf16::gguf_linear_panels<Q4_0, false>(x, num_tokens, blocks, n, k, y);
+      grouped ? bf16_panels_of<Q4_0, true>(x, num_tokens, blocks, n, k, y, amx)
+              : bf16_panels_of<Q4_0, false>(x, num_tokens, blocks, n, k, y, amx);
       break;
     case Q4_1:
-      grouped ? bf16::gguf_linear_panels<Q4_1, true>(x, num_tokens, blocks, n, k, y)
-              : bf16::gguf_linear_panels<Q4_1, false>(x, num_tokens, blocks, n, k, y);
+      grouped ? bf16_panels_of<Q4_1, true>(x, num_tokens, blocks, n, k, y, amx)
+              : bf16_panels_of<Q4_1, false>(x, num_tokens, blocks, n, k, y, amx);
       break;
-    default: bf16::gguf_linear_panels<Q8_0, false>(x, num_tokens, blocks, n, k, y); break;
+    default: bf16_panels_of<Q8_0, false>(x, num_tokens, blocks, n, k, y, amx); break;
   }
 }
 
@@ -715,12 +832,14 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "gguf_linear: blocks must be 2-D uint8");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features, "gguf_linear: x must be [T, ", in_features, "]");
   TORCH_CHECK(in_features % kGroup == 0, "gguf_linear: in_features must be a multiple of 32");
-  TORCH_CHECK(isa == kBest || isa == kAvx2 || isa == kAvx512 || isa == kAvx512Bf16,
-              "gguf_linear: isa must be 0 (best), 1 (avx2), 2 (avx512) or 3 (avx512_bf16), got ", isa);
+  TORCH_CHECK(isa >= kBest && isa <= kAmxBf16,
+              "gguf_linear: isa must be 0 (best), 1 (avx2), 2 (avx512), 3 (avx512_bf16) or 4 (amx_bf16), got ", isa);
   TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(),
               "gguf_linear: isa avx512 asked for on a CPU without AVX-512 F/BW/DQ/VL");
   TORCH_CHECK(isa != kAvx512Bf16 || cpu_has_avx512_bf16(),
               "gguf_linear: isa avx512_bf16 asked for on a CPU without AVX-512 BF16");
+  TORCH_CHECK(isa != kAmxBf16 || cpu_has_amx_bf16(),
+              "gguf_linear: isa amx_bf16 asked for on a CPU (or a kernel) without AMX BF16 tiles");
   TORCH_CHECK(layout == kRows || layout == kGroups, "gguf_linear: layout must be 0 (rows) or 1 (groups), got ", layout);
   const int64_t nb = in_features / kGroup;
   int64_t n = blocks.size(0);
@@ -740,19 +859,20 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
   if (num_tokens == 0 || n == 0) return y;
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  if (num_tokens > kFewMaxTokens && chosen == kAvx512Bf16) {
+  if (num_tokens > kFewMaxTokens && (chosen == kAvx512Bf16 || chosen == kAmxBf16)) {
+    const bool amx = chosen == kAmxBf16;
     // float32 x is rounded to bf16 (to nearest even, as torch casts) as it is packed
     const at::Tensor xc = x.contiguous();
     if (x.scalar_type() == at::kBFloat16)
       bf16_panels(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), num_tokens, bp, quant_type, layout,
-                  n, in_features, yp);
+                  n, in_features, yp, amx);
     else
-      bf16_panels(xc.data_ptr<float>(), num_tokens, bp, quant_type, layout, n, in_features, yp);
+      bf16_panels(xc.data_ptr<float>(), num_tokens, bp, quant_type, layout, n, in_features, yp, amx);
     return y;
   }
   const at::Tensor xc = x.to(at::kFloat).contiguous();  // bf16 widened exactly
   const float* xp = xc.data_ptr<float>();
-  const bool avx512 = chosen == kAvx512 || chosen == kAvx512Bf16;
+  const bool avx512 = chosen != kAvx2;
   if (num_tokens > kFewMaxTokens) {
     const bool grouped = layout == kGroups;
     switch (quant_type) {
@@ -788,6 +908,7 @@ TORCH_LIBRARY(nanoserve, m) {
   m.def("gguf_group_rows(Tensor blocks, int quant_type, int in_features) -> Tensor");
   m.def("gguf_linear_best_isa() -> int", &best_isa);
   m.def("gguf_linear_has_bf16_dot() -> bool", [] { return cpu_has_avx512_bf16(); });
+  m.def("gguf_linear_has_amx_bf16() -> bool", [] { return cpu_has_amx_bf16(); });
 }
 
 TORCH_LIBRARY_IMPL(nanoserve, CPU, m) {

@@ -193,8 +193,9 @@ class GGUFLinear:
     faster decode steps); otherwise, and for Q8_0, the blocks are used as they are (a view of
     the memory-mapped file stays one; the tied embedding keeps sharing them).
     bf16_large_steps: steps of more than 4 tokens round x and the weights to bf16 and sum
-    bf16 dot products in float32 (``isa`` ``avx512_bf16``, twice the float32 rate), where
-    the CPU has AVX-512 BF16; otherwise, and always up to 4 tokens, the same as without.
+    bf16 dot products in float32: by AMX tiles where the CPU has them (``isa`` ``amx_bf16``),
+    else by AVX-512 BF16 (``avx512_bf16``, twice the float32 rate); on CPUs with neither, and
+    always up to 4 tokens, the same as without.
     x: [T, K] in any float dtype -> [T, N] in x's dtype, summed in float32.
     """
 
@@ -214,7 +215,7 @@ class GGUFLinear:
             self.layout = "groups"
         self.blocks = blocks
         self.bias = bias
-        self.isa = "avx512_bf16" if bf16_large_steps and kernels.has_bf16_dot() else "best"
+        self.isa = bf16_isa() if bf16_large_steps else "best"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16):
@@ -251,6 +252,13 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), self.codes, self.scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def bf16_isa() -> str:
+    """The kernels' isa for bf16 large steps here: ``amx_bf16``, ``avx512_bf16``, or ``best`` (float32)."""
+    if kernels.has_amx_bf16():
+        return "amx_bf16"
+    return "avx512_bf16" if kernels.has_bf16_dot() else "best"
 
 
 def _float_rows(weight: torch.Tensor | QuantizedWeight, start: int, end: int) -> torch.Tensor:

@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.engine import kernels
-from nanoserve.engine.models.quantized_linear import GGUFLinear, Int4Linear, Int8Linear, QuantizedWeight, make_linear
+from nanoserve.engine.models.quantized_linear import (
+    GGUFLinear,
+    Int4Linear,
+    Int8Linear,
+    QuantizedWeight,
+    bf16_isa,
+    make_linear,
+)
 from tests.engine.test_quantized_linear import gguf_dense, q4_1_block, random_blocks
 
 FP32_RTOL = 1e-5
@@ -27,6 +34,12 @@ CPU = torch.device("cpu")
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
+# the bf16 bodies this CPU has: AVX-512 BF16 dot products, AMX tiles
+BF16_ISAS = [
+    isa
+    for isa, available in (("avx512_bf16", "has_bf16_dot"), ("amx_bf16", "has_amx_bf16"))
+    if kernels.load() and getattr(kernels, available)()
+]
 
 
 def rounded_x(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +98,7 @@ def test_the_grouped_layout_is_four_rows_nibbles_then_their_d_then_their_m():
 @pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
 def test_the_grouped_layout_gives_the_rows_layouts_bits(quant_type):
     isas = ["avx2", "avx512"] if kernels.best_isa() == "avx512" else ["avx2"]
-    isas += ["avx512_bf16"] if kernels.has_bf16_dot() else []
+    isas += BF16_ISAS
     # 52 rows: bf16 panels of 32 and of 20 (one whole register of 16 rows and one group of 4)
     for out_features in (48, 52):
         weight = random_blocks(quant_type, out_features, 128, seed=9)
@@ -174,29 +187,31 @@ needs_bf16_dot = pytest.mark.skipif(
 
 
 @needs_kernels
-@needs_bf16_dot
+@pytest.mark.parametrize("isa", ["avx512_bf16", "amx_bf16"])
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
-def test_the_bf16_body_multiplies_bf16_rounded_x_and_weights(quant_type):
+def test_the_bf16_bodies_multiply_bf16_rounded_x_and_weights(quant_type, isa):
+    if isa not in BF16_ISAS:
+        pytest.skip(f"this CPU has no {isa} body")
     weight = random_blocks(quant_type, 45, 192, seed=4)  # 45 rows: a whole panel of 32 and a ragged one
     dense = gguf_dense(weight)
     rounded = dense.bfloat16()
     assert not torch.equal(rounded.float(), dense)  # the test can tell the roundings apart
     # identity rows of x: each output is one weight times 1.0, so exactly its bf16 rounding
-    got = kernels.gguf_linear(torch.eye(192), weight.blocks, quant_type, 192, isa="avx512_bf16")
+    got = kernels.gguf_linear(torch.eye(192), weight.blocks, quant_type, 192, isa=isa)
     assert torch.equal(got, rounded.float().T)
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(5)) * 30
     reference = x.bfloat16().double() @ rounded.double().T  # float64 of the rounded operands
     scale = x.double().abs() @ dense.double().abs().T
-    for num_tokens in (5, 12, 13, 24, 70):  # whole tiles of 12 rows of x and ragged ones
-        got = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512_bf16")
+    for num_tokens in (5, 12, 13, 24, 32, 70):  # whole tiles (12 rows of x; AMX: 32) and ragged ones
+        got = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa=isa)
         assert ((got.double() - reference[:num_tokens]).abs() <= FP32_RTOL * scale[:num_tokens]).all()
         # x already in bf16 (a bf16 model's activations): the same bits
-        bf16_x = kernels.gguf_linear(x[:num_tokens].bfloat16(), weight.blocks, quant_type, 192, isa="avx512_bf16")
+        bf16_x = kernels.gguf_linear(x[:num_tokens].bfloat16(), weight.blocks, quant_type, 192, isa=isa)
         assert torch.equal(bf16_x, got)
     # up to 4 rows, the decode path: avx512's bits, bf16 or not
     for num_tokens in range(1, FEW_MAX_TOKENS + 1):
         want = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512")
-        assert torch.equal(kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512_bf16"), want)
+        assert torch.equal(kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa=isa), want)
 
 
 @needs_kernels
@@ -204,7 +219,7 @@ def test_the_bf16_body_multiplies_bf16_rounded_x_and_weights(quant_type):
 def test_gguf_linear_takes_the_bf16_body_only_when_asked():
     weight = random_blocks("Q4_1", 32, 64)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
-    bf16 = kernels.gguf_linear(x, weight.blocks, "Q4_1", 64, isa="avx512_bf16")
+    bf16 = kernels.gguf_linear(x, weight.blocks, "Q4_1", 64, isa=bf16_isa())
     assert torch.equal(GGUFLinear(weight, bf16_large_steps=True)(x), bf16)
     assert torch.equal(make_linear(weight, torch.float32, CPU, "auto", bf16_large_steps=True)(x), bf16)
     float32 = GGUFLinear(weight)(x)  # matmul_precision highest
@@ -213,7 +228,17 @@ def test_gguf_linear_takes_the_bf16_body_only_when_asked():
 
 
 @needs_kernels
+@needs_bf16_dot
+def test_large_steps_take_amx_tiles_where_the_cpu_has_them_else_the_bf16_dot_body(monkeypatch):
+    weight = random_blocks("Q4_1", 32, 64)
+    assert GGUFLinear(weight, bf16_large_steps=True).isa == ("amx_bf16" if kernels.has_amx_bf16() else "avx512_bf16")
+    monkeypatch.setattr(kernels, "has_amx_bf16", lambda: False)
+    assert GGUFLinear(weight, bf16_large_steps=True).isa == "avx512_bf16"
+
+
+@needs_kernels
 def test_a_cpu_without_avx512_bf16_keeps_the_float32_panels_at_medium_precision(monkeypatch):
+    monkeypatch.setattr(kernels, "has_amx_bf16", lambda: False)
     monkeypatch.setattr(kernels, "has_bf16_dot", lambda: False)
     weight = random_blocks("Q4_1", 32, 64)
     linear = GGUFLinear(weight, bf16_large_steps=True)
@@ -267,7 +292,8 @@ def test_inputs_it_cannot_take_are_clear_errors():
     with pytest.raises(RuntimeError, match="blocks of 40 bytes per row do not hold 96 weights"):
         kernels.gguf_linear(torch.zeros(1, 96), weight.blocks, "Q4_1", 96)
     with pytest.raises(
-        RuntimeError, match=r"isa must be 0 \(best\), 1 \(avx2\), 2 \(avx512\) or 3 \(avx512_bf16\), got 7"
+        RuntimeError,
+        match=r"isa must be 0 \(best\), 1 \(avx2\), 2 \(avx512\), 3 \(avx512_bf16\) or 4 \(amx_bf16\), got 7",
     ):
         torch.ops.nanoserve.gguf_linear(torch.zeros(1, 64), weight.blocks, 3, 64, 7)
 
