@@ -1,7 +1,8 @@
 """nanoserve's own CPU kernels, C++ built once on this machine and cached.
 
 - ``gguf_linear``: ``x @ w.T`` with w kept in its GGUF blocks (Q4_0, Q4_1, Q8_0;
-  gguf_linear.cpp; up to 4 rows by 16-bit activations and exact integer dots, more in float32).
+  gguf_linear.cpp; up to 4 rows by 16-bit activations and exact integer dots, more in float32,
+  or in bf16 by AVX-512 BF16 dot products or AMX tiles where the CPU has them).
 - ``paged_decode_attention``: one query token per sequence against its K/V read through
   the block table, each query group (the heads sharing a KV head) in one pass over the
   keys and one over the values, a vectorized exp; AVX2 and AVX-512 bodies chosen at run
