@@ -38,7 +38,7 @@
 //
 // isa amx_bf16 (CPUs with AMX, Sapphire Rapids on) takes the same bf16 panels and packed x, and
 // multiplies them by AMX tiles (tdpbf16ps: 16 x 16 outputs, 32 k a block per instruction),
-// 3-7x the dot-product body from 16 rows of x on (avx512_bf16_panel::amx_tokens_times_panel).
+// 3-7x the dot-product body from 16 rows of x on (avx512_bf16_panel::amx_tokens_times_panels).
 // Up to 4 rows it is the avx512 decode path, as avx512_bf16 is.
 #include <immintrin.h>
 #include <ATen/ATen.h>
