@@ -856,8 +856,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
               "gguf_linear: isa avx512 asked for on a CPU without AVX-512 F/BW/DQ/VL");
   TORCH_CHECK(isa != kAvx512Bf16 || cpu_has_avx512_bf16(),
               "gguf_linear: isa avx512_bf16 asked for on a CPU without AVX-512 BF16");
-  TORCH_CHECK(isa != kAmxBf16 || cpu_has_amx_bf16(),
-              "gguf_linear: isa amx_bf16 asked for on a CPU (or a kernel) without AMX BF16 tiles");
+  TORCH_CHECK(isa != kAmxBf16 || cpu_has_amx_bf16(), "gguf_linear: isa amx_bf16 asked for on a CPU without AMX BF16 ",
+              "tiles, or where Linux refused their state");
   TORCH_CHECK(layout == kRows || layout == kGroups, "gguf_linear: layout must be 0 (rows) or 1 (groups), got ", layout);
   const int64_t nb = in_features / kGroup;
   int64_t n = blocks.size(0);

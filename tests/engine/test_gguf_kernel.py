@@ -237,6 +237,15 @@ def test_large_steps_take_amx_tiles_where_the_cpu_has_them_else_the_bf16_dot_bod
 
 
 @needs_kernels
+def test_amx_asked_for_where_it_is_missing_is_a_clear_error():
+    if kernels.has_amx_bf16():
+        pytest.skip("this CPU has AMX tiles")
+    blocks = random_blocks("Q4_1", 16, 64).blocks
+    with pytest.raises(RuntimeError, match="isa amx_bf16 asked for on a CPU without AMX BF16 tiles"):
+        kernels.gguf_linear(torch.zeros(8, 64), blocks, "Q4_1", 64, isa="amx_bf16")
+
+
+@needs_kernels
 def test_a_cpu_without_avx512_bf16_keeps_the_float32_panels_at_medium_precision(monkeypatch):
     monkeypatch.setattr(kernels, "has_amx_bf16", lambda: False)
     monkeypatch.setattr(kernels, "has_bf16_dot", lambda: False)
