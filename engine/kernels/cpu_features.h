@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cpuid.h>
+#include <cstdlib>
+#include <cstring>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -29,9 +31,12 @@ inline bool cpu_has_avx512_vbmi() {
 // AMX tiles with bf16 dot products (Sapphire Rapids on), on top of AVX-512 BF16, and the kernel's
 // leave to use them: Linux hands a process the 8 KiB of tile state only once it asks
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, Linux 5.16 on); asked once, here.
-// CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+// CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE. NANOSERVE_NO_AMX=1 in the environment
+// turns it off (the AVX-512 BF16 body then runs, as on a CPU without AMX).
 inline bool cpu_has_amx_bf16() {
   static const bool has = [] {
+    const char* off = std::getenv("NANOSERVE_NO_AMX");
+    if (off != nullptr && *off != '\0' && std::strcmp(off, "0") != 0) return false;
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!cpu_has_avx512_bf16() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return false;

@@ -236,13 +236,34 @@ def test_large_steps_take_amx_tiles_where_the_cpu_has_them_else_the_bf16_dot_bod
     assert GGUFLinear(weight, bf16_large_steps=True).isa == "avx512_bf16"
 
 
+AMX_OFF_CHILD = """
+import torch
+from nanoserve.engine import kernels
+from nanoserve.engine.models.quantized_linear import GGUFLinear
+from tests.engine.test_quantized_linear import random_blocks
+assert kernels.load()
+weight = random_blocks("Q4_1", 16, 64)
+print(kernels.has_amx_bf16(), GGUFLinear(weight, bf16_large_steps=True).isa)
+try:
+    kernels.gguf_linear(torch.zeros(8, 64), weight.blocks, "Q4_1", 64, isa="amx_bf16")
+except RuntimeError as exc:
+    print(str(exc).splitlines()[0])
+"""
+
+
 @needs_kernels
-def test_amx_asked_for_where_it_is_missing_is_a_clear_error():
-    if kernels.has_amx_bf16():
-        pytest.skip("this CPU has AMX tiles")
-    blocks = random_blocks("Q4_1", 16, 64).blocks
-    with pytest.raises(RuntimeError, match="isa amx_bf16 asked for on a CPU without AMX BF16 tiles"):
-        kernels.gguf_linear(torch.zeros(8, 64), blocks, "Q4_1", 64, isa="amx_bf16")
+def test_without_amx_large_steps_take_the_bf16_dot_body_and_asking_for_amx_is_a_clear_error():
+    """NANOSERVE_NO_AMX=1 (or a CPU without AMX): no tiles, and a call that asks for them says why."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NANOSERVE_NO_AMX": "1"}
+    child = subprocess.run([sys.executable, "-c", AMX_OFF_CHILD], capture_output=True, text=True, env=env, timeout=120)
+    assert child.returncode == 0, child.stderr
+    choice, error = child.stdout.splitlines()[-2:]
+    assert choice == f"False {'avx512_bf16' if kernels.has_bf16_dot() else 'best'}"
+    assert "isa amx_bf16 asked for on a CPU without AMX BF16 tiles, or where Linux refused their state" in error
 
 
 @needs_kernels
