@@ -187,11 +187,15 @@ needs_bf16_dot = pytest.mark.skipif(
 
 
 @needs_kernels
-@pytest.mark.parametrize("isa", ["avx512_bf16", "amx_bf16"])
+@pytest.mark.parametrize(
+    "isa",
+    [
+        pytest.param(isa, marks=pytest.mark.skipif(isa not in BF16_ISAS, reason=f"this CPU has no {isa} body"))
+        for isa in ("avx512_bf16", "amx_bf16")
+    ],
+)
 @pytest.mark.parametrize("quant_type", QUANT_TYPES)
 def test_the_bf16_bodies_multiply_bf16_rounded_x_and_weights(quant_type, isa):
-    if isa not in BF16_ISAS:
-        pytest.skip(f"this CPU has no {isa} body")
     weight = random_blocks(quant_type, 45, 192, seed=4)  # 45 rows: a whole panel of 32 and a ragged one
     dense = gguf_dense(weight)
     rounded = dense.bfloat16()
