@@ -13,7 +13,7 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
-# g++ builds nanoserve's CPU kernels (engine/kernels/) once, below.
+# g++ builds nanoserve's CPU kernels (engine/model/kernels/) once, below.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # torch first, on its own layer: it is the largest and changes least.
@@ -34,10 +34,13 @@ RUN pip install ".[gateway]" && useradd --create-home --uid 10001 nanoserve
 USER nanoserve
 WORKDIR /home/nanoserve
 # into ~/.cache/nanoserve/kernels, so that the container only loads them
-RUN python -m nanoserve.engine.kernels
+RUN python -m nanoserve.engine.model.kernels
+# metrics answer without a token: inside the container they bind every address so a published
+# port reaches them; docker-compose.yml publishes that port on the host's 127.0.0.1 only
 ENV NANOSERVE_HOST=0.0.0.0 \
     NANOSERVE_PORT=50051 \
     NANOSERVE_METRICS_PORT=9090 \
+    NANOSERVE_METRICS_HOST=0.0.0.0 \
     NANOSERVE_LOG_FORMAT=json
 EXPOSE 50051 9090
 

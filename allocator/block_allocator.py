@@ -111,6 +111,8 @@ class BlockAllocator:
         self._pending: list[BlockEvent] = []  # emitted, not yet taken; in order
         self._cached: dict[int, _Cached] = {}  # block_id -> content of every registered block
         self._num_registrations = 0
+        self.num_forked_blocks = 0  # block references FORK events took, over the allocator's life
+        self.num_copied_blocks = 0  # blocks COPY events copied on write, over the allocator's life
 
     @property
     def num_blocks(self) -> int:
@@ -267,10 +269,79 @@ class BlockAllocator:
                     cached,
                     owner,
                     reason,
-                    keys=tuple(keys[b][0] for b in cached),
+                    keys=tuple(keys[b][0] if b in keys else "" for b in cached),  # "": forked, never registered
                     ref_counts=tuple(state.ref_count(b) - 1 for b in cached),
                 )
             )
+
+    def ref_count(self, block_id: int) -> int:
+        """Holders of ``block_id``: 0 when free."""
+        return self._state.ref_count(block_id)
+
+    def fork(self, parent: str, child: str, block_ids: Sequence[int], *, partial: bool) -> None:
+        """``child`` takes a reference on each of ``block_ids``, which ``parent`` holds (parallel sampling).
+
+        block_ids: the parent's block table, in logical order. partial: its
+        last block is partly filled; from now on a holder copies it
+        (``copy_on_write``) before writing into it while another holds it.
+        Emits one FORK (the counts after it). ValueError, changing nothing, when
+        the parent does not hold a block, the child holds one already, a block
+        is listed twice, or the list is empty. (Kwon et al., SOSP 2023, 4.4.)
+        """
+        _check_owner(parent)
+        _check_owner(child)
+        state = self._state
+        if child == parent:
+            raise ValueError(f"a request cannot fork into itself ({child!r})")
+        if not block_ids:
+            raise ValueError("fork of an empty block table")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"block_ids {list(block_ids)} lists a block twice")
+        for block_id in block_ids:
+            holders = state.holders(block_id)
+            if parent not in holders:
+                raise ValueError(f"block {block_id} is not held by {parent!r} (holders {holders})")
+            if child in holders:
+                raise ValueError(f"block {block_id} is held by {child!r} already")
+        self._emit(
+            BlockEvent(
+                EventKind.FORK,
+                tuple(block_ids),
+                child,
+                ref_counts=tuple(state.ref_count(b) + 1 for b in block_ids),
+                parent=parent,
+                partial=partial,
+            )
+        )
+        self.num_forked_blocks += len(block_ids)
+
+    def copy_on_write(self, owner: str, parent: str, block_id: int) -> int:
+        """``owner`` trades its reference on the shared ``block_id`` for a new block of its own; returns it.
+
+        The caller copies the block's K/V rows into the new block before
+        writing. parent: the owner the block was forked from (it still holds
+        it). Emits COPY ``(block_id, new)`` (after an EVICT when only
+        cached-free blocks are left). KVCacheExhausted when no block is free;
+        ValueError when ``owner`` or ``parent`` does not hold the block or
+        nobody else does (a block held once is written in place).
+        """
+        _check_owner(owner)
+        _check_owner(parent)
+        holders = self._state.holders(block_id)
+        if owner not in holders or parent not in holders:
+            raise ValueError(f"block {block_id} is held by {holders}, not by both {owner!r} and {parent!r}")
+        if len(holders) < 2:
+            raise ValueError(f"block {block_id} is held by {owner!r} alone: write in place")
+        if not self._free:
+            if not self._state.cached_free:
+                raise KVCacheExhausted(1, 0)
+            self._evict(1, owner)
+        destination = self._free[-1]
+        self._emit(
+            BlockEvent(EventKind.COPY, (block_id, destination), owner, ref_counts=(len(holders) - 1,), parent=parent)
+        )
+        self.num_copied_blocks += 1
+        return destination
 
     def count_prefix_hits(self, owner: str, keys: Sequence[BlockKey]) -> tuple[int, int]:
         """(blocks of ``keys`` a ``share_prefix`` would hit now, how many of them are cached-free). Emits nothing."""

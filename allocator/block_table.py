@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from nanoserve.allocator.arithmetic import cdiv
-from nanoserve.allocator.block_allocator import BlockAllocator
+from nanoserve.allocator.block_allocator import BlockAllocator, KVCacheExhausted
 from nanoserve.allocator.block_key import BlockKey
 from nanoserve.allocator.events import FreeReason
 
@@ -38,6 +38,31 @@ class BlockTable:
         self._num_tokens = 0
         self._num_registered = 0  # leading blocks that are in the key index, chained
         self._chain_broken = False  # a block's key indexed another block: later ones cannot be chained
+        self.parent: str | None = None  # the owner this table was forked from (parallel sampling)
+        self._copies: list[tuple[int, int]] = []  # (source, destination) blocks copied, K/V rows not yet
+
+    def fork(self, child: str) -> BlockTable:
+        """A table for ``child`` holding this table's blocks by reference (FORK; Kwon et al. 2023, 4.4).
+
+        Full blocks stay shared for good; a partly filled last block is copied
+        by whichever holder writes into it while another still holds it
+        (``append_tokens``). ValueError on an empty table.
+        """
+        table = BlockTable(self._allocator, child)
+        partial = self._num_tokens % self._block_size != 0
+        self._allocator.fork(self.owner, child, self._block_ids, partial=partial)
+        table._block_ids = list(self._block_ids)
+        table._num_tokens = self._num_tokens
+        table._num_registered = self._num_registered
+        table._chain_broken = self._chain_broken
+        table.parent = self.owner
+        return table
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) of the blocks copied on write since the last call: the caller copies
+        their K/V rows before the forward pass writes into the destinations."""
+        copies, self._copies = self._copies, []
+        return copies
 
     @property
     def num_registered_blocks(self) -> int:
@@ -102,10 +127,18 @@ class BlockTable:
         """Make room for ``num_tokens`` more tokens; returns the new block ids.
 
         New blocks are reserved all at once through ``allocate_for``: on
-        KVCacheExhausted nothing changes. ValueError when ``num_tokens < 0``.
+        KVCacheExhausted nothing changes. A partly filled last block that
+        another owner holds too (forked) is first copied to a block of this
+        table's own (COPY; ``take_copies`` names it). ValueError when ``num_tokens < 0``.
         """
         num_new = self.blocks_needed(num_tokens)
         new_block_ids: list[int] = []
+        if num_tokens and self._must_copy_last():
+            if not self._allocator.can_allocate(num_new + 1):
+                raise KVCacheExhausted(num_new + 1, self._allocator.num_free)
+            source = self._block_ids[-1]
+            self._block_ids[-1] = self._allocator.copy_on_write(self.owner, self.parent or self.owner, source)
+            self._copies.append((source, self._block_ids[-1]))
         if num_new:
             room = len(self._block_ids) * self._block_size - self._num_tokens
             new_block_ids = self._allocator.allocate_for(num_tokens - room, self.owner)
@@ -113,6 +146,10 @@ class BlockTable:
             self._block_ids.extend(new_block_ids)
         self._num_tokens += num_tokens
         return new_block_ids
+
+    def _must_copy_last(self) -> bool:
+        """The last block is partly filled and held by another owner too: writing it needs a copy."""
+        return self._num_tokens % self._block_size != 0 and self._allocator.ref_count(self._block_ids[-1]) > 1
 
     def physical(self, position: int) -> tuple[int, int]:
         """(block_id, offset) of token ``position``. ValueError outside [0, num_tokens)."""
@@ -144,6 +181,7 @@ class BlockTable:
         self._num_tokens = 0
         self._num_registered = 0
         self._chain_broken = False
+        self._copies = []
 
     def __repr__(self) -> str:
         return f"BlockTable(owner={self.owner!r}, num_tokens={self._num_tokens}, block_ids={self._block_ids})"

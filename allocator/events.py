@@ -5,7 +5,7 @@ pending until its caller takes it (``BlockAllocator.take_events``); the same
 events, applied by ``nanoserve.allocator.transition.apply``, rebuild the pool.
 Kinds are short strings so that the stored log gains new ones without
 touching the existing rows: prefix caching added REGISTER, SHARE, RELEASE,
-EVICT and CACHE_RESET (migration 0002).
+EVICT and CACHE_RESET (migration 0002), parallel sampling FORK and COPY.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class EventKind(str, enum.Enum):
     RELEASE = "release"  # owner drops its reference on cached blocks; at count 0 they stay cached-free
     EVICT = "evict"  # cached-free blocks lose their keys and go back on the free stack, for owner
     CACHE_RESET = "cache_reset"  # every cached-free block loses its key (the Allocation service's reset)
+    FORK = "fork"  # a child takes a reference on each of its parent's blocks (parallel sampling)
+    COPY = "copy"  # a holder copies a forked partial block before writing into it (copy on write)
     SNAPSHOT = "snapshot"  # the full pool state, so replay can start here
     POOL_CLOSE = "pool_close"  # the epoch ended cleanly
 
@@ -61,6 +63,17 @@ class BlockEvent(NamedTuple):
     token_ids: REGISTER only: each block's ``block_size`` token ids (what a
         gateway's prefix index of the replica needs); empty in records written
         before they were logged.
+    parent: FORK and COPY only: the owner whose blocks were forked (FORK: the
+        one the child shares with; COPY: the one the copied block came from).
+    partial: FORK only: the last block is partly filled, so a holder must copy
+        it (COPY) before writing into it while others hold it.
+
+    FORK: ``block_ids`` are the parent's blocks in logical order, ``owner`` the
+    child, ``ref_counts`` each block's count after. COPY: ``block_ids`` is
+    ``(source, destination)``: the destination leaves the free stack for
+    ``owner``, who drops its reference on the source (``ref_counts`` is the
+    source's count after); the engine copies the K/V rows on the cache.
+    Forking follows the vLLM paper (Kwon et al., SOSP 2023), section 4.4.
 
     An event carries no sequence number, step or time: the event log stamps
     those when the engine hands it a step's events (``EventLog.append_batch``).
@@ -76,3 +89,5 @@ class BlockEvent(NamedTuple):
     parent_keys: tuple[str | None, ...] = ()
     ref_counts: tuple[int, ...] = ()
     token_ids: tuple[tuple[int, ...], ...] = ()
+    parent: str | None = None
+    partial: bool = False

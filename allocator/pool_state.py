@@ -43,8 +43,8 @@ class PoolState:
     every block id in ``range(num_blocks)`` is in exactly one of the free
     stack, the cached-free list and the owner map (free + cached-free + held
     == num_blocks); a block's reference count is ``1 + len(sharers[block])``
-    while held and 0 while free; only registered blocks are shared or
-    cached-free; ``key_blocks`` is the inverse of ``block_keys``.
+    while held and 0 while free; only registered blocks are cached-free, and
+    only registered or forked ones shared; ``key_blocks`` is the inverse of ``block_keys``.
 
     free_block_ids: the free stack of never-cached blocks from bottom to top
         (the next block handed out is the last one).
@@ -57,6 +57,10 @@ class PoolState:
         used first (the next one evicted is the first).
     block_keys: block_id -> (key, parent key or None) of every registered block.
     key_blocks: key -> block_id, the index a prefix lookup reads.
+    copy_on_write: partly filled blocks a FORK shared that more than one owner
+        still holds: a holder writes into one only after copying it (COPY); an
+        ALLOCATE by a holder of one means it filled the block in place (the
+        audit's ``append_to_shared``). A block leaves the set when one holder is left.
     last_seq: sequence number of the last logged event applied; None for a
         pool that was not rebuilt from a log.
     pool_id, epoch: the log a replayed state came from.
@@ -74,6 +78,7 @@ class PoolState:
     cached_free: list[int] = field(default_factory=list)
     block_keys: dict[int, tuple[str, str | None]] = field(default_factory=dict)
     key_blocks: dict[str, int] = field(default_factory=dict)
+    copy_on_write: set[int] = field(default_factory=set)
     last_seq: int | None = field(default=None, compare=False)
     pool_id: str | None = field(default=None, compare=False)
     epoch: int | None = field(default=None, compare=False)
@@ -95,6 +100,7 @@ class PoolState:
             cached_free=list(self.cached_free),
             block_keys=dict(self.block_keys),
             key_blocks=dict(self.key_blocks),
+            copy_on_write=set(self.copy_on_write),
             last_seq=self.last_seq,
             pool_id=self.pool_id,
             epoch=self.epoch,

@@ -151,7 +151,9 @@ def audit_with(url: str, *, verifier: bool) -> object:
 def cli_audit(url: str) -> None:
     """The user's path: ``nanoserve log audit --url URL`` in a fresh process (start-up and imports included)."""
     done = subprocess.run(
-        [sys.executable, "-m", "nanoserve.service.cli", "log", "audit", "--url", url], capture_output=True, text=True
+        [sys.executable, "-m", "nanoserve.service.cli.main", "log", "audit", "--url", url],
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0 or "clean" not in done.stdout:
         raise RuntimeError(f"nanoserve log audit failed ({done.returncode}): {done.stdout}{done.stderr}")

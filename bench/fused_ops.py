@@ -28,13 +28,12 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from nanoserve.allocator import cdiv
-from nanoserve.engine import kernels
-from nanoserve.engine.attention import write_kv
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
-from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.models import llama
-from nanoserve.engine.models.rope import RotaryEmbedding
+from nanoserve.engine.model import kernels, llama
+from nanoserve.engine.model.attention import write_kv
+from nanoserve.engine.model.forward_batch import ForwardBatch, SeqSlice
+from nanoserve.engine.model.layers.rope import RotaryEmbedding
+from nanoserve.engine.model.model_runner import ModelRunner
 
 SMOLLM2 = llama.LlamaConfig(
     vocab_size=49152,

@@ -56,7 +56,7 @@ from typing import Any
 import grpc
 
 from bench.workload import WORDS, WorkloadRequest, build_workload
-from nanoserve.service.gateway import Topology, TopologyConfig, free_port, smg_executable
+from nanoserve.service.gateway.replicas import Topology, TopologyConfig, free_port, smg_executable
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc
 
@@ -225,8 +225,8 @@ def main() -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from nanoserve.engine.tokenizer import Tokenizer
-    from nanoserve.engine.weights import default_model_path
+    from nanoserve.engine.model.weights import default_model_path
+    from nanoserve.engine.text.tokenizer import Tokenizer
 
     work_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-gateway-"))
     serve_args = ["--num-kv-blocks", str(args.num_kv_blocks), "--dtype", args.dtype]

@@ -11,8 +11,9 @@ lm_head once, each timed by ``time.process_time`` (CPU time: the machine is shar
 best of ``--repeats``, for each body the CPU has (``isa`` avx2, avx512: float32 x, the
 same bits; avx512_bf16 and amx_bf16: bfloat16 x, as a bf16 model passes it), interleaved in
 one process. Up to 4 tokens the decode path runs (16-bit activations, integer dots; the bf16
-isas are avx512 there); beyond, the float32 panels, avx512_bf16's bf16 dot products, or
-amx_bf16's AMX tiles.
+isas are avx512 there); beyond, the float32 panels, avx512_bf16's bf16 dot products,
+amx_bf16's AMX tiles, or int16's panels (the decode path's arithmetic at every step size,
+batch invariance; AVX-512 VNNI, else the decode tiles four rows at a time).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from nanoserve.engine import kernels
+from nanoserve.engine.model import kernels
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
 VOCAB_SIZE, HIDDEN_SIZE = 49152, 576
@@ -80,6 +81,7 @@ def main() -> None:
     isas = ["avx2", "avx512"] if kernels.best_isa() == "avx512" else ["avx2"]
     isas += ["avx512_bf16"] if kernels.has_bf16_dot() else []
     isas += ["amx_bf16"] if kernels.has_amx_bf16() else []
+    isas += ["int16"]
     print(f"threads {args.threads}; {args.layers} layers; best of {args.repeats}; CPU ms")
     print(f"{'T':>5} {'isa':>11} {'layers ms':>10} {'lm_head ms':>11}")
     for num_tokens in (int(t) for t in args.tokens.split(",")):

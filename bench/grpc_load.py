@@ -124,7 +124,7 @@ def start_server(engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
         [
             sys.executable,
             "-m",
-            "nanoserve.service.cli",
+            "nanoserve.service.cli.main",
             "serve",
             "--host",
             "127.0.0.1",

@@ -1,6 +1,6 @@
 """The peer for benchmarks: transformers' LlamaForCausalLM holding our checkpoint's weights.
 
-Built from ``nanoserve.engine.weights.load_checkpoint`` (the same dequantized
+Built from ``nanoserve.engine.model.weights.load_checkpoint`` (the same dequantized
 tensors the runner loads), so both sides of a benchmark run the same model
 and transformers needs no GGUF support of its own.
 """
@@ -16,7 +16,7 @@ def hf_model(model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
     """A transformers LlamaForCausalLM in eval mode on CPU with the checkpoint's weights."""
     import transformers
 
-    from nanoserve.engine.weights import load_checkpoint
+    from nanoserve.engine.model.weights import load_checkpoint
 
     checkpoint = load_checkpoint(model_path)
     arch = checkpoint.config
@@ -47,6 +47,6 @@ def hf_model(model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
 
 def hf_model_from_runner(runner, dtype: torch.dtype) -> torch.nn.Module:
     """The same checkpoint the runner serves."""
-    from nanoserve.engine.weights import resolve_model_path
+    from nanoserve.engine.model.weights import resolve_model_path
 
     return hf_model(resolve_model_path(runner.config.model.model), dtype)

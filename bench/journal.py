@@ -47,8 +47,8 @@ import sqlalchemy as sa
 
 from bench.grpc_load import Run, _percentile, run_grpc
 from bench.workload import WorkloadRequest, build_workload
-from nanoserve.engine.tokenizer import Tokenizer
-from nanoserve.engine.weights import default_model_path
+from nanoserve.engine.model.weights import default_model_path
+from nanoserve.engine.text.tokenizer import Tokenizer
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc
 
@@ -61,7 +61,7 @@ class Server:
         self.process = subprocess.Popen(
             [
                 sys.executable,
-                *("-m", "nanoserve.service.cli", "serve", "--host", "127.0.0.1", "--port", "0"),
+                *("-m", "nanoserve.service.cli.main", "serve", "--host", "127.0.0.1", "--port", "0"),
                 *("--metrics-port", "off", "--log-format", "json", *flags),
             ],
             stderr=subprocess.PIPE,
@@ -95,9 +95,9 @@ def log_volume(url: str) -> dict[str, tuple[int, int]]:
     try:
         with engine.connect() as conn:
             volume = {}
-            for table in ("allocator_events", "request_journal"):
+            for table, column in (("allocator_events", "record"), ("journal_steps", "body")):
                 rows, size = conn.execute(
-                    sa.text(f"SELECT COUNT(*), COALESCE(SUM(LENGTH(record)), 0) FROM {table}")
+                    sa.text(f"SELECT COUNT(*), COALESCE(SUM(LENGTH({column})), 0) FROM {table}")
                 ).one()
                 volume[table] = (int(rows), int(size))
             return volume
@@ -206,6 +206,7 @@ def main() -> None:
 async def measure_wait(args: argparse.Namespace, log_dir: Path, tokenizer: Tokenizer) -> None:
     """Per step with outputs: step end -> journal batch durable -> tokens released, in process."""
     from nanoserve.engine import AsyncLLMEngine, EngineConfig, SamplingParams, TokensPrompt
+    from nanoserve.engine.core.log_setup import build_engine
 
     config = EngineConfig.from_kwargs(
         num_kv_blocks=args.num_kv_blocks,
@@ -213,7 +214,7 @@ async def measure_wait(args: argparse.Namespace, log_dir: Path, tokenizer: Token
         max_num_seqs=max(args.concurrency),
         event_log_url=f"sqlite:///{log_dir / 'wait.db'}",
     )
-    engine = AsyncLLMEngine(config)
+    engine = AsyncLLMEngine(config, load=build_engine)
     await engine.start()
     waits: list[float] = []
     engine.observe_durability_wait = waits.append

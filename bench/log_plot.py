@@ -38,8 +38,8 @@ from pathlib import Path
 
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.allocator.log import EventLog, audit
-from nanoserve.allocator.log.pool_timeline import OPEN, PoolTimeline, read_timeline
 from nanoserve.migrations import upgrade
+from nanoserve.service.pictures.pool_timeline import OPEN, PoolTimeline, read_timeline
 
 NUM_BLOCKS = 1456
 BLOCK_SIZE = 16
@@ -82,7 +82,7 @@ def timed(work: Callable[[], object]) -> tuple[float, float]:
 
 
 def cli(args: list[str], expect_rc: int = 0) -> None:
-    done = subprocess.run([sys.executable, "-m", "nanoserve.service.cli", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "nanoserve.service.cli.main", *args], capture_output=True, text=True)
     if done.returncode != expect_rc:
         raise RuntimeError(f"nanoserve {' '.join(args)} exited {done.returncode}: {done.stdout}{done.stderr}")
 
@@ -114,8 +114,8 @@ def main() -> int:
     parser.add_argument("--log", default=None, help="URL of an existing log to plot (default: write one)")
     parser.add_argument("--keep", default=None, metavar="PNG", help="copy the plot there, to look at")
     args = parser.parse_args()
-    from nanoserve.service import pool_plot
-    from nanoserve.service.figure_file import Picture
+    from nanoserve.service.pictures import pool_plot
+    from nanoserve.service.pictures.figure_file import Picture
 
     folder = Path(tempfile.mkdtemp(prefix="nanoserve-bench-plot-"))
     try:

@@ -83,7 +83,7 @@ class Server:
         command = [
             sys.executable,
             "-m",
-            "nanoserve.service.cli",
+            "nanoserve.service.cli.main",
             "serve",
             "--host",
             "127.0.0.1",

@@ -28,9 +28,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from nanoserve.allocator import cdiv
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice
-from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.weights import resolve_model_path
+from nanoserve.engine.model.forward_batch import ForwardBatch, SeqSlice
+from nanoserve.engine.model.model_runner import ModelRunner
+from nanoserve.engine.model.weights import resolve_model_path
 
 
 def load_transformers(model: str | None, dtype: torch.dtype) -> torch.nn.Module:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanoserve.engine import kernels
+from nanoserve.engine.model import kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 KEYS_PER_RUN = 2_000_000  # keys read per timed run (calls x batch x context)

@@ -59,8 +59,8 @@ PEER_ENVIRON = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
 
 from bench.workload import WorkloadRequest, build_workload  # noqa: E402
 from nanoserve.engine import LLM, SamplingParams, TokensPrompt  # noqa: E402
-from nanoserve.engine.threads import available_cpus  # noqa: E402
-from nanoserve.engine.weights import default_model_path  # noqa: E402
+from nanoserve.engine.model.threads import available_cpus  # noqa: E402
+from nanoserve.engine.model.weights import default_model_path  # noqa: E402
 
 
 class LlamaCpp:
@@ -145,6 +145,9 @@ class LlamaCppProcess:
     def close(self) -> None:
         self._conn.send(None)
         self._process.join(30)
+
+
+VARIANT = "nanoserve --batch-invariant off"  # the second engine of --compare-batch-invariant
 
 
 def nanoserve_single_stream(llm: LLM, request: WorkloadRequest, num_tokens: int) -> float:
@@ -235,7 +238,7 @@ def nanoserve_startup(quantization: str) -> StartupFigures:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "nanoserve.service.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "nanoserve.service.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--metrics-port", "off", "--event-log-url", "none", "--kv-cache-memory", "64MiB"]
     cmd += ["--quantization", quantization, "--log-level", "info", "--log-format", "json"]
     with tempfile.TemporaryFile("w+") as log_file:
@@ -315,6 +318,29 @@ def _ratio(ours: list[float], theirs: list[float]) -> str:
     return f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else f"{ratios[0]:.2f}x"
 
 
+def print_peer_table(
+    results: dict[tuple[str, str, str], list[float]],
+    conditions: list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]],
+    workloads: list[str],
+    both: bool,
+) -> None:
+    """nanoserve against llama.cpp per condition and workload; with both conditions, what each kept when busy."""
+    print("\n| condition | workload | nanoserve tok/s | llama.cpp tok/s | ratio |\n|---|---|---|---|---|")
+    for condition, _ in conditions:
+        for workload_name in workloads:
+            ours, theirs = (
+                results[(condition, workload_name, "nanoserve")],
+                results[(condition, workload_name, "llama.cpp")],
+            )
+            print(f"| {condition} | {workload_name} | {_fmt(ours)} | {_fmt(theirs)} | {_ratio(ours, theirs)} |")
+    if both:
+        for workload_name in workloads:
+            for engine in ("nanoserve", "llama.cpp"):
+                busy = statistics.median(results[("one core busy", workload_name, engine)])
+                quiet = statistics.median(results[("quiet", workload_name, engine)])
+                print(f"one core busy / quiet, {workload_name}, {engine}: {busy / quiet:.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=128)
@@ -337,27 +363,48 @@ def main() -> None:
         help="leave nanoserve's KV cache pages untouched before the runs (a fresh server's first minutes)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compare-batch-invariant",
+        action="store_true",
+        help="also run nanoserve --batch-invariant off in every round (a second engine in this process), "
+        "and print what batch invariance costs",
+    )
+    parser.add_argument(
+        "--skip-peer",
+        action="store_true",
+        help="no llama.cpp runs (with --compare-batch-invariant: nanoserve against itself only; on a machine so "
+        "loaded that llama.cpp's passive threads crawl)",
+    )
     args = parser.parse_args()
 
     model_path = str(default_model_path())
     threads = args.llamacpp_threads or available_cpus()
     print(f"# model {model_path}; llama.cpp threads {threads}; load {os.getloadavg()}", flush=True)
-    llm = LLM(
-        quantization=args.quantization,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.parallel,
-        event_log_url=None,
-        kv_cache_memory=1 << 30,
-    )
+
+    def make_llm(batch_invariant: str) -> LLM:
+        return LLM(
+            quantization=args.quantization,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_num_seqs=args.parallel,
+            event_log_url=None,
+            kv_cache_memory=1 << 30,
+            batch_invariant=batch_invariant,
+        )
+
+    llm = make_llm("auto")
+    engines = {"nanoserve": llm}  # engine name -> engine
+    if args.compare_batch_invariant:
+        engines[VARIANT] = make_llm("off")
     print(f"# nanoserve kv cache {llm.engine.runner.kv_cache_dtype}", flush=True)
     if not args.cold_kv_cache:
         # llama.cpp clears its KV cache at load, so its pages are resident from the start; nanoserve's
         # cache is a lazily zeroed map whose pages fault in on first write (about a second of CPU per
         # GiB, paid once by a fresh server): write them now, so both engines run with a warm cache
-        runner = llm.engine.runner
-        for cache in [*runner.kv_cache.key_caches, *runner.kv_cache.value_caches]:
-            cache.zero_()
+        for nano in engines.values():
+            runner = nano.engine.runner
+            for cache in [*runner.kv_cache.key_caches, *runner.kv_cache.value_caches]:
+                cache.zero_()
     conditions: list[tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]] = []
     if not args.skip_quiet:
         conditions.append(("quiet", contextlib.nullcontext))
@@ -375,11 +422,13 @@ def main() -> None:
     slot_tokens = args.single_stream_tokens + max(
         len(r.prompt_token_ids) + r.max_tokens for workload in workload_of.values() for r in workload
     )
-    peer = LlamaCppProcess(model_path, args.parallel, slot_tokens, threads)
+    peer = None if args.skip_peer else LlamaCppProcess(model_path, args.parallel, slot_tokens, threads)
     workloads = args.workloads.split(",")
     warm_up = workload_of[len(conditions) * args.rounds]
-    nanoserve_batch(llm, warm_up[:8])  # warm both up
-    peer.batch(warm_up[:8], args.parallel)
+    for nano in engines.values():  # warm every engine up
+        nanoserve_batch(nano, warm_up[:8])
+    if peer is not None:
+        peer.batch(warm_up[:8], args.parallel)
 
     results: dict[tuple[str, str, str], list[float]] = {}
     for condition_id, (condition, context) in enumerate(conditions):
@@ -388,11 +437,18 @@ def main() -> None:
                 workload = workload_of[condition_id * args.rounds + round_id]
                 single = workload[0]
                 runs: list[tuple[str, str, Callable[[], float]]] = [
-                    ("single", "nanoserve", partial(nanoserve_single_stream, llm, single, args.single_stream_tokens)),
-                    ("single", "llama.cpp", partial(peer.single_stream, single, args.single_stream_tokens)),
-                    ("batch", "nanoserve", partial(nanoserve_batch, llm, workload)),
-                    ("batch", "llama.cpp", partial(peer.batch, workload, args.parallel)),
+                    *(
+                        ("single", name, partial(nanoserve_single_stream, nano, single, args.single_stream_tokens))
+                        for name, nano in engines.items()
+                    ),
+                    *(("batch", name, partial(nanoserve_batch, nano, workload)) for name, nano in engines.items()),
                 ]
+                if peer is not None:
+                    runs.insert(
+                        len(engines),
+                        ("single", "llama.cpp", partial(peer.single_stream, single, args.single_stream_tokens)),
+                    )
+                    runs.append(("batch", "llama.cpp", partial(peer.batch, workload, args.parallel)))
                 for workload_name, engine, run in runs:
                     if workload_name not in workloads:
                         continue
@@ -400,23 +456,26 @@ def main() -> None:
                     results.setdefault((condition, workload_name, engine), []).append(value)
                     print(f"# {condition} round {round_id} {workload_name} {engine}: {value:.1f} tok/s", flush=True)
 
-    print("\n| condition | workload | nanoserve tok/s | llama.cpp tok/s | ratio |\n|---|---|---|---|---|")
-    for condition, _ in conditions:
-        for workload_name in workloads:
-            ours, theirs = (
-                results[(condition, workload_name, "nanoserve")],
-                results[(condition, workload_name, "llama.cpp")],
-            )
-            print(f"| {condition} | {workload_name} | {_fmt(ours)} | {_fmt(theirs)} | {_ratio(ours, theirs)} |")
-    if not (args.skip_busy or args.skip_quiet):
-        for workload_name in workloads:
-            for engine in ("nanoserve", "llama.cpp"):
-                busy = statistics.median(results[("one core busy", workload_name, engine)])
-                quiet = statistics.median(results[("quiet", workload_name, engine)])
-                print(f"one core busy / quiet, {workload_name}, {engine}: {busy / quiet:.0%}")
+    if peer is not None:
+        print_peer_table(results, conditions, workloads, both=not (args.skip_busy or args.skip_quiet))
+    if args.compare_batch_invariant:
+        for condition, _ in conditions:
+            for workload_name in workloads:
+                on, off = results[(condition, workload_name, "nanoserve")], results[(condition, workload_name, VARIANT)]
+                peer_ratio = (
+                    f"; {VARIANT} / llama.cpp {_ratio(off, results[(condition, workload_name, 'llama.cpp')])}"
+                    if peer is not None
+                    else ""
+                )
+                print(
+                    f"{condition}, {workload_name}: nanoserve {_fmt(on)} tok/s batch-invariant, {_fmt(off)} without "
+                    f"(on/off {_ratio(on, off)}){peer_ratio}"
+                )
     print(f"nanoserve weights in memory: {llm.engine.runner.weight_bytes / 2**20:.1f} MiB", flush=True)
-    llm.shutdown()
-    peer.close()
+    for nano in engines.values():
+        nano.shutdown()
+    if peer is not None:
+        peer.close()
 
     if not args.skip_startup:
         for _ in range(args.rounds):

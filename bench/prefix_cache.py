@@ -36,7 +36,7 @@ import torch
 
 from nanoserve.allocator.log import read_events
 from nanoserve.engine import LLM, SamplingParams, TokensPrompt
-from nanoserve.engine.outputs import RequestOutput
+from nanoserve.engine.core.outputs import RequestOutput
 
 
 @dataclass
@@ -79,6 +79,7 @@ def make_llm(args: argparse.Namespace, enable_prefix_caching: bool, log_url: str
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=enable_prefix_caching,
         event_log_url=log_url,
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -176,10 +177,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--only", choices=("shared", "multi-turn"), default=None)
+    parser.add_argument(
+        "--batch-invariant",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="nanoserve's --batch-invariant (auto: on where the CPU has AVX-512 VNNI)",
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, max_num_seqs {args.max_num_seqs}")
+    print(
+        f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, max_num_seqs {args.max_num_seqs}, "
+        f"batch_invariant {args.batch_invariant}"
+    )
     with tempfile.TemporaryDirectory() as folder:
         for workload, name in (("shared", "shared system prompt"), ("multi-turn", "multi-turn conversations")):
             if args.only not in (None, workload):

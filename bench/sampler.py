@@ -6,7 +6,7 @@ One call of the sampler on a [batch, vocab_size] float32 logits batch, as the
 engine makes once per decode step; milliseconds, best of ``--repeats`` calls,
 old and new interleaved in the same process.
 
-- new: ``nanoserve.engine.sampler.Sampler``: one uniform per row from
+- new: ``nanoserve.engine.sampling.sampler.Sampler``: one uniform per row from
   (seed, output position), inverse CDF over the row's probabilities.
 - old (the peer): the sampler as it was before (commit 92b4361): the same
   temperature / top-k / top-p / min-p, then the exponential race
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.engine.sampler import Sampler, truncate_min_p, truncate_top_k_top_p
-from nanoserve.engine.sampling_params import SamplingParams
+from nanoserve.engine.sampling.params import SamplingParams
+from nanoserve.engine.sampling.sampler import Sampler, truncate_min_p, truncate_top_k_top_p
 
 
 @dataclass

@@ -48,15 +48,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from nanoserve.engine import llm_engine as llm_engine_module
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.forward_batch import ForwardBatch
-from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.outputs import AbortCause
-from nanoserve.engine.prompts import TokensPrompt
-from nanoserve.engine.sampler import Sampler
-from nanoserve.engine.sampling_params import SamplingParams
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.core import llm_engine as llm_engine_module
+from nanoserve.engine.core.llm_engine import LLMEngine
+from nanoserve.engine.core.log_setup import build_engine
+from nanoserve.engine.core.outputs import AbortCause
+from nanoserve.engine.core.scheduler import Scheduler
+from nanoserve.engine.model.forward_batch import ForwardBatch
+from nanoserve.engine.sampling.params import SamplingParams
+from nanoserve.engine.sampling.sampler import Sampler
+from nanoserve.engine.text.prompts import TokensPrompt
 from nanoserve.service.logs import configure_logging
 
 PIECES = ("schedule", "build", "prepare", "model", "runner", "sampler", "engine", "outside", "step")
@@ -217,7 +218,7 @@ def main() -> None:
     configure_logging(log_level="info")  # as the server: debug lines filtered out
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     max_tokens = args.steps + 16
-    engine = LLMEngine(
+    engine = build_engine(
         EngineConfig.from_kwargs(
             model=args.model,
             num_threads=args.threads or None,

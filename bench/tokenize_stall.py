@@ -170,8 +170,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from nanoserve.engine.tokenizer import Tokenizer
-    from nanoserve.engine.weights import default_model_path
+    from nanoserve.engine.model.weights import default_model_path
+    from nanoserve.engine.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(default_model_path())
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))

@@ -3,7 +3,9 @@
     from nanoserve.engine import LLM, SamplingParams
 
 Heavy modules (torch, the model runner) load on first use of a name, so that
-``import nanoserve.engine.errors`` or ``.config`` stays cheap.
+``import nanoserve.engine.errors`` or ``.config`` stays cheap. Importing changes no environment
+variable: the thread wait policy (``prefer_bounded_spin``) is set by the entry points, the CLI's
+``main`` and ``LLM(...)``.
 """
 
 from __future__ import annotations
@@ -11,37 +13,32 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.engine.threads import prefer_bounded_spin
-
-# Threads that spin briefly, then sleep (see nanoserve.engine.threads): effective before torch starts its pool.
-prefer_bounded_spin()
-
 if TYPE_CHECKING:
-    from nanoserve.engine.async_llm_engine import AsyncLLMEngine, RequestStream
     from nanoserve.engine.config import EngineConfig
-    from nanoserve.engine.llm import LLM
-    from nanoserve.engine.llm_engine import LLMEngine
-    from nanoserve.engine.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-    from nanoserve.engine.prompts import ChatPrompt, TokensPrompt
-    from nanoserve.engine.sampling_params import SamplingParams
-    from nanoserve.engine.status import ModelInfo, PoolStatus
+    from nanoserve.engine.core.async_llm_engine import AsyncLLMEngine, RequestStream
+    from nanoserve.engine.core.llm import LLM
+    from nanoserve.engine.core.llm_engine import LLMEngine
+    from nanoserve.engine.core.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+    from nanoserve.engine.core.status import ModelInfo, PoolStatus
+    from nanoserve.engine.sampling.params import SamplingParams
+    from nanoserve.engine.text.prompts import ChatPrompt, TokensPrompt
 
 _EXPORTS = {
-    "AsyncLLMEngine": "async_llm_engine",
-    "ChatPrompt": "prompts",
-    "CompletionOutput": "outputs",
+    "AsyncLLMEngine": "core.async_llm_engine",
+    "ChatPrompt": "text.prompts",
+    "CompletionOutput": "core.outputs",
     "EngineConfig": "config",
-    "LLM": "llm",
-    "LLMEngine": "llm_engine",
-    "PoolStatus": "status",
-    "ModelInfo": "status",
-    "AbortCause": "outputs",
-    "RequestStream": "async_llm_engine",
-    "RequestMetrics": "outputs",
-    "RequestOutput": "outputs",
-    "SamplingParams": "sampling_params",
-    "TokenLogprob": "outputs",
-    "TokensPrompt": "prompts",
+    "LLM": "core.llm",
+    "LLMEngine": "core.llm_engine",
+    "PoolStatus": "core.status",
+    "ModelInfo": "core.status",
+    "AbortCause": "core.outputs",
+    "RequestStream": "core.async_llm_engine",
+    "RequestMetrics": "core.outputs",
+    "RequestOutput": "core.outputs",
+    "SamplingParams": "sampling.params",
+    "TokenLogprob": "core.outputs",
+    "TokensPrompt": "text.prompts",
 }
 
 __all__ = [  # the names of _EXPORTS, spelled out so that linters and type checkers see them

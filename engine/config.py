@@ -1,8 +1,9 @@
 """Engine configuration: one dataclass per layer, each validating itself.
 
 ``ModelConfig`` (which weights, dtype, device), ``CacheConfig`` (the paged KV
-pool), ``SchedulerConfig`` (batching limits), ``EventLogConfig`` (where the
-allocator's events go) and ``EngineConfig`` which holds one of each. Every bad
+pool), ``SchedulerConfig`` (batching limits), ``StreamConfig`` (what a stream
+may buffer for a slow reader), ``EventLogConfig`` (where the allocator's events
+go), ``StructuredOutputConfig`` (grammar compiling) and ``EngineConfig`` which holds one of each. Every bad
 value raises ``ValueError`` naming the field, the value and the allowed range.
 """
 
@@ -15,6 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+BATCH_INVARIANT_MODES = ("auto", "on", "off")  # see ModelConfig.batch_invariant
 MATMUL_PRECISIONS = ("highest", "medium")  # torch's names (torch.set_float32_matmul_precision)
 
 
@@ -35,7 +37,7 @@ class ModelConfig:
     max_model_len: longest sequence (prompt + generated tokens) served; ``None``
         takes the model's own context length.
     quantization: ``auto`` keeps a quantized GGUF's Q4_0/Q4_1/Q8_0 weights in their
-        blocks (nanoserve's kernel, ``nanoserve.engine.kernels``; torch's int4 / int8
+        blocks (nanoserve's kernel, ``nanoserve.engine.model.kernels``; torch's int4 / int8
         kernels where it cannot be built), ``none`` dequantizes everything to ``dtype``
         (the exact path), ``int8`` / ``int4`` use torch's kernels and also quantize
         float weights at load.
@@ -47,6 +49,16 @@ class ModelConfig:
         on CPUs with AVX-512 BF16: twice the float32 rate, a bf16 model's rounding.
         ``highest`` keeps them float32 (gguf's weight values exactly). Steps of up to 4
         tokens, other CPUs and the other kernels are the same under both.
+    batch_invariant: ``on``: a row's logits depend only on the model, its own prefix and its
+        position: not on what it is batched with, how its prefill was chunked, whether its
+        prefix came from the prefix cache or a recompute, or the thread count. nanoserve's
+        GGUF kernel then runs steps of every size by the decode path's arithmetic (16-bit
+        activations, exact integer block sums; ``matmul_precision`` no longer applies to it)
+        and prefill attention by the paged decode kernel, query by query. ``off``: large steps
+        take ``matmul_precision``'s body and prefill attention SDPA. ``auto``: ``on`` where the
+        CPU has AVX-512 VNNI (the int16 panels keep large steps fast), else ``off`` (there the
+        decode tiles would run large steps, about twice as slow). The default is ``off``: on
+        costs batches about a quarter of their throughput (docs/batch-invariance.md).
     dense_large_steps: int4 layers also keep a dense ``dtype`` copy, used for steps
         of more than 8 tokens (prefill, big batches), where the int4 CPU kernel is
         compute-bound and slower than oneDNN's dense matmul; costs that copy's memory.
@@ -60,6 +72,7 @@ class ModelConfig:
     num_threads: int | None = None
     dense_large_steps: bool = False
     matmul_precision: str = "medium"
+    batch_invariant: str = "off"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,6 +84,8 @@ class ModelConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS}, got {self.matmul_precision!r}")
+        if self.batch_invariant not in BATCH_INVARIANT_MODES:
+            raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}, got {self.batch_invariant!r}")
         if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
             raise ValueError(f"num_threads must be in [1, 1024], got {self.num_threads}")
 
@@ -114,17 +129,21 @@ class SchedulerConfig:
 
     max_num_seqs: sequences running at once (decode batch size limit).
     max_num_batched_tokens: tokens in one forward pass (prefill chunks + decodes).
-    max_num_waiting: requests queued before new ones are refused.
+    max_num_waiting: requests queued beyond the running ones; a new request is refused when
+        running + waiting would exceed max_num_seqs + max_num_waiting.
+    max_parallel_samples: the most samples one request may ask for (``n``, ``best_of``).
     """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_num_waiting: int = 1024
+    max_parallel_samples: int = 16
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive("max_num_waiting", self.max_num_waiting)
+        _check_positive("max_parallel_samples", self.max_parallel_samples)
 
 
 @dataclass
@@ -154,6 +173,9 @@ class EventLogConfig:
         once the journal record that holds it is committed.
     journal_retention_s: unfinished requests that arrived longer ago than
         this are not recovered after a crash (they end, abort cause not_recovered).
+    max_concurrent_log_reads: reads of the log and journal for clients (Resume,
+        WatchEvents catch-up) that run at once, each on a thread of its own;
+        more wait their turn. Small, so readers cannot starve the engine thread.
     """
 
     event_log_url: str | None = None
@@ -166,6 +188,7 @@ class EventLogConfig:
     journal: bool = True
     stream_before_durable: bool = False
     journal_retention_s: float = 3600.0
+    max_concurrent_log_reads: int = 4
 
     @property
     def journal_enabled(self) -> bool:
@@ -177,10 +200,50 @@ class EventLogConfig:
             raise ValueError(f"journal_retention_s must be > 0 seconds, got {self.journal_retention_s}")
         _check_positive("num_events_per_snapshot", self.num_events_per_snapshot)
         _check_positive("event_log_max_pending_batches", self.event_log_max_pending_batches)
+        _check_positive("max_concurrent_log_reads", self.max_concurrent_log_reads)
         if not self.event_log_close_timeout_s >= 0:
             raise ValueError(f"event_log_close_timeout_s must be >= 0 seconds, got {self.event_log_close_timeout_s}")
         if not self.pool_id:
             raise ValueError("pool_id must be a non-empty string")
+
+
+@dataclass
+class StreamConfig:
+    """What one request's stream may hold for a reader that has not taken it yet.
+
+    max_stream_buffer_messages: outputs queued and not yet read, at most.
+    max_stream_buffer_bytes: their estimated size in bytes (``RequestStream``'s
+        estimate of the Python objects held), at most.
+    A stream past either bound ends: its request is aborted (cause slow_consumer,
+    blocks freed at once) and its reader gets ``StreamBufferFullError``
+    (RESOURCE_EXHAUSTED). A reader that keeps up holds about one output.
+    """
+
+    max_stream_buffer_messages: int = 1024
+    max_stream_buffer_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        _check_positive("max_stream_buffer_messages", self.max_stream_buffer_messages)
+        _check_positive("max_stream_buffer_bytes", self.max_stream_buffer_bytes)
+
+
+@dataclass
+class StructuredOutputConfig:
+    """How structured-output grammars are compiled (``nanoserve.engine.structured``).
+
+    structured_output_compile_timeout_s: seconds one grammar may take to compile
+        (off the engine thread); a slower one is refused as invalid, naming the limit.
+    max_cached_grammars: compiled grammars kept, least recently used dropped first.
+    """
+
+    structured_output_compile_timeout_s: float = 5.0
+    max_cached_grammars: int = 256
+
+    def __post_init__(self) -> None:
+        timeout_s = self.structured_output_compile_timeout_s
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 600):
+            raise ValueError(f"structured_output_compile_timeout_s must be in (0, 600], got {timeout_s!r}")
+        _check_positive("max_cached_grammars", self.max_cached_grammars)
 
 
 @dataclass
@@ -190,7 +253,9 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     event_log: EventLogConfig = field(default_factory=EventLogConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -198,7 +263,14 @@ class EngineConfig:
 
         Raises ValueError for a name no layer knows.
         """
-        layers = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "event_log": EventLogConfig}
+        layers = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "stream": StreamConfig,
+            "event_log": EventLogConfig,
+            "structured_output": StructuredOutputConfig,
+        }
         per_layer: dict[str, dict[str, Any]] = {name: {} for name in layers}
         owner = {f.name: name for name, klass in layers.items() for f in fields(klass)}
         for key, value in kwargs.items():

@@ -16,7 +16,11 @@ class InvalidRequestError(ValueError):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds ``max_num_waiting`` requests (-> RESOURCE_EXHAUSTED)."""
+    """Running + waiting requests number ``max_num_seqs + max_num_waiting`` (-> RESOURCE_EXHAUSTED).
+
+    Free running slots count as room: a burst of requests arriving between two
+    steps is refused only beyond what the next step can run plus the queue.
+    """
 
 
 class EngineDeadError(RuntimeError):
@@ -57,3 +61,19 @@ class EventLogUnusableError(RuntimeError):
 class JournalDisabledError(RuntimeError):
     """The server keeps no request journal (no event log, or the journal turned off): nothing can be
     resumed (-> FAILED_PRECONDITION)."""
+
+
+class StreamBufferFullError(RuntimeError):
+    """A stream's reader fell behind past ``--max-stream-buffer-messages`` or
+    ``--max-stream-buffer-bytes``: its request was aborted (cause slow_consumer) and
+    its blocks freed (-> RESOURCE_EXHAUSTED). The message names the bound passed."""
+
+
+class JournalGapError(RuntimeError):
+    """A request's journaled history has a hole: a journal row missing or altered, or a released
+    delta missing, so its outputs cannot be streamed whole (-> DATA_LOSS)."""
+
+    def __init__(self, request_id: str, where: str) -> None:
+        super().__init__(f"request {request_id!r}: its journal is damaged ({where}); its history cannot be resumed")
+        self.request_id = request_id
+        self.where = where

@@ -1,7 +1,9 @@
 """Alembic environment: URL from the application's config, metadata from the models.
 
-Imports nothing of nanoserve but the schema (``nanoserve.allocator.log.schema``):
-the event log never imports the migrations, and the migrations need only its tables.
+Imports nothing of nanoserve but the schemas: the event log's
+(``nanoserve.allocator.log.schema``, whose ``Base`` holds the metadata) and the
+request journal's (``nanoserve.engine.journal.schema``, declared on that
+``Base``). Neither imports the migrations; the migrations need only the tables.
 
 Migrations serialize: two servers starting on a fresh log at once must not both
 create its tables. Each upgrade runs in one transaction that first takes a lock
@@ -13,6 +15,7 @@ own lock, if any, is another key), on SQLite the database's write lock
 
 from __future__ import annotations
 
+import contextlib
 import logging.config
 import os
 from typing import Any
@@ -21,13 +24,16 @@ import sqlalchemy as sa
 from alembic import context
 
 from nanoserve.allocator.log.schema import Base
+from nanoserve.engine.journal import schema as journal_schema
 
 config = context.config
 # Only the Alembic CLI configures logging; programmatic upgrades leave the app's alone.
 if config.config_file_name is not None and config.get_main_option("configure_logging", "false") == "true":
     logging.config.fileConfig(config.config_file_name)
 
+# one metadata: the journal's table is declared on the log's Base (its rows reference the log's epochs)
 target_metadata = Base.metadata
+assert journal_schema.request_journal.metadata is target_metadata, "the journal's table is on the log's Base"
 
 # pg_advisory_xact_lock key held while migrating: the bytes "nsmigrat" as a signed 64-bit integer
 MIGRATION_LOCK_KEY = int.from_bytes(b"nsmigrat", "big", signed=True)
@@ -68,9 +74,19 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+def _create_private_file(path: str) -> None:
+    """Create the SQLite file 0600 (owner only) when there is none, as ``allocator.log.store`` does:
+    the migrations import only the schemas, so the three lines are repeated here."""
+    # an existing file keeps its mode; a missing folder is SQLite's error to name
+    with contextlib.suppress(FileExistsError, FileNotFoundError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 def run_migrations_online() -> None:
     url = sa.engine.make_url(_url())
     if url.get_backend_name() == "sqlite":
+        if url.database and url.database != ":memory:" and not url.database.startswith("file:"):
+            _create_private_file(url.database)
         # the driver leaves transactions to us, and each begins by taking the write lock
         engine = sa.create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "isolation_level": None})
         sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the Python code of the gRPC contract beside the .proto files:
 # protos/nanoserve/v1/*_pb2.py, *_pb2.pyi and *_pb2_grpc.py. The only way those
-# files are made; tests/service/test_protos.py checks that they are up to date.
+# files are made; tests/service/grpc/test_protos.py checks that they are up to date.
 #
 #   bash scripts/gen_protos.sh [OUT_DIR]     (default: protos)
 set -euo pipefail

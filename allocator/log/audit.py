@@ -7,7 +7,7 @@ violation of the log, and the report gives the pool as it stood at the last
 durable event (which owner held which blocks).
 
 Each violation carries the seq range to plot to see what led to it
-(``Violation.plot_range``, see ``PoolTimeline.holding_start``): found by one more
+(``Violation.plot_range``, see ``plot_range.HoldingStarts``): found by one more
 read of the epoch, made only when there are violations.
 """
 
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 
 from nanoserve.allocator.log.errors import LogNotFoundError
-from nanoserve.allocator.log.log_reader import (
+from nanoserve.allocator.log.plot_range import HoldingStarts, plot_range
+from nanoserve.allocator.log.reader import (
     EpochInfo,
     connect,
     event_rows,
@@ -27,9 +28,8 @@ from nanoserve.allocator.log.log_reader import (
     resolve_epoch,
     to_event,
 )
-from nanoserve.allocator.log.pool_timeline import PoolTimeline, plot_range
-from nanoserve.allocator.log.replay import replay_epoch
-from nanoserve.allocator.log.replayer import Replayer
+from nanoserve.allocator.log.replay import checkpoint_start, replay_epoch
+from nanoserve.allocator.log.replay_state import Replayer
 from nanoserve.allocator.pool_state import PoolState, Violation
 
 
@@ -40,6 +40,8 @@ class AuditReport:
     state: the pool after the last stored event (for a crashed epoch: as it
         stood at the crash, as far as it is durable).
     leaked: block_id -> owner of blocks still held at a clean close.
+    from_seq: the seq the audit began at (1: from genesis; else a checkpoint,
+        and ``num_events`` counts the rows from there).
     """
 
     pool_id: str
@@ -50,6 +52,7 @@ class AuditReport:
     state: PoolState
     violations: list[Violation] = field(default_factory=list)
     leaked: dict[int, str] = field(default_factory=dict)
+    from_seq: int = 1  # the first seq read: 1 for a full audit, a checkpoint's seq for a tail audit
 
     @property
     def clean(self) -> bool:
@@ -82,9 +85,19 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
-    """Audit one epoch on an open connection (see ``audit``)."""
-    replayer = replay_epoch(conn, info, None, lambda: Replayer(info))
+def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool = False) -> AuditReport:
+    """Audit one epoch on an open connection (see ``audit``).
+
+    from_checkpoint: audit only the tail since the epoch's newest verified
+    checkpoint (``replay.checkpoint_start``: a SNAPSHOT whose own hash links
+    to the stored hash before it), trusting the rows before it unread: what
+    recovery does before serving, in constant time. The report's
+    ``from_seq`` is then the checkpoint's seq and ``num_events`` counts the
+    rows from there; the full audit (the default, and ``log audit``) reads
+    the epoch from genesis.
+    """
+    start = (lambda: checkpoint_start(conn, info)) if from_checkpoint else (lambda: Replayer(info))
+    replayer = replay_epoch(conn, info, None, start)
     replayer.finish()
     closed_seq = replayer.closed_seq
     closed = closed_seq is not None
@@ -104,6 +117,7 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo) -> AuditReport:
         state=state,
         violations=_with_plot_ranges(conn, info, violations, replayer.last_seq),
         leaked=leaked,
+        from_seq=replayer.start_seq,
     )
 
 
@@ -113,17 +127,17 @@ def _with_plot_ranges(
     """The violations with their ``plot_range``, from the holdings of their blocks up to the last violation."""
     if not violations:
         return violations
-    timeline = PoolTimeline()
+    holdings = HoldingStarts()
     until_seq = min(max(violation.seq for violation in violations), last_seq)
     try:
         for chunk in event_rows(conn, info.pool_id, info.epoch, 1, until_seq):
-            timeline.apply(to_event(info.pool_id, info.epoch, row) for row in chunk)
+            holdings.apply(to_event(info.pool_id, info.epoch, row) for row in chunk)
     except ValueError:
         pass  # a malformed record: the holdings read so far still place the violations before it
     return [
         dataclasses.replace(
             violation,
-            plot_range=plot_range(violation.seq, timeline.holding_start(violation.seq, violation.block_id), last_seq),
+            plot_range=plot_range(violation.seq, holdings.holding_start(violation.seq, violation.block_id), last_seq),
         )
         for violation in violations
     ]

@@ -44,30 +44,29 @@ from typing import Any
 import sqlalchemy as sa
 
 from nanoserve.allocator.events import BlockEvent, EventKind
-from nanoserve.allocator.log.database import (
-    DEFAULT_EVENT_LOG_URL,
-    Row,
-    create_log_engine,
-    insert_rows,
-    sqlite_file,
-)
+from nanoserve.allocator.log.batch import Batch
+from nanoserve.allocator.log.companion import CompanionRecord
+from nanoserve.allocator.log.epoch_row import check_open_args, insert_epoch, newest_epoch
 from nanoserve.allocator.log.errors import (
     EventLogError,
     EventLogIncompleteError,
     LogFileLostError,
-    SecondWriterError,
     is_store_unavailable,
+    redact_urls,
     safe_url,
     store_error,
 )
-from nanoserve.allocator.log.event import Event
-from nanoserve.allocator.log.event_chain import genesis_hash
-from nanoserve.allocator.log.journal import JournalRecord, JournalRow, insert_journal_rows
-from nanoserve.allocator.log.log_writer import Batch, LogWriter
-from nanoserve.allocator.log.pool_lock import PoolLock
-from nanoserve.allocator.log.record_codec import snapshot_data
-from nanoserve.allocator.log.schema import pool_epochs
+from nanoserve.allocator.log.hash_chain import genesis_hash
+from nanoserve.allocator.log.pool_lock import PoolLock, yield_to_reconnecting_writer
+from nanoserve.allocator.log.snapshot_codec import snapshot_data
+from nanoserve.allocator.log.store import (
+    DEFAULT_EVENT_LOG_URL,
+    create_log_engine,
+    sqlite_file,
+)
 from nanoserve.allocator.log.store_probe import check_schema
+from nanoserve.allocator.log.stored_event import Event
+from nanoserve.allocator.log.writer import LogWriter
 from nanoserve.allocator.pool_state import PoolState
 
 _time_ns = time.time_ns
@@ -105,7 +104,7 @@ class EventLog:
         self._sync = sync
         self._num_events_per_snapshot = num_events_per_snapshot
         self._seq = writer.durable_seq
-        self._journal_seq = writer.durable_journal_seq  # last journal seq assigned
+        self._journal_seq = writer.durable_companion_seq  # last companion (journal) seq assigned
         self._snapshot_seq = self._seq  # seq of the last SNAPSHOT (or POOL_INIT)
         self._closed = False
         self.close_error: EventLogIncompleteError | None = None  # set when close found events not durable
@@ -124,24 +123,29 @@ class EventLog:
         num_events_per_snapshot: int = 10_000,
         max_pending_batches: int = 4096,
         epoch: int | None = None,
-        prepare_journal: Callable[[sa.Engine, str, int], Sequence[JournalRecord]] | None = None,
+        prepare_journal: Callable[[sa.Engine, str, int], Sequence[CompanionRecord]] | None = None,
     ) -> EventLog:
         """Open a new epoch of ``pool_id`` in the log at ``url`` and write POOL_INIT.
 
         The pool's lock (``PoolLock``: a PostgreSQL advisory lock, a file lock
         beside a SQLite database) is taken first and held until ``close``, so
         two live servers never write one pool, whatever epoch they would pick.
+        On PostgreSQL it fences every commit, and the writer takes it again
+        after its session ends (the database restarted); a pool whose newest
+        epoch is open on a server up for less than ``RESTART_WINDOW_S`` waits
+        ``RETAKE_GRACE_S`` for the epoch's writer to come back first
+        (``pool_lock.yield_to_reconnecting_writer``).
 
         epoch: None takes the pool's newest epoch + 1 (1 for a new pool).
-        config: JSON-serialisable settings stored in POOL_INIT.
+        config: JSON-serialisable settings stored in POOL_INIT (URLs in it through ``safe_url``: no password).
         max_pending_batches: batches that may wait for the writer before
             ``append_batch`` blocks (the bound on memory while the store is slow or away).
         prepare_journal: called as ``prepare_journal(engine, pool_id, epoch)``
             once the pool's lock is held and the new epoch's number is known
-            (recovery reads the crashed epoch before it there); the journal
-            records it returns are committed in the same transaction as
-            POOL_INIT, journal seqs 1, 2, ...: the new epoch exists with all of
-            them or not at all.
+            (recovery reads the crashed epoch before it there); the companion
+            records it returns (the engine's request journal) are committed in
+            the same transaction as POOL_INIT, journal seqs 1, 2, ...: the new
+            epoch exists with all of them or not at all.
         Raises LogNotFoundError (a ValueError) when the database has no log
         schema (run ``nanoserve.migrations.upgrade(url)`` first),
         SecondWriterError when another live writer holds the pool (its pool-id
@@ -149,8 +153,9 @@ class EventLog:
         LogUnavailableError when the store cannot be reached or written (down,
         read-only, full), ValueError on bad arguments.
         """
-        _check_open_args(pool_id, num_blocks, block_size, num_events_per_snapshot, max_pending_batches, epoch)
-        init_data = {"num_blocks": num_blocks, "block_size": block_size, "model": model, "config": config}
+        check_open_args(pool_id, num_blocks, block_size, num_events_per_snapshot, max_pending_batches, epoch)
+        # no secret at rest: a store URL in the config is kept without its password
+        init_data = {"num_blocks": num_blocks, "block_size": block_size, "model": model, "config": redact_urls(config)}
         try:
             json.dumps(init_data)
         except TypeError as exc:
@@ -160,8 +165,9 @@ class EventLog:
         try:
             check_schema(engine, url)
             pool_lock = PoolLock.acquire(engine, pool_id)
+            pool_lock = yield_to_reconnecting_writer(engine, pool_lock)
             if epoch is None:
-                epoch = _newest_epoch(engine, pool_id) + 1
+                epoch = newest_epoch(engine, pool_id) + 1
             writer = LogWriter(
                 engine,
                 pool_id,
@@ -171,15 +177,14 @@ class EventLog:
                 genesis_hash(pool_id, epoch),
                 max_pending_batches,
                 database_file=sqlite_file(url),
+                pool_lock=pool_lock,
             )
             journal = tuple(prepare_journal(engine, pool_id, epoch)) if prepare_journal is not None else ()
             init = Batch(1, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_INIT, init_data, journal, 1)
             rows, head_hash = writer.seal_first(init)
-            journal_rows = writer.seal_journal([init])
-            _insert_epoch(
-                engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns, journal_rows
-            )
-            writer.durable_journal_seq = len(journal_rows)
+            companions = writer.seal_companions([init])
+            insert_epoch(engine, writer, num_blocks, block_size, model, rows, head_hash, init.wall_time_ns, companions)
+            writer.durable_companion_seq = companions.last_seq
         except Exception as exc:
             if pool_lock is not None:  # the epoch was not opened: the pool is free for the next try
                 pool_lock.release()
@@ -214,13 +219,14 @@ class EventLog:
 
     @property
     def last_journal_seq(self) -> int:
-        """The last request journal seq assigned (engine thread)."""
+        """The last companion (request journal) seq assigned (engine thread)."""
         return self._journal_seq
 
     @property
     def durable_journal_seq(self) -> int:
-        """The last request journal seq committed: it moves with ``durable_seq``, in the same commits."""
-        return self._writer.durable_journal_seq
+        """The last companion (request journal) seq committed: it moves with ``durable_seq``, in the
+        same commits."""
+        return self._writer.durable_companion_seq
 
     def add_durable_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` on the writer thread after every commit; it must be quick (hand off)."""
@@ -283,7 +289,7 @@ class EventLog:
         step: int | None,
         events: Sequence[BlockEvent],
         snapshot: Callable[[], PoolState] | None = None,
-        journal: Sequence[JournalRecord] = (),
+        journal: Sequence[CompanionRecord] = (),
     ) -> None:
         """Append ``events`` (in emission order) as one batch stamped with scheduler ``step``.
 
@@ -298,9 +304,10 @@ class EventLog:
         passed since the last SNAPSHOT, which then ends the batch. None writes
         no SNAPSHOT.
 
-        journal: the step's request journal records; they get journal seqs
+        journal: the step's companion records (the engine's request journal,
+        stored by their own ``table``: ``companion``); they get journal seqs
         ``last_journal_seq + 1, ...`` and commit with the events (a step with
-        journal records and no events still makes a batch).
+        such records and no events still makes a batch).
 
         Blocks while ``max_pending_batches`` wait for the writer (never once
         ``close`` or ``unbound`` was called). Raises
@@ -436,70 +443,3 @@ class EventLog:
         them with ``read_events`` and drop duplicates by seq.
         """
         return self._writer.subscribe(callback)
-
-
-def _check_open_args(
-    pool_id: str,
-    num_blocks: int,
-    block_size: int,
-    num_events_per_snapshot: int,
-    max_pending_batches: int,
-    epoch: int | None,
-) -> None:
-    if type(pool_id) is not str or not 0 < len(pool_id) <= 128:
-        raise ValueError(f"pool_id must be a str of 1..128 characters, got {pool_id!r}")
-    for name, value in (
-        ("num_blocks", num_blocks),
-        ("block_size", block_size),
-        ("num_events_per_snapshot", num_events_per_snapshot),
-        ("max_pending_batches", max_pending_batches),
-    ):
-        if type(value) is not int or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if epoch is not None and (type(epoch) is not int or epoch < 1):
-        raise ValueError(f"epoch must be an int >= 1 or None, got {epoch!r}")
-
-
-def _newest_epoch(engine: sa.Engine, pool_id: str) -> int:
-    with engine.connect() as conn:
-        newest = conn.execute(
-            sa.select(sa.func.max(pool_epochs.c.epoch)).where(pool_epochs.c.pool_id == pool_id)
-        ).scalar()
-    return newest or 0
-
-
-def _insert_epoch(
-    engine: sa.Engine,
-    writer: LogWriter,
-    num_blocks: int,
-    block_size: int,
-    model: str | None,
-    rows: list[Row],
-    head_hash: bytes,
-    opened_wall_ns: int,
-    journal_rows: list[JournalRow],
-) -> None:
-    try:
-        with engine.begin() as conn:
-            conn.execute(
-                sa.insert(pool_epochs).values(
-                    pool_id=writer.pool_id,
-                    epoch=writer.epoch,
-                    writer_id=writer.writer_id,
-                    num_blocks=num_blocks,
-                    block_size=block_size,
-                    model=model,
-                    opened_wall_ns=opened_wall_ns,
-                    durable_seq=rows[-1][2],
-                    head_hash=head_hash,
-                    closed_seq=None,
-                )
-            )
-            insert_rows(conn, rows)
-            insert_journal_rows(conn, journal_rows)
-    except sa.exc.IntegrityError as exc:
-        raise SecondWriterError(
-            f"pool {writer.pool_id!r} epoch {writer.epoch} already has a writer: another server opened it at "
-            f"the same moment and is writing pool {writer.pool_id!r} to this log. Give each server its own "
-            "pool (--pool-id), or stop the other server, then start this one again"
-        ) from exc

@@ -8,12 +8,17 @@ An event is stored as one line of text, its *record*::
 None. For the prefix-cache kinds (REGISTER, SHARE, RELEASE, EVICT,
 CACHE_RESET) the ``reason`` field holds ``reason;entries``: the free reason
 (empty but for RELEASE), then one comma-separated entry per block:
-``key:parent:token_ids`` for REGISTER (parent empty for a first block, the
-block's token ids joined by ``.``; records written before the token ids were
-logged end at ``key:parent``, and still decode, with no token ids),
+``~key:parent:tokens`` for REGISTER (the sha256 key's 32 bytes in unpadded
+base64url, the parent the same, ``^`` for the entry before's key, or empty for a
+first block; the block's token ids as LEB128 varints in base64url); records
+written before it hold ``key:parent:token_ids`` (hex keys, the token ids joined
+by ``.``), or ``key:parent`` before the token ids were logged, and still decode
+(an event whose keys are not sha256 hex, a test's, is still written that way),
 ``key=count`` (the reference
 count after the event) for SHARE and RELEASE, ``key`` for EVICT and
-CACHE_RESET. Keys are hex, so neither ``|`` nor ``,`` nor ``;`` occurs in them.
+CACHE_RESET, each key written ``~`` + base64url of its 32 bytes (hex in records
+written before, which still decode). Keys are hex or base64url, so neither ``|`` nor ``,`` nor ``;`` nor
+``:`` occurs in them.
 A CACHE_RESET of an empty cache has no block ids. ``tail`` is the owner for block events and canonical JSON ``data``
 (sorted keys, no spaces) for POOL_INIT, SNAPSHOT and POOL_CLOSE. The tail is
 last, so it may hold any character. The record is what the hash chain covers
@@ -21,20 +26,27 @@ last, so it may hold any character. The record is what the hash chain covers
 a kind gains information only as an optional suffix of its entries (REGISTER's
 token ids), which older records lack.
 
-Readers get an ``Event`` (``decode_event``); replay splits the text itself
-(``split_record``) and turns block records into the allocator's
-``BlockEvent`` (``decode_block_event``) to apply them.
+Readers get an ``Event`` (``decode_event``), and views that fold the
+allocator's ``apply`` turn it into a ``BlockEvent`` (``block_event_of``);
+replay splits records into their fields (``split_record``, or
+``split_records`` for a whole chunk in its fast loop) and turns block records
+into ``BlockEvent``s (``decode_block_event``) to apply them. Nothing outside
+this module splits a record.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import operator
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
-from nanoserve.allocator.log.event import Event
-from nanoserve.allocator.pool_state import PoolState
-from nanoserve.allocator.transition import CACHE_KINDS, TRANSITIONS
+from nanoserve.allocator.log.stored_event import Event
+from nanoserve.allocator.transition import CACHE_KINDS, FAMILY_KINDS, TRANSITIONS
 
 NUM_FIELDS = 9
 # kinds whose record tail is JSON data rather than an owner
@@ -45,23 +57,49 @@ BLOCK_KINDS = {kind.value: kind for kind in TRANSITIONS}
 REASONS: dict[str, FreeReason | None] = {"": None, **{reason.value: reason for reason in FreeReason}}
 # stored text of the kinds whose reason field carries keys
 CACHE_KIND_VALUES = frozenset(kind.value for kind in CACHE_KINDS)
+# stored text of the parallel-sampling kinds, whose reason field carries the parent
+FAMILY_KIND_VALUES = frozenset(kind.value for kind in FAMILY_KINDS)
 
 
 def encode_detail(event: BlockEvent) -> str:
     """The reason field of a block record: the reason, and for a prefix-cache kind its keys."""
     reason = "" if event.reason is None else event.reason.value
+    if event.kind in FAMILY_KINDS:
+        counts = ".".join(map(str, event.ref_counts))
+        return f"{reason};{_b64((event.parent or '').encode())}:{int(event.partial)}:{counts}"
     if event.kind not in CACHE_KINDS:
         return reason
     if event.parent_keys:
+        if event.token_ids and all(map(_is_sha256_hex, event.keys)):
+            return f"{reason};{_compact_register_entries(event)}"
         entries = [f"{key}:{parent or ''}" for key, parent in zip(event.keys, event.parent_keys, strict=True)]
         if event.token_ids:
             tokens = (".".join(map(str, block_tokens)) for block_tokens in event.token_ids)
             entries = [f"{entry}:{text}" for entry, text in zip(entries, tokens, strict=True)]
     elif event.ref_counts:
-        entries = [f"{key}={count}" for key, count in zip(event.keys, event.ref_counts, strict=True)]
+        entries = [f"{_key_text(key)}={count}" for key, count in zip(event.keys, event.ref_counts, strict=True)]
     else:
-        entries = list(event.keys)
+        entries = [_key_text(key) for key in event.keys]
     return f"{reason};{','.join(entries)}"
+
+
+def _key_text(key: str) -> str:
+    """A SHARE, RELEASE or EVICT entry's key: ``~`` and its 32 bytes in base64url (43 characters, not
+    64), or as it is when it is no sha256 hex key (a test's)."""
+    return f"~{_b64(bytes.fromhex(key))}" if _is_sha256_hex(key) else key
+
+
+def _key_of(text: str) -> str:
+    """The key an entry's key text names (hex): ``~base64url`` or hex (records written before)."""
+    if not text.startswith("~"):
+        return text
+    try:
+        raw = _unb64(text[1:])
+    except (ValueError, binascii.Error) as exc:
+        raise ValueError(f"key {text!r}: {exc}") from None
+    if len(raw) != 32:
+        raise ValueError(f"key {text!r} holds {len(raw)} bytes, not 32")
+    return raw.hex()
 
 
 class Detail(NamedTuple):
@@ -72,6 +110,23 @@ class Detail(NamedTuple):
     parent_keys: tuple[str | None, ...] = ()
     ref_counts: tuple[int, ...] = ()
     token_ids: tuple[tuple[int, ...], ...] = ()
+    parent: str | None = None
+    partial: bool = False
+
+
+def _decode_family_detail(kind: str, detail: str) -> Detail:
+    """FORK and COPY: ``reason;parent:partial:counts`` (the parent's UTF-8 in base64url, partial 0 or 1,
+    the counts after the event joined by ``.``)."""
+    reason, separator, entry = detail.partition(";")
+    parts = entry.split(":")
+    if not separator or len(parts) != 3 or parts[1] not in ("0", "1"):
+        raise ValueError(f"reason {detail!r} of a {kind} record is not reason;parent:partial:counts")
+    try:
+        parent = _unb64(parts[0]).decode()
+        counts = tuple(map(int, parts[2].split("."))) if parts[2] else ()
+    except (ValueError, binascii.Error) as exc:
+        raise ValueError(f"reason {detail!r} of a {kind} record: {exc}") from None
+    return Detail(reason, ref_counts=counts, parent=parent, partial=parts[1] == "1")
 
 
 def decode_detail(kind: str, detail: str) -> Detail:
@@ -80,6 +135,8 @@ def decode_detail(kind: str, detail: str) -> Detail:
     ValueError naming the field when a prefix-cache record's entries are malformed
     (a REGISTER record's entries all carry token ids, or none does).
     """
+    if kind in FAMILY_KIND_VALUES:
+        return _decode_family_detail(kind, detail)
     if kind not in CACHE_KIND_VALUES:
         return Detail(detail)
     reason, separator, entry_text = detail.partition(";")
@@ -91,7 +148,10 @@ def decode_detail(kind: str, detail: str) -> Detail:
     tokens: list[tuple[int, ...]] = []
     for entry in entry_text.split(",") if entry_text else ():
         if kind == EventKind.REGISTER.value:
-            key, parent, block_tokens = _decode_register_entry(entry)
+            if entry.startswith("~"):
+                key, parent, block_tokens = _decode_compact_register_entry(entry, keys[-1] if keys else None)
+            else:
+                key, parent, block_tokens = _decode_register_entry(entry)
             parents.append(parent)
             if block_tokens is not None:
                 tokens.append(block_tokens)
@@ -99,13 +159,85 @@ def decode_detail(kind: str, detail: str) -> Detail:
             key, equals, count = entry.partition("=")
             if not equals or not count.isdigit():
                 raise ValueError(f"{kind} entry {entry!r} is not key=count")
+            key = _key_of(key)
             counts.append(int(count))
         else:
-            key = entry
+            key = _key_of(entry)
         keys.append(key)
     if tokens and len(tokens) != len(keys):
         raise ValueError(f"register record has token ids for {len(tokens)} of its {len(keys)} blocks")
     return Detail(reason, tuple(keys), tuple(parents), tuple(counts), tuple(tokens))
+
+
+def _is_sha256_hex(key: str | None) -> bool:
+    return key is not None and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _compact_register_entries(event: BlockEvent) -> str:
+    """REGISTER entries ``~key:parent:tokens``: the key in base64url (its 32 bytes), the parent
+    the same, or ``^`` for the entry before's key, or empty for none; the token ids LEB128 varints
+    in base64url. About 90 characters a block of 16 tokens, where the hex and decimal form took 225."""
+    entries = []
+    previous: str | None = None
+    for key, parent, block_tokens in zip(event.keys, event.parent_keys, event.token_ids, strict=True):
+        if parent is None:
+            parent_text = ""
+        elif parent == previous:
+            parent_text = "^"
+        elif _is_sha256_hex(parent):
+            parent_text = _b64(bytes.fromhex(parent))
+        else:
+            parent_text = "'" + parent  # not a sha256 key (a test's): as it is, marked
+        varints = bytearray()
+        for token_id in block_tokens:
+            while token_id >= 0x80:
+                varints.append((token_id & 0x7F) | 0x80)
+                token_id >>= 7
+            varints.append(token_id)
+        entries.append(f"~{_b64(bytes.fromhex(key))}:{parent_text}:{_b64(bytes(varints))}")
+        previous = key
+    return ",".join(entries)
+
+
+def _decode_compact_register_entry(entry: str, previous: str | None) -> tuple[str, str | None, tuple[int, ...] | None]:
+    """(key, parent or None, token ids) of a ``~key:parent:tokens`` REGISTER entry (``previous``:
+    the key of the entry before it, which ``^`` names)."""
+    parts = entry[1:].split(":")
+    if len(parts) != 3:
+        raise ValueError(f"register entry {entry!r} is not ~key:parent:tokens")
+    key_text, parent_text, token_text = parts
+    try:
+        key = _unb64(key_text).hex()
+        if parent_text == "^":
+            if previous is None:
+                raise ValueError("^ names the entry before, and this is the first")
+            parent: str | None = previous
+        elif parent_text.startswith("'"):
+            parent = parent_text[1:]
+        else:
+            parent = _unb64(parent_text).hex() if parent_text else None
+        raw = _unb64(token_text)
+    except (ValueError, binascii.Error) as exc:
+        raise ValueError(f"register entry {entry!r}: {exc}") from None
+    tokens: list[int] = []
+    value = shift = 0
+    for byte in raw:
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            tokens.append(value)
+            value = shift = 0
+    if shift:
+        raise ValueError(f"register entry {entry!r}: its token ids end inside a varint")
+    return key, parent, tuple(tokens)
 
 
 def _decode_register_entry(entry: str) -> tuple[str, str | None, tuple[int, ...] | None]:
@@ -127,7 +259,13 @@ def encode_block_record(
 ) -> str:
     """A block event as its stored line (see the module docstring)."""
     reason = event.reason
-    detail = encode_detail(event) if event.kind in CACHE_KINDS else "" if reason is None else reason.value
+    detail = (
+        encode_detail(event)
+        if event.kind in CACHE_KINDS or event.kind in FAMILY_KINDS
+        else ""
+        if reason is None
+        else reason.value
+    )
     return (
         f"{seq}|{batch_seq}|{event.kind.value}|{','.join(map(str, event.block_ids))}|{'' if step is None else step}"
         f"|{detail}|{wall_time_ns}|{monotonic_ns}|{event.owner}"
@@ -151,6 +289,94 @@ def encode_data(data: Any) -> str:
 def split_record(record: str) -> list[str]:
     """The nine fields of a record as text; fewer when the record is malformed."""
     return record.split("|", NUM_FIELDS - 1)
+
+
+_split_fields = operator.methodcaller("split", "|", NUM_FIELDS - 1)
+
+
+def split_records(records: Iterable[str]) -> Iterator[list[str]]:
+    """``split_record`` of each record, lazily and at C speed (replay's fast loop zips it with its rows).
+
+    Lazy on purpose: a chunk split at once keeps thousands of lists alive, and the
+    garbage collector's passes over them made replay three times slower.
+    """
+    return map(_split_fields, records)
+
+
+def decode_block_id_list(text: str) -> list[int]:
+    """Stored block ids (``"3,4"``) as a list, for replay's fast loop. ValueError when not a non-empty list."""
+    return list(map(int, text.split(",")))
+
+
+# a REGISTER record's entries as replay's fast loop takes them: each key:parent:token_ids, token ids ASCII digits
+_REGISTER_ENTRIES = re.compile(r"[^:,]*:[^:,]*:[0-9]+(?:\.[0-9]+)*(?:,[^:,]*:[^:,]*:[0-9]+(?:\.[0-9]+)*)*")
+
+
+def fast_entries(detail: str, num_blocks: int) -> list[str] | None:
+    """The entries of a prefix-cache record's reason field, for replay's fast loop.
+
+    None (the record is then the checked path's to decode and judge) unless the
+    reason before ``;`` is a ``FreeReason`` (or empty) and there is exactly one
+    non-empty entry list of ``num_blocks`` entries. What it returns
+    ``decode_detail`` splits alike.
+    """
+    reason, separator, text = detail.partition(";")
+    if not separator or not text or reason not in REASONS:
+        return None
+    entries = text.split(",")
+    return entries if len(entries) == num_blocks else None
+
+
+def fast_register_entries(detail: str, num_blocks: int) -> tuple[list[str], list[str | None]] | None:
+    """(keys, parent keys) of a REGISTER record whose every entry carries token ids: all compact
+    (``~key:parent:tokens``, decoded as ``decode_detail`` decodes them) or all ``key:parent:token_ids``
+    with ASCII-digit token ids (token ids unread); None for anything else (the checked path's)."""
+    entries = fast_entries(detail, num_blocks)
+    if entries is None:
+        return None
+    keys: list[str] = []
+    parents: list[str | None] = []
+    if all(entry.startswith("~") for entry in entries):
+        try:
+            for entry in entries:
+                key, parent, _ = _decode_compact_register_entry(entry, keys[-1] if keys else None)
+                keys.append(key)
+                parents.append(parent)
+        except ValueError:
+            return None
+        return keys, parents
+    if _REGISTER_ENTRIES.fullmatch(detail, detail.index(";") + 1) is None:
+        return None
+    for entry in entries:
+        key, parent, _ = entry.split(":", 2)
+        keys.append(key)
+        parents.append(parent or None)
+    return keys, parents
+
+
+def entries_are(detail: str, keys: list[str], counts: list[int] | None = None) -> bool:
+    """Whether a SHARE or RELEASE record's reason field (``counts`` given) or an EVICT's (without) is
+    exactly what its event with these keys and ref counts writes, its reason any ``FreeReason``.
+
+    Replay's fast loop compares what it expects instead of decoding: True means
+    ``decode_detail`` gives these keys and counts; False leaves the record to
+    the checked path, which decodes and judges it.
+    """
+    reason, separator, text = detail.partition(";")
+    if not separator or reason not in REASONS:
+        return False
+    # separators counted too: a key holding "," or "=" (a snapshot's keys are any text) decodes otherwise
+    if text.count(",") != len(keys) - 1 or (counts is not None and text.count("=") != len(keys)):
+        return False
+    # as written now (``~`` + base64url for a sha256 key), else as written before (the key as it is)
+    for names in ([_key_text(key) for key in keys], keys):
+        if counts is None:
+            written = ",".join(names)
+        else:
+            written = ",".join([f"{name}={count}" for name, count in zip(names, counts, strict=True)])
+        if written == text:
+            return True
+    return False
 
 
 def record_owner(kind: str, tail: str) -> str | None:
@@ -191,6 +417,34 @@ def decode_block_event(kind: str, block_text: str, reason_text: str, owner: str)
         detail.parent_keys,
         detail.ref_counts,
         detail.token_ids,
+        detail.parent,
+        detail.partial,
+    )
+
+
+def block_event_of(event: Event) -> BlockEvent | None:
+    """The allocator's ``BlockEvent`` of a read ``Event``; None for a kind ``transition.apply`` does not know
+    (the data kinds, and kinds newer than this code).
+
+    ValueError when its reason is not a ``FreeReason``.
+    """
+    kind = BLOCK_KINDS.get(event.kind)
+    if kind is None:
+        return None
+    reason = event.reason or ""
+    if reason not in REASONS:
+        raise ValueError(f"seq {event.seq}: reason {reason!r} is not a FreeReason")
+    return BlockEvent(
+        kind,
+        event.block_ids,
+        event.owner or "",
+        REASONS[reason],
+        event.keys,
+        event.parent_keys,
+        event.ref_counts,
+        event.token_ids,
+        event.parent,
+        event.partial,
     )
 
 
@@ -220,72 +474,6 @@ def decode_event(pool_id: str, epoch: int, seq: int, record: str, hash_: bytes) 
         parent_keys=detail.parent_keys,
         ref_counts=detail.ref_counts,
         token_ids=detail.token_ids,
+        parent=detail.parent,
+        partial=detail.partial,
     )
-
-
-def snapshot_data(state: PoolState) -> dict[str, Any]:
-    """The data of a SNAPSHOT record: the free stack (bottom to top), the owner map and,
-    once prefix caching used the pool, the cached-free list, the sharers and the key index.
-
-    Refers to ``state``'s stack and map (no copy): pass a state nothing changes
-    any more, such as ``BlockAllocator.snapshot()``.
-    """
-    data: dict[str, Any] = {"free_block_ids": state.free_block_ids, "owners": state.owners}
-    if state.block_keys or state.cached_free or state.sharers:
-        data["cached_free"] = state.cached_free
-        data["sharers"] = state.sharers
-        data["block_keys"] = state.block_keys  # block_id -> [key, parent or null]; key_blocks is its inverse
-    return data
-
-
-def decode_snapshot(tail: str, num_blocks: int, block_size: int) -> PoolState:
-    """The pool a SNAPSHOT record's tail holds.
-
-    ValueError, naming what is wrong, when the tail is not JSON of the shape
-    ``snapshot_data`` writes: an object with ``free_block_ids`` (a list of
-    integers) and ``owners`` (an object mapping block ids to owner strings).
-    """
-    try:
-        data = json.loads(tail)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict) or not {"free_block_ids", "owners"} <= set(data):
-        shape = sorted(data) if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"expected an object with free_block_ids and owners, got {shape}")
-    free_block_ids, owners = data["free_block_ids"], data["owners"]
-    if not isinstance(free_block_ids, list) or not all(type(block_id) is int for block_id in free_block_ids):
-        raise ValueError("free_block_ids is not a list of integers")
-    if not isinstance(owners, dict) or not all(type(owner) is str for owner in owners.values()):
-        raise ValueError("owners is not an object of owner strings")
-    try:
-        owner_map = {int(block_id): owner for block_id, owner in owners.items()}
-    except ValueError:
-        raise ValueError("owners has a key that is not a block id") from None
-    state = PoolState(num_blocks, block_size, free_block_ids, owner_map)
-    _decode_cache(data, state)
-    return state
-
-
-def _decode_cache(data: dict[str, Any], state: PoolState) -> None:
-    """The prefix-cache part of a snapshot (absent in snapshots written before it), into ``state``."""
-    cached_free = data.get("cached_free", [])
-    sharers = data.get("sharers", {})
-    block_keys = data.get("block_keys", {})
-    if not isinstance(cached_free, list) or not all(type(block_id) is int for block_id in cached_free):
-        raise ValueError("cached_free is not a list of integers")
-    if not isinstance(sharers, dict) or not all(
-        isinstance(holders, list) and all(type(owner) is str for owner in holders) for holders in sharers.values()
-    ):
-        raise ValueError("sharers is not an object of owner lists")
-    if not isinstance(block_keys, dict) or not all(
-        isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is str and type(entry[1]) in (str, type(None))
-        for entry in block_keys.values()
-    ):
-        raise ValueError("block_keys is not an object of [key, parent] pairs")
-    try:
-        state.sharers = {int(block_id): list(holders) for block_id, holders in sharers.items()}
-        state.block_keys = {int(block_id): (entry[0], entry[1]) for block_id, entry in block_keys.items()}
-    except ValueError:
-        raise ValueError("sharers or block_keys has a key that is not a block id") from None
-    state.cached_free = list(cached_free)
-    state.key_blocks = {key: block_id for block_id, (key, _) in state.block_keys.items()}

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.log import chain_verifier
+from nanoserve.allocator.log import hash_chain_verifier as chain_verifier
 from nanoserve.allocator.log.errors import LogReadError, is_store_unavailable
-from nanoserve.allocator.log.event_chain import genesis_hash
-from nanoserve.allocator.log.log_reader import (
+from nanoserve.allocator.log.hash_chain import genesis_hash
+from nanoserve.allocator.log.reader import (
     EVENT_COLUMNS,
     DamagedChunk,
     EpochInfo,
@@ -31,11 +31,11 @@ from nanoserve.allocator.log.log_reader import (
     stored_hash,
 )
 from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
-from nanoserve.allocator.log.replayer import Replayer
+from nanoserve.allocator.log.replay_state import Replayer
 from nanoserve.allocator.log.schema import allocator_events
 from nanoserve.allocator.pool_state import PoolState
 
-__all__ = ["replay", "replay_epoch"]
+__all__ = ["checkpoint_start", "replay", "replay_epoch"]
 
 # an epoch with at least this many rows to replay has its hash chain verified in a second process
 # (when a core is idle: the split costs more CPU in all than one process reading once)
@@ -201,6 +201,44 @@ def _start(
         if len(fields) != NUM_FIELDS:
             raise ValueError(f"record has {len(fields)} fields")
         replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous or b"")
+        replayer.load_snapshot(fields[-1])
+    except (ValueError, TypeError, IndexError):  # LogReadError is a ValueError
+        return Replayer(info)
+    replayer.apply_rows(rows)
+    return replayer
+
+
+def checkpoint_start(conn: sa.Connection, info: EpochInfo) -> Replayer:
+    """A replayer at the epoch's newest verified checkpoint: recovery's start, in constant time.
+
+    A checkpoint is a SNAPSHOT record together with the stored hash of the
+    row before it (the chain head it was taken at). It is trusted when its own
+    hash links: ``sha256(stored_hash[seq - 1] + record) == stored_hash[seq]``,
+    and its state holds every block exactly once (``load_snapshot``). The
+    rows before it are not read here (``log audit``, offline, verifies the
+    whole chain from genesis); the rows after it are replayed with every
+    check, and ``Replayer.finish`` ties the last one to the epoch's
+    ``head_hash``. So what recovery reads is the snapshot and the tail since
+    it (at most ``num_events_per_snapshot`` rows and one batch), whatever the
+    epoch's length. Without a checkpoint that links and loads, replay starts
+    at genesis (an epoch shorter than one snapshot interval, or a damaged one).
+    """
+    snapshot_seq = _or_none_if_damaged(lambda: latest_snapshot_seq(conn, info.pool_id, info.epoch, None))
+    if snapshot_seq is None or snapshot_seq < 2:
+        return Replayer(info)
+    try:
+        previous = stored_hash(conn, info.pool_id, info.epoch, snapshot_seq - 1)
+        rows = [
+            row for chunk in event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq) for row in chunk
+        ]
+        if previous is None or len(rows) != 1 or type(rows[0][3]) is not str or type(rows[0][4]) is not bytes:
+            return Replayer(info)
+        if hashlib.sha256(previous + rows[0][3].encode()).digest() != rows[0][4]:
+            return Replayer(info)  # the checkpoint's own link is broken: trust nothing, replay it all
+        fields = split_record(rows[0][3])
+        if len(fields) != NUM_FIELDS:
+            return Replayer(info)
+        replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous)
         replayer.load_snapshot(fields[-1])
     except (ValueError, TypeError, IndexError):  # LogReadError is a ValueError
         return Replayer(info)

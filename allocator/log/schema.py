@@ -1,9 +1,11 @@
 """SQLAlchemy models of the event log: one row per epoch, one row per event.
 
 The tables are created only by the Alembic migrations in ``nanoserve.migrations``;
-these models are the migrations' ``target_metadata`` (``alembic check`` proves
-they agree). Constraint names follow one naming convention so that migrations
-are portable between SQLite and PostgreSQL.
+``Base.metadata`` is the migrations' ``target_metadata`` (``alembic check`` proves
+they agree), shared with the tables of the log's companion rows, which their
+owners declare on this ``Base`` (the engine's request journal:
+``nanoserve.engine.journal.schema``). Constraint names follow one naming
+convention so that migrations are portable between SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger,
     ForeignKeyConstraint,
-    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -83,35 +84,33 @@ class AllocatorEvent(Base):
     block_key: Mapped[str | None] = mapped_column(String(64), index=True)
 
 
-class RequestJournalEntry(Base):
-    """One record of the request journal: an admission, a step's released output, an ending.
-
-    Written in the same transaction as the allocator events of the same scheduler
-    step (one group commit), so a request's tokens are durable exactly when its
-    step's block events are. ``journal_seq`` numbers the epoch's journal records
-    1, 2, 3, ... on the engine's thread; ``kind`` is a ``JournalKind`` value and
-    ``record`` its JSON payload (``nanoserve.allocator.log.journal``). The index
-    on (pool_id, request_id) serves ``Resume`` and ``nanoserve log show --owner``
-    across epochs.
-    """
-
-    __tablename__ = "request_journal"
-    __table_args__ = (
-        ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),
-        Index("ix_request_journal_pool_id_request_id", "pool_id", "request_id"),
-    )
-
-    pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
-    journal_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(256))
-    kind: Mapped[str] = mapped_column(String(16))
-    step: Mapped[int | None] = mapped_column(BigInteger)
-    wall_ns: Mapped[int] = mapped_column(BigInteger)
-    record: Mapped[str] = mapped_column(Text)
-
-
 # The Table objects: ``__table__`` is typed as a FromClause, which has no ``name`` and takes no INSERT.
 pool_epochs = Base.metadata.tables[PoolEpoch.__tablename__]
 allocator_events = Base.metadata.tables[AllocatorEvent.__tablename__]
-request_journal = Base.metadata.tables[RequestJournalEntry.__tablename__]
+
+
+class ArchivedEpoch(Base):
+    """One epoch moved out of the live log into an archive file (``archive.archive_epoch``).
+
+    The epoch's rows (its ``pool_epochs`` row, its events, its companion rows)
+    are in the SQLite file at ``path`` exactly as they were stored, so the hash
+    chain from the epoch's genesis to ``head_hash`` (the hash at ``last_seq``)
+    still verifies there; ``sha256`` is the hex digest of that file as written,
+    ``num_bytes`` its size. Written in the transaction that deletes the rows
+    from the live log (migration 0004).
+    """
+
+    __tablename__ = "archived_epochs"
+
+    pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_seq: Mapped[int] = mapped_column(BigInteger)  # 0 with last_seq 0: the epoch held no event
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    head_hash: Mapped[bytes] = mapped_column(LargeBinary(32))
+    path: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    num_bytes: Mapped[int] = mapped_column(BigInteger)
+    archived_wall_ns: Mapped[int] = mapped_column(BigInteger)
+
+
+archived_epochs = Base.metadata.tables[ArchivedEpoch.__tablename__]

@@ -14,7 +14,6 @@ import os
 
 import sqlalchemy as sa
 
-from nanoserve.allocator.log.database import create_log_engine, sqlite_file
 from nanoserve.allocator.log.errors import (
     LogNotFoundError,
     LogUnavailableError,
@@ -23,6 +22,7 @@ from nanoserve.allocator.log.errors import (
     store_error,
 )
 from nanoserve.allocator.log.schema import pool_epochs
+from nanoserve.allocator.log.store import create_log_engine, sqlite_file
 
 __all__ = ["MIN_FREE_BYTES", "check_filesystem", "check_schema", "probe_store"]
 

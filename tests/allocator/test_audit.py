@@ -196,7 +196,7 @@ def test_large_epoch_is_verified_in_a_second_process(
 ) -> None:
     if not log_url.startswith("sqlite"):
         pytest.skip("the second process reads SQLite files only")
-    from nanoserve.allocator.log import chain_verifier
+    from nanoserve.allocator.log import hash_chain_verifier as chain_verifier
 
     verdicts = []
     collect = chain_verifier.result
@@ -240,7 +240,7 @@ def report_head(url: str, pool_id: str) -> bytes:
 def test_large_epoch_is_audited_in_one_process_when_the_verifier_fails(
     log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nanoserve.allocator.log import chain_verifier
+    from nanoserve.allocator.log import hash_chain_verifier as chain_verifier
 
     monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
     monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)

@@ -23,10 +23,13 @@ from nanoserve.allocator.log import (
     EventLogError,
     EventLogIncompleteError,
     LogFileLostError,
+    PoolLockLostError,
+    SecondWriterError,
     audit,
     read_events,
 )
-from nanoserve.allocator.log.log_reader import connect, list_epochs
+from nanoserve.allocator.log.pool_lock import advisory_key
+from nanoserve.allocator.log.reader import connect, list_epochs
 from nanoserve.migrations import upgrade
 
 from ..faults import PgCluster, Tmpfs
@@ -191,6 +194,86 @@ def test_stopped_postgresql_makes_the_log_not_durable_and_close_is_bounded(
     assert stored_epoch(pg_log_url, "p") == (durable_seq, None)
     report = audit(pg_log_url, "p")
     assert (report.clean, report.crashed, report.last_seq) == (True, True, durable_seq)
+
+
+# -- PostgreSQL restarted under a live writer: the pool lock outlives its session -----------------------
+
+
+def lock_session_pid(log: EventLog) -> int:
+    session = log._pool_lock.session  # the session holding the pool's advisory lock
+    assert session is not None
+    return session.pid
+
+
+def test_restarted_postgresql_the_writer_takes_its_lock_again_and_resumes(
+    pg_cluster: PgCluster, pg_log_url: str
+) -> None:
+    log = EventLog.open(pg_log_url, pool_id="p", num_blocks=NUM_BLOCKS, block_size=16)
+    pool = BlockAllocator(NUM_BLOCKS, 16)
+    churn(pool, log, 3)
+    assert log.flush(timeout_s=10)
+    assert log.durable_seq == 7
+    old_pid = lock_session_pid(log)
+
+    pg_cluster.stop("immediate")  # a crash: every session, the lock's included, dies
+    pg_cluster.start()
+    wait_until(lambda: log._pool_lock.session is not None and lock_session_pid(log) != old_pid)  # idle re-take
+    churn(pool, log, 2)
+    assert log.flush(timeout_s=15)
+    assert (log.durable_seq, log.durable) == (11, True)
+    log.close(timeout_s=10, final_state=pool.snapshot())
+
+    assert stored_epoch(pg_log_url, "p") == (12, 12)
+    report = audit(pg_log_url, "p")
+    assert (report.clean, report.crashed, report.last_seq) == (True, False, 12)
+
+
+def test_a_second_server_after_a_restart_is_refused_while_the_first_lives(
+    pg_cluster: PgCluster, pg_log_url: str
+) -> None:
+    log = EventLog.open(pg_log_url, pool_id="p", num_blocks=NUM_BLOCKS, block_size=16)
+    pool = BlockAllocator(NUM_BLOCKS, 16)
+    churn(pool, log, 1)
+    assert log.flush(timeout_s=10)
+
+    pg_cluster.stop("immediate")
+    pg_cluster.start()
+    # at once: the first writer may not hold its lock yet; the second yields until it does
+    with pytest.raises(SecondWriterError) as info:
+        EventLog.open(pg_log_url, pool_id="p", num_blocks=NUM_BLOCKS, block_size=16)
+    assert str(info.value).startswith("pool 'p' is being written by another live server")
+    churn(pool, log, 1)
+    assert log.flush(timeout_s=15)
+    assert log.durable_seq == 5
+    log.close(timeout_s=10)
+    with connect(pg_log_url) as conn:
+        assert [info.epoch for info in list_epochs(conn, "p")] == [1]  # the second opened nothing
+
+
+def test_a_writer_whose_lock_another_session_took_stops_writing(pg_log_url: str) -> None:
+    log = EventLog.open(pg_log_url, pool_id="p", num_blocks=NUM_BLOCKS, block_size=16)
+    pool = BlockAllocator(NUM_BLOCKS, 16)
+    churn(pool, log, 1)
+    assert log.flush(timeout_s=10)
+    thief = sa.create_engine(pg_log_url)
+    with thief.connect() as conn:
+        # the lock's session is cut, and another session takes the pool before the writer is back
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": lock_session_pid(log)}).scalar()
+        assert conn.execute(sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": advisory_key("p")}).scalar()
+        churn(pool, log, 1)
+        wait_until(lambda: log.failed)
+        assert isinstance(log._writer.error, PoolLockLostError)
+        assert not log.durable
+        assert str(log._writer.error).startswith(
+            f"pool 'p' lost its lock (PostgreSQL advisory lock {advisory_key('p')} on {pg_log_url}) when its "
+            "database session ended, and another server took it: this server stops writing pool 'p' epoch 1 "
+            "at seq 3"
+        )
+        with pytest.raises(EventLogIncompleteError) as info:
+            log.close(timeout_s=2)
+        assert (info.value.first_seq, info.value.last_seq) == (4, 5)
+        assert stored_epoch(pg_log_url, "p") == (3, None)  # nothing after the lock was lost
+    thief.dispose()
 
 
 # -- a deleted SQLite file ----------------------------------------------------------------------------

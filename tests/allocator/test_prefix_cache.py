@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 from nanoserve.allocator import (
@@ -135,7 +137,13 @@ def test_register_records_carry_each_blocks_token_ids() -> None:
         EventKind.REGISTER, (0, 1), "A", None, (keys[0].key, keys[1].key), (None, keys[0].key), (), ((5, 6), (7, 8))
     )
     record = encode_block_record(3, 3, register, 1, 0, 0)
-    assert split_record(record)[5] == f";{keys[0].key}::5.6,{keys[1].key}:{keys[0].key}:7.8"
+
+    def b64(raw: bytes) -> str:
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    first, second = (b64(bytes.fromhex(key.key)) for key in keys)
+    # keys as base64url bytes, the second's parent "^" (the entry before), token ids as varints
+    assert split_record(record)[5] == f";~{first}::{b64(bytes([5, 6]))},~{second}:^:{b64(bytes([7, 8]))}"
 
 
 def test_a_register_record_written_before_token_ids_still_decodes() -> None:

@@ -1,14 +1,20 @@
-"""Stateful property test of prefix caching: block tables sharing a tiny pool, against the log.
+"""Stateful property test of prefix caching and forks: block tables sharing a tiny pool, against the log.
 
 Hypothesis drives admit (lookup + share, then allocate the tail) / extend /
-preempt / abort / finish / reset over four owners whose token sequences come
+fork (parallel sampling: a child table sharing every block, its partly filled
+last block copied on its first write) / preempt / abort / finish / reset over
+four owners whose token sequences come
 from a two-token vocabulary, so prefixes collide all the time and the pool
 (8 blocks of 2 tokens) evicts often. After every step: the live pool equals
 the fold of its events and the replay of the log; every audit invariant holds
 (each block's count equals the number of block tables holding it, free iff
 count 0, the key index holds only registered blocks of the right key, no block
 twice, free + cached-free + held == num_blocks); and the taken key of each
-shared block names exactly the tokens of every table that holds it.
+shared block names exactly the tokens of every table that holds it. A model
+of the KV cache (slot -> token, written at every append, copied at every
+COPY) proves that no table's write reaches another table's tokens. A parent
+neither grows nor ends while its children hold blocks (the engine's rule: the
+prompt's holder stays until every sample ends).
 """
 
 from __future__ import annotations
@@ -79,6 +85,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.step = 0
         self.num_hits = 0
         self.history: list[tuple[list[int], tuple[str, ...]]] = []  # prompts admitted so far
+        self.kv: dict[int, int] = {}  # slot -> the token whose KV it holds (the cache, modelled)
+        self.children: dict[str, set[str]] = {}  # parent owner -> its live forked children
+
+    def _write(self, sequence: Sequence_, start: int) -> None:
+        """The forward pass writes the KV of tokens ``start..`` (after copying the blocks copied on write)."""
+        for source, destination in sequence.table.take_copies():
+            for offset in range(BLOCK_SIZE):
+                if source * BLOCK_SIZE + offset in self.kv:
+                    self.kv[destination * BLOCK_SIZE + offset] = self.kv[source * BLOCK_SIZE + offset]
+        positions = range(start, len(sequence.tokens))
+        for slot, token in zip(sequence.table.slot_mapping(positions), sequence.tokens[start:], strict=True):
+            self.kv[slot] = token
 
     def _compute(self, sequence: Sequence_) -> None:
         """The forward pass wrote every token's KV: register the full blocks."""
@@ -100,6 +118,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         sequence.table.append_tokens(len(tokens) - num_cached_tokens)
         self.sequences[owner] = sequence
         self.history.append((list(tokens), salt))
+        self._write(sequence, num_cached_tokens)
         self._compute(sequence)
 
     @precondition(lambda self: self.history)
@@ -112,20 +131,39 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(owner=OWNERS, tokens=TOKENS)
     def extend(self, owner: str, tokens: list[int]) -> None:
         sequence = self.sequences.get(owner)
-        if sequence is None:
+        if sequence is None or self.children.get(owner):
             return
         try:
             sequence.table.append_tokens(len(tokens))
         except KVCacheExhausted:
             return
+        start = len(sequence.tokens)
         sequence.tokens += tokens
+        self._write(sequence, start)
         self._compute(sequence)
+
+    @rule(parent=OWNERS, child=OWNERS, first_token=st.integers(0, 1))
+    def fork(self, parent: str, child: str, first_token: int) -> None:
+        """Parallel sampling: ``child`` takes every block of ``parent`` by reference, then writes its first
+        sampled token (copying the parent's partly filled last block)."""
+        sequence = self.sequences.get(parent)
+        if sequence is None or child in self.sequences:
+            return
+        forked = Sequence_(sequence.table.fork(child), list(sequence.tokens), sequence.salt)
+        forked.keys = list(sequence.keys)
+        self.sequences[child] = forked
+        self.children.setdefault(parent, set()).add(child)
+        self.extend(child, [first_token])
 
     @rule(owner=OWNERS, reason=st.sampled_from(list(FreeReason)))
     def end(self, owner: str, reason: FreeReason) -> None:
         """Finish, abort or preempt: every ending releases the table's references."""
+        if self.children.get(owner):
+            return
         sequence = self.sequences.pop(owner, None)
         if sequence is not None:
+            if sequence.table.parent is not None:
+                self.children[sequence.table.parent].discard(owner)
             sequence.table.release(reason)
 
     @rule()
@@ -160,7 +198,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert free.isdisjoint(state.owners)
         assert cached_free.isdisjoint(state.owners)
         assert cached_free <= set(state.block_keys)
-        assert set(state.sharers) <= set(state.block_keys)
+        assert set(state.sharers) <= set(state.owners)
+        assert state.copy_on_write <= set(state.sharers)
         assert state.key_blocks == {key: block_id for block_id, (key, _) in state.block_keys.items()}
 
     @invariant()
@@ -171,6 +210,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             keys = sequence.block_keys()
             for index, block_id in enumerate(sequence.table.block_ids[: sequence.table.num_registered_blocks]):
                 assert state.block_keys[block_id][0] == keys[index].key
+
+    @invariant()
+    def every_table_reads_its_own_tokens(self) -> None:
+        """The KV each table's slots hold is its own tokens: no write reached another table's block."""
+        for sequence in self.sequences.values():
+            slots = sequence.table.slot_mapping(range(len(sequence.tokens)))
+            assert [self.kv.get(slot) for slot in slots] == sequence.tokens, sequence.table
 
     @precondition(lambda self: self.pool.num_pending_events == 0)
     @invariant()
@@ -184,8 +230,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            for owner in list(self.sequences):
-                self.end(owner, FreeReason.ABORTED)
+            while self.sequences:
+                for owner in list(self.sequences):
+                    self.end(owner, FreeReason.ABORTED)
             self.persist()
             self.log.close(final_state=self.pool.snapshot())
             report = audit(self.url)
@@ -207,4 +254,4 @@ def test_prefix_cache_pool_and_log_agree_at_every_step(migrated_db: Path) -> Non
             derandomize=True,  # the same examples each run: the kinds every run must see are seen
         ),
     )
-    assert {"register", "share", "release", "evict", "cache_reset"} <= PrefixCacheMachine.kinds_seen
+    assert {"register", "share", "release", "evict", "cache_reset", "fork", "copy"} <= PrefixCacheMachine.kinds_seen

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,11 +28,12 @@ from nanoserve.allocator import (
     PoolState,
     extend_block_keys,
 )
-from nanoserve.allocator.log.event_chain import chain_hash, genesis_hash
-from nanoserve.allocator.log.log_reader import EpochInfo
-from nanoserve.allocator.log.log_writer import Batch, LogWriter
-from nanoserve.allocator.log.record_codec import snapshot_data, split_record
-from nanoserve.allocator.log.replayer import Replayer
+from nanoserve.allocator.log.hash_chain import chain_hash, genesis_hash
+from nanoserve.allocator.log.reader import EpochInfo
+from nanoserve.allocator.log.record_codec import entries_are, split_record
+from nanoserve.allocator.log.replay_state import Replayer
+from nanoserve.allocator.log.snapshot_codec import snapshot_data
+from nanoserve.allocator.log.writer import Batch, LogWriter
 
 NUM_BLOCKS = 8
 BLOCK_SIZE = 4
@@ -49,6 +51,8 @@ OPERATIONS = st.one_of(
     st.tuples(st.just("admit"), st.sampled_from(("D", "E", "F")), st.lists(st.integers(0, 1), min_size=1, max_size=10)),
     st.tuples(st.just("end"), st.sampled_from(("D", "E", "F")), st.sampled_from([None, *FreeReason])),
     st.tuples(st.just("reset"), st.just("admin")),
+    # parallel sampling: a child forks a live sequence and writes one token (copying a partly filled last block)
+    st.tuples(st.just("fork"), st.sampled_from(("D", "E", "F")), st.sampled_from(("D", "E", "F"))),
 )
 
 
@@ -80,6 +84,9 @@ def write_log(operations: list[tuple[Any, ...]], close: bool) -> Log:
                 table = tables[operation[1]] = BlockTable(pool, operation[1])
                 table.append_tokens(len(tokens) - table.share_prefix(keys[:hits]))
                 table.register(keys, len(tokens))
+            elif name == "fork" and operation[1] in tables and operation[2] not in tables:
+                tables[operation[2]] = tables[operation[1]].fork(operation[2])
+                tables[operation[2]].append_tokens(1)
             elif name == "end" and operation[1] in tables:
                 tables.pop(operation[1]).release(operation[2])
             elif name == "reset":
@@ -114,7 +121,7 @@ NUMBERS = ("", "x", "-1", "0", "1", "2", "3", "7", "8", "9", "99", " 2", "1_0")
 BLOCK_LISTS = (*NUMBERS, "0,1", "1,0", "8,0", "0,0", "3,", "2,3,4")
 KINDS = (
     "allocate", "allocate_for", "free", "free_all", "snapshot", "pool_init", "pool_close", "bogus", "",
-    "register", "share", "release", "evict", "cache_reset",
+    "register", "share", "release", "evict", "cache_reset", "fork", "copy",
 )  # fmt: skip
 REASONS = ("", "finished", "preempted", "aborted", "abortec", "x", ";", "finished;", ";ab=1", ";ab:", ";ab=x,cd=1")
 TAILS = ("A", "B", "C", "", "{}", '{"free_block_ids":[],"owners":{}}', "null")
@@ -135,7 +142,52 @@ DAMAGES = (
     "delete",
     "swap",
     "duplicate",
+    "entry",
+    "entry",
+    "entry",
 )
+# edits of one prefix-cache entry (``key:parent:token_ids``, ``key=count``, ``key``), see ``edit_entry``
+ENTRY_EDITS = (
+    "count+1", "count-1", "count0", "drop", "duplicate", "swap", "other_key", "key=", "tokens_x", "tokens_unicode",
+    "no_tokens", "reason",
+)  # fmt: skip
+
+
+def edit_entry(record: str, keys: list[str], rng: random.Random) -> str:
+    """``record`` with one of its prefix-cache entries edited (a record without entries: unchanged)."""
+    fields = split_record(record)
+    if len(fields) != 9 or ";" not in fields[5]:
+        return record
+    reason, _, text = fields[5].partition(";")
+    entries = text.split(",")
+    index = rng.randrange(len(entries))
+    entry = entries[index]
+    what = rng.choice(ENTRY_EDITS)
+    key, equals, count = entry.partition("=")
+    if what.startswith("count") and equals and count.isdigit():
+        entries[index] = (
+            key + "=" + {"count+1": str(int(count) + 1), "count-1": str(int(count) - 1)}.get(what, "0" + count)
+        )
+    elif what == "drop" and len(entries) > 1:
+        del entries[index]
+    elif what == "duplicate":
+        entries.insert(index, entry)
+    elif what == "swap":
+        other = rng.randrange(len(entries))
+        entries[index], entries[other] = entries[other], entries[index]
+    elif what == "other_key" and keys:
+        entries[index] = rng.choice(keys) + entry[len(entry.split(":")[0].split("=")[0]) :]
+    elif what == "key=":
+        entries[index] = "k=" + entry
+    elif what.startswith("tokens") and entry.count(":") == 2:
+        head = entry.rpartition(":")[0]
+        entries[index] = head + (":x" if what == "tokens_x" else ":\u0663.1")
+    elif what == "no_tokens" and entry.count(":") == 2:
+        entries[index] = entry.rpartition(":")[0]
+    elif what == "reason":
+        reason = rng.choice(("finished", "x", ""))
+    fields[5] = reason + ";" + ",".join(entries)
+    return "|".join(fields)
 
 
 def damage(rows: list[Row], seed: int) -> list[Row]:
@@ -168,7 +220,26 @@ def damage(rows: list[Row], seed: int) -> list[Row]:
             rows[index], rows[other] = rows[other], rows[index]
         elif what == "duplicate":
             rows.insert(index, rows[index])
+        elif what == "entry":
+            cache_rows = [i for i, row in enumerate(rows) if row[1] in CACHE_KIND_TEXTS]
+            if cache_rows:
+                index = rng.choice(cache_rows)
+                seq, kind, owner, record, hash_ = rows[index]
+                rows[index] = (seq, kind, owner, edit_entry(record, log_keys(rows), rng), hash_)
     return rows
+
+
+CACHE_KIND_TEXTS = ("register", "share", "release", "evict", "cache_reset")
+
+
+def log_keys(rows: list[Row]) -> list[str]:
+    """Every key the rows' prefix-cache entries name."""
+    keys = []
+    for row in rows:
+        fields = split_record(row[3])
+        if row[1] in CACHE_KIND_TEXTS and len(fields) == 9:
+            keys += [entry.split(":")[0].split("=")[0] for entry in fields[5].partition(";")[2].split(",")]
+    return keys
 
 
 def renumber(rows: list[Row]) -> list[Row]:
@@ -279,3 +350,56 @@ def test_a_damaged_block_list_is_named_alike_by_both_loops() -> None:
         violation = replayer.violations[0]
         assert (violation.seq, violation.rule, violation.message, violation.block_id, violation.owner) == expected
         assert replayer.violations[1].rule == "snapshot_mismatch"  # the blocks were never freed
+
+
+def test_fast_loop_applies_valid_prefix_cache_records_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """REGISTER, SHARE, RELEASE and EVICT of a valid log never reach the checked path's ``_apply_record``."""
+    operations: list[tuple[Any, ...]] = [
+        ("admit", "D", [0, 1, 0, 1, 0, 1, 0, 1]),
+        ("step", False),
+        ("admit", "E", [0, 1, 0, 1, 0, 1, 0, 1]),
+        ("step", False),
+        ("end", "D", None),
+        ("end", "E", None),
+        ("step", False),
+        *[("allocate", "A")] * NUM_BLOCKS,
+        ("step", False),
+    ]
+    log = write_log(operations, close=False)
+    kinds = {row[1] for row in log.rows}
+    assert {"register", "share", "release", "evict"} <= kinds
+    handed: list[str] = []
+    original = Replayer._apply_record
+
+    def counted(self: Replayer, seq: int, kind: str, block_text: str, reason_text: str, tail: str) -> None:
+        handed.append(kind)
+        original(self, seq, kind, block_text, reason_text, tail)
+
+    monkeypatch.setattr(Replayer, "_apply_record", counted)
+    fast = Replayer(log.info)
+    assert fast.apply_intact_rows(log.rows)
+    assert set(handed) <= {"pool_init", "snapshot", "allocate", "allocate_for"}
+    assert fast.violations == []
+    assert fast.state() == log.pool
+
+
+@pytest.mark.parametrize(
+    ("detail", "keys", "counts", "expected"),
+    [
+        (";ab=1,cd=2", ["ab", "cd"], [1, 2], True),
+        ("finished;ab=0", ["ab"], [0], True),
+        (";ab=01", ["ab"], [1], False),  # decodes to 1, but is not what the event writes: the checked path's
+        (";ab=1", ["ab"], [2], False),
+        ("x;ab=1", ["ab"], [1], False),  # not a FreeReason
+        ("ab=1", ["ab"], [1], False),  # no ';'
+        (";a=b=1", ["a=b"], [1], False),  # a snapshot's key holding '=': decode_detail reads key 'a'
+        (";a,b=1", ["a,b"], [1], False),  # ... or ',': two entries
+        (";ab,cd", ["ab", "cd"], None, True),
+        (";a,b", ["a,b"], None, False),
+        (";ab", ["cd"], None, False),
+    ],
+)
+def test_entries_are_true_only_for_what_the_event_writes(
+    detail: str, keys: list[str], counts: list[int] | None, expected: bool
+) -> None:
+    assert entries_are(detail, keys, counts) is expected

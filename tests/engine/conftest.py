@@ -15,14 +15,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEST_THREADS = int(os.environ.get("NANOSERVE_TEST_TORCH_THREADS", "1"))
 torch.set_num_threads(TEST_THREADS)
 
-from nanoserve.engine.forward_batch import ForwardBatch, SeqSlice  # noqa: E402
+from nanoserve.engine.model.forward_batch import ForwardBatch, SeqSlice  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_runner_factory(tiny_model_dir):
     """``make(**engine_kwargs) -> ModelRunner`` on the tiny model, float32 on CPU by default."""
     from nanoserve.engine.config import EngineConfig
-    from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.engine.model.model_runner import ModelRunner
 
     def make(**kwargs) -> ModelRunner:
         settings = {
@@ -48,7 +48,7 @@ def real_runner():
 def make_real_runner(**kwargs):
     """A ModelRunner on the default GGUF, CPU, 512 blocks of 16, the tests' thread count; kwargs override."""
     from nanoserve.engine.config import EngineConfig
-    from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.engine.model.model_runner import ModelRunner
 
     settings = {"device": "cpu", "num_kv_blocks": 512, "block_size": 16, "num_threads": TEST_THREADS, **kwargs}
     return ModelRunner(EngineConfig.from_kwargs(**settings))

@@ -42,7 +42,7 @@ def test_script_location_is_the_installed_package() -> None:
 
 
 def test_sqlite_log_uses_wal(tmp_path: Path) -> None:
-    from nanoserve.allocator.log.database import create_log_engine
+    from nanoserve.allocator.log.store import create_log_engine
 
     url = f"sqlite:///{tmp_path / 'wal.db'}"
     upgrade(url)
@@ -96,7 +96,7 @@ def test_a_log_written_before_0002_replays_unchanged_after_it(tmp_path: Path) ->
 def test_a_log_written_before_the_journal_still_replays_and_recovers_nothing(tmp_path: Path) -> None:
     from nanoserve.allocator import BlockEvent, EventKind
     from nanoserve.allocator.log import EventLog, audit_all
-    from nanoserve.allocator.log.recovery import RecoveryPlanner
+    from nanoserve.engine.journal.recovery import RecoveryPlanner
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     upgrade(url, "0002")  # the schema before the request journal (migration 0003)

@@ -52,7 +52,7 @@ def engine_config(log_url: str, **overrides: object):  # -> EngineConfig
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Served]:
     from nanoserve.service.config import ServerConfig
-    from nanoserve.service.server import NanoServer, start_engine
+    from nanoserve.service.grpc.server import NanoServer, start_engine
 
     log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('log')) / 'events.db'}"
     engine = await start_engine(engine_config(log_url))
@@ -84,7 +84,7 @@ async def wait_pool_free(served: Served, timeout_s: float = 10.0) -> object:
 async def tiny_served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> AsyncIterator[Served]:
     """A real server in front of the tiny random model: fast steps, for tests that drive many streams."""
     from nanoserve.service.config import ServerConfig
-    from nanoserve.service.server import NanoServer, start_engine
+    from nanoserve.service.grpc.server import NanoServer, start_engine
 
     log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('tiny-log')) / 'events.db'}"
     config = engine_config(

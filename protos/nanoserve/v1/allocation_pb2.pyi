@@ -26,6 +26,8 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_RELEASE: _ClassVar[EventKind]
     EVENT_KIND_EVICT: _ClassVar[EventKind]
     EVENT_KIND_CACHE_RESET: _ClassVar[EventKind]
+    EVENT_KIND_FORK: _ClassVar[EventKind]
+    EVENT_KIND_COPY: _ClassVar[EventKind]
 
 class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -61,6 +63,11 @@ class AuditRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIT_RULE_STALE_KEY: _ClassVar[AuditRule]
     AUDIT_RULE_DOUBLE_REGISTER: _ClassVar[AuditRule]
     AUDIT_RULE_REGISTER_OF_UNHELD: _ClassVar[AuditRule]
+    AUDIT_RULE_APPEND_TO_SHARED: _ClassVar[AuditRule]
+    AUDIT_RULE_FORK_OF_UNHELD: _ClassVar[AuditRule]
+    AUDIT_RULE_COPY_SOURCE_NOT_PARENTS: _ClassVar[AuditRule]
+    AUDIT_RULE_COPY_OF_UNHELD: _ClassVar[AuditRule]
+    AUDIT_RULE_COPY_OF_UNSHARED: _ClassVar[AuditRule]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_POOL_INIT: EventKind
 EVENT_KIND_ALLOCATE: EventKind
@@ -74,6 +81,8 @@ EVENT_KIND_SHARE: EventKind
 EVENT_KIND_RELEASE: EventKind
 EVENT_KIND_EVICT: EventKind
 EVENT_KIND_CACHE_RESET: EventKind
+EVENT_KIND_FORK: EventKind
+EVENT_KIND_COPY: EventKind
 FREE_REASON_UNSPECIFIED: FreeReason
 FREE_REASON_FINISHED: FreeReason
 FREE_REASON_ABORTED: FreeReason
@@ -103,6 +112,11 @@ AUDIT_RULE_REF_ON_EVICTED: AuditRule
 AUDIT_RULE_STALE_KEY: AuditRule
 AUDIT_RULE_DOUBLE_REGISTER: AuditRule
 AUDIT_RULE_REGISTER_OF_UNHELD: AuditRule
+AUDIT_RULE_APPEND_TO_SHARED: AuditRule
+AUDIT_RULE_FORK_OF_UNHELD: AuditRule
+AUDIT_RULE_COPY_SOURCE_NOT_PARENTS: AuditRule
+AUDIT_RULE_COPY_OF_UNHELD: AuditRule
+AUDIT_RULE_COPY_OF_UNSHARED: AuditRule
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
@@ -119,7 +133,7 @@ class GetPoolStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPoolStatusResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "num_blocks", "block_size", "num_free", "num_allocated", "num_running", "num_waiting", "last_seq", "durable_seq", "num_cached", "num_cached_free", "num_shared", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching")
+    __slots__ = ("pool_id", "epoch", "num_blocks", "block_size", "num_free", "num_allocated", "num_running", "num_waiting", "last_seq", "durable_seq", "num_cached", "num_cached_free", "num_shared", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "tenants", "num_forked_blocks", "num_copied_blocks")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +150,9 @@ class GetPoolStatusResponse(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     num_blocks: int
@@ -152,7 +169,22 @@ class GetPoolStatusResponse(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     enable_prefix_caching: bool
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free: _Optional[int] = ..., num_allocated: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_seq: _Optional[int] = ..., durable_seq: _Optional[int] = ..., num_cached: _Optional[int] = ..., num_cached_free: _Optional[int] = ..., num_shared: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    num_forked_blocks: int
+    num_copied_blocks: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free: _Optional[int] = ..., num_allocated: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_seq: _Optional[int] = ..., durable_seq: _Optional[int] = ..., num_cached: _Optional[int] = ..., num_cached_free: _Optional[int] = ..., num_shared: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., num_forked_blocks: _Optional[int] = ..., num_copied_blocks: _Optional[int] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "num_running", "num_waiting", "num_blocks_held")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    num_running: int
+    num_waiting: int
+    num_blocks_held: int
+    def __init__(self, tenant: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_held: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_seq",)
@@ -167,7 +199,7 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[AllocationEvent, _Mapping]] = ...) -> None: ...
 
 class AllocationEvent(_message.Message):
-    __slots__ = ("seq", "pool_id", "epoch", "kind", "block_ids", "owner", "step", "free_reason", "wall_time", "monotonic_time", "hash", "keys", "parent_keys", "ref_counts")
+    __slots__ = ("seq", "pool_id", "epoch", "kind", "block_ids", "owner", "step", "free_reason", "wall_time", "monotonic_time", "hash", "keys", "parent_keys", "ref_counts", "parent", "partial")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +214,8 @@ class AllocationEvent(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
     REF_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     seq: int
     pool_id: str
     epoch: int
@@ -196,7 +230,9 @@ class AllocationEvent(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[str]
     parent_keys: _containers.RepeatedScalarFieldContainer[str]
     ref_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq: _Optional[int] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., step: _Optional[int] = ..., free_reason: _Optional[_Union[FreeReason, str]] = ..., wall_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., monotonic_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., hash: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., parent_keys: _Optional[_Iterable[str]] = ..., ref_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    parent: str
+    partial: bool
+    def __init__(self, seq: _Optional[int] = ..., pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., owner: _Optional[str] = ..., step: _Optional[int] = ..., free_reason: _Optional[_Union[FreeReason, str]] = ..., wall_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., monotonic_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., hash: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., parent_keys: _Optional[_Iterable[str]] = ..., ref_counts: _Optional[_Iterable[int]] = ..., parent: _Optional[str] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class AuditRequest(_message.Message):
     __slots__ = ("epoch",)

@@ -29,8 +29,11 @@ class AllocationServiceStub:
     """Status codes every method below can return besides its own:
     UNAUTHENTICATED     the server runs with --auth-token and the call lacks
     `authorization: Bearer <token>` metadata, or it is wrong.
-    UNAVAILABLE         the server is shutting down (new calls are refused) or
-    cannot be reached.
+    UNAVAILABLE         the server is shutting down: through its grace
+    (--grace-s) it still accepts connections, health
+    answers NOT_SERVING and new calls get `the server is
+    shutting down: ...` while the calls in flight finish;
+    after it the port is closed. Or it cannot be reached.
     RESOURCE_EXHAUSTED  the request message is larger than the server accepts
     (gRPC's own receive limit, 4 MiB by default); no
     google.rpc.RetryInfo detail: do not retry it.
@@ -70,8 +73,11 @@ class AllocationServiceServicer:
     """Status codes every method below can return besides its own:
     UNAUTHENTICATED     the server runs with --auth-token and the call lacks
     `authorization: Bearer <token>` metadata, or it is wrong.
-    UNAVAILABLE         the server is shutting down (new calls are refused) or
-    cannot be reached.
+    UNAVAILABLE         the server is shutting down: through its grace
+    (--grace-s) it still accepts connections, health
+    answers NOT_SERVING and new calls get `the server is
+    shutting down: ...` while the calls in flight finish;
+    after it the port is closed. Or it cannot be reached.
     RESOURCE_EXHAUSTED  the request message is larger than the server accepts
     (gRPC's own receive limit, 4 MiB by default); no
     google.rpc.RetryInfo detail: do not retry it.
@@ -97,6 +103,12 @@ class AllocationServiceServicer:
 
         Status codes:
         INVALID_ARGUMENT    `from_seq` is negative.
+        OUT_OF_RANGE        `from_seq` is past last_seq + 1 (the seq the
+        epoch's next event takes; GetPoolStatusResponse.last_seq
+        tells it): the stream would skip the events between
+        without a word. The message names `from_seq` and the
+        last seq. After a restart (a new epoch, seqs from 1
+        again) a seq kept from the old epoch can get this.
         FAILED_PRECONDITION the server keeps no event log (--event-log-url none).
         UNAVAILABLE         also: the event log's store cannot be reached or read
         now (down, locked); the message names the store.
@@ -179,8 +191,11 @@ class AllocationService:
     """Status codes every method below can return besides its own:
     UNAUTHENTICATED     the server runs with --auth-token and the call lacks
     `authorization: Bearer <token>` metadata, or it is wrong.
-    UNAVAILABLE         the server is shutting down (new calls are refused) or
-    cannot be reached.
+    UNAVAILABLE         the server is shutting down: through its grace
+    (--grace-s) it still accepts connections, health
+    answers NOT_SERVING and new calls get `the server is
+    shutting down: ...` while the calls in flight finish;
+    after it the port is closed. Or it cannot be reached.
     RESOURCE_EXHAUSTED  the request message is larger than the server accepts
     (gRPC's own receive limit, 4 MiB by default); no
     google.rpc.RetryInfo detail: do not retry it.

@@ -26,11 +26,25 @@ if _version_not_supported:
 
 
 class GenerationServiceStub:
-    """Status codes every method below can return besides its own:
+    """Error details: a status that carries details sends them the way gRPC does,
+    in the `grpc-status-details-bin` trailing metadata: a serialized
+    google.rpc.Status (code, message, details), each detail a
+    google.protobuf.Any. The only detail this server sends is a
+    google.rpc.RetryInfo (its `retry_delay`), with Generate's RESOURCE_EXHAUSTED
+    for a full server. Those messages are not shipped with this contract: take
+    them from googleapis (`google/rpc/status.proto`; RetryInfo is in
+    `google/rpc/error_details.proto`), or use a gRPC library's helper (Python:
+    grpcio-status's `rpc_status.from_call` with googleapis-common-protos). A
+    client that ignores the trailer still gets the code and the message.
+
+    Status codes every method below can return besides its own:
     UNAUTHENTICATED     the server runs with --auth-token and the call lacks
     `authorization: Bearer <token>` metadata, or it is wrong.
-    UNAVAILABLE         the server is shutting down (new calls are refused) or
-    cannot be reached.
+    UNAVAILABLE         the server is shutting down: through its grace
+    (--grace-s) it still accepts connections, health
+    answers NOT_SERVING and new calls get `the server is
+    shutting down: ...` while the calls in flight finish;
+    after it the port is closed. Or it cannot be reached.
     RESOURCE_EXHAUSTED  without a google.rpc.RetryInfo detail: the request
     message is larger than the server accepts (gRPC's own
     receive limit, 4 MiB by default). Retrying the same
@@ -73,11 +87,25 @@ class GenerationServiceStub:
 
 
 class GenerationServiceServicer:
-    """Status codes every method below can return besides its own:
+    """Error details: a status that carries details sends them the way gRPC does,
+    in the `grpc-status-details-bin` trailing metadata: a serialized
+    google.rpc.Status (code, message, details), each detail a
+    google.protobuf.Any. The only detail this server sends is a
+    google.rpc.RetryInfo (its `retry_delay`), with Generate's RESOURCE_EXHAUSTED
+    for a full server. Those messages are not shipped with this contract: take
+    them from googleapis (`google/rpc/status.proto`; RetryInfo is in
+    `google/rpc/error_details.proto`), or use a gRPC library's helper (Python:
+    grpcio-status's `rpc_status.from_call` with googleapis-common-protos). A
+    client that ignores the trailer still gets the code and the message.
+
+    Status codes every method below can return besides its own:
     UNAUTHENTICATED     the server runs with --auth-token and the call lacks
     `authorization: Bearer <token>` metadata, or it is wrong.
-    UNAVAILABLE         the server is shutting down (new calls are refused) or
-    cannot be reached.
+    UNAVAILABLE         the server is shutting down: through its grace
+    (--grace-s) it still accepts connections, health
+    answers NOT_SERVING and new calls get `the server is
+    shutting down: ...` while the calls in flight finish;
+    after it the port is closed. Or it cannot be reached.
     RESOURCE_EXHAUSTED  without a google.rpc.RetryInfo detail: the request
     message is larger than the server accepts (gRPC's own
     receive limit, 4 MiB by default). Retrying the same
@@ -102,9 +130,11 @@ class GenerationServiceServicer:
         the model's context length, request_id over 128
         characters, chat input to a model without a chat template.
         ALREADY_EXISTS      `request_id` names a request still live on the server.
-        RESOURCE_EXHAUSTED  with a google.rpc.RetryInfo detail: the waiting queue
-        holds max_num_waiting requests; retry after the
-        detail's retry_delay (backing off on repeats).
+        RESOURCE_EXHAUSTED  with a google.rpc.RetryInfo detail: the server holds
+        max_num_seqs running + max_num_waiting waiting
+        requests (free running slots count as room, even
+        before the next engine step fills them); retry after
+        the detail's retry_delay (backing off on repeats).
         UNAVAILABLE         also: the engine loop has stopped or failed, before
         or during the stream (health reports NOT_SERVING),
         or the event log is not durable (its store is away,
@@ -165,7 +195,9 @@ class GenerationServiceServicer:
         reaches a Generate or Resume stream only once the journal holds it (unless
         the server runs with --stream-before-durable), so a client that resumes
         from the count of token ids it received misses none and repeats none.
-        Ending the call does not abort the request (Abort does).
+        Ending the call does not abort the request (Abort does). When an ended
+        request's id was reused (GenerateRequest.request_id), Resume streams the
+        newest request of that id; the older ones cannot be resumed.
 
         Status codes:
         NOT_FOUND           the journal holds no request with this `request_id`
@@ -216,11 +248,25 @@ def add_GenerationServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class GenerationService:
-    """Status codes every method below can return besides its own:
+    """Error details: a status that carries details sends them the way gRPC does,
+    in the `grpc-status-details-bin` trailing metadata: a serialized
+    google.rpc.Status (code, message, details), each detail a
+    google.protobuf.Any. The only detail this server sends is a
+    google.rpc.RetryInfo (its `retry_delay`), with Generate's RESOURCE_EXHAUSTED
+    for a full server. Those messages are not shipped with this contract: take
+    them from googleapis (`google/rpc/status.proto`; RetryInfo is in
+    `google/rpc/error_details.proto`), or use a gRPC library's helper (Python:
+    grpcio-status's `rpc_status.from_call` with googleapis-common-protos). A
+    client that ignores the trailer still gets the code and the message.
+
+    Status codes every method below can return besides its own:
     UNAUTHENTICATED     the server runs with --auth-token and the call lacks
     `authorization: Bearer <token>` metadata, or it is wrong.
-    UNAVAILABLE         the server is shutting down (new calls are refused) or
-    cannot be reached.
+    UNAVAILABLE         the server is shutting down: through its grace
+    (--grace-s) it still accepts connections, health
+    answers NOT_SERVING and new calls get `the server is
+    shutting down: ...` while the calls in flight finish;
+    after it the port is closed. Or it cannot be reached.
     RESOURCE_EXHAUSTED  without a google.rpc.RetryInfo detail: the request
     message is larger than the server accepts (gRPC's own
     receive limit, 4 MiB by default). Retrying the same

@@ -1,0 +1,71 @@
+"""Companion rows: another table's rows that commit in the log's own transactions.
+
+The engine keeps its request journal beside the allocator's events: a step's
+journal records must be durable exactly when the step's block events are, so
+the writer inserts them in the transaction that commits the events (one group
+commit, one watermark). The log knows nothing of what they hold. It numbers
+the records of an epoch 1, 2, 3, ... on the caller's thread (the companion
+seq), hands each batch's records with the batch's step and wall time to the
+records' ``table``, which builds their stored rows (as many as it likes: the
+journal stores a step's records in one row), inserts and finds them. Everything else (the
+table, its columns, the payload's codec) belongs to the records' owner.
+
+A companion-only commit (a step that took no block) moves the epoch row's
+guard to where it was, so a retry after a lost acknowledgement cannot
+recognise itself by the guard: it meets its own rows' unique key, and
+``CompanionTable.holds`` tells whether the group's last row is the one stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+
+# one stored companion row, in its table's column order; the log never looks inside
+CompanionRow = Sequence[Any]
+
+
+class CompanionTable(Protocol):
+    """Where companion records are stored: builds their rows, inserts them, finds them again."""
+
+    def rows(
+        self, records: Sequence[Any], pool_id: str, epoch: int, first_seq: int, step: int | None, wall_ns: int
+    ) -> list[CompanionRow]:
+        """The stored rows of one batch's ``records``, companion seqs ``first_seq``, ... of ``(pool_id,
+        epoch)``; ``step`` and ``wall_ns`` are the batch's (None: outside any step). Called once per
+        batch, in companion seq order, on the writer's thread."""
+        ...
+
+    def insert(self, conn: sa.Connection, rows: Sequence[CompanionRow]) -> None:
+        """Insert ``rows`` inside ``conn``'s transaction (the one that commits their events)."""
+        ...
+
+    def holds(self, conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> bool:
+        """Whether companion seq ``seq`` of ``(pool_id, epoch)`` is stored (an earlier attempt's)."""
+        ...
+
+    def num_bytes(self, rows: Sequence[CompanionRow]) -> int:
+        """The bytes ``rows`` take in the store, near enough for the log's pending-bytes figure."""
+        ...
+
+
+class CompanionRecord(Protocol):
+    """One record the caller hands ``EventLog.append_batch`` beside its events; ``table`` stores it."""
+
+    @property
+    def table(self) -> CompanionTable: ...
+
+
+def seal_companions(
+    records: Sequence[CompanionRecord], pool_id: str, epoch: int, first_seq: int, step: int | None, wall_ns: int
+) -> tuple[CompanionTable | None, list[CompanionRow]]:
+    """The stored rows of one batch's ``records`` (seqs ``first_seq``, ...) and the table that holds
+    them; (None, []) for none. Every record of a batch must name the same table."""
+    if not records:
+        return None, []
+    table = records[0].table
+    for seq, record in enumerate(records, first_seq):
+        assert record.table is table, f"companion seq {seq} names another table than seq {first_seq}"
+    return table, table.rows(records, pool_id, epoch, first_seq, step, wall_ns)

@@ -1,0 +1,240 @@
+"""Do readers starve generation? One stream's token rate while the log and journal are read hard.
+
+A ``nanoserve serve`` subprocess (the default model) first finishes one long
+request with logprobs (``--long-tokens``), then streams one long greedy
+completion whose tokens the client counts. Three phases of ``--phase-s``
+seconds each, in the same run against the same server:
+
+  idle      nothing else arrives (the baseline);
+  readers   ``--num-watchers`` WatchEvents subscribers catch up from seq 1 and
+            ``--num-resumes`` Resume calls of the finished long request (with
+            logprobs) run, all at once (the issue's reproduction);
+  aborts    ``--num-aborts`` Aborts of unknown ids, ``--num-aborters`` at a time.
+
+A loaded phase lasts until its calls are done, and at least ``--phase-s``; its
+rate is over that whole time, and the time the calls took is printed too.
+
+The load runs in a spawned, niced process of its own (``--load-nice``), so the
+figures measure the server's own work, not the load generator's CPU. Printed:
+per phase, the stream's tokens per second and its ratio to idle, and the calls
+the load made by status. Target (issue 31): each loaded phase keeps >= 80% of
+the idle token rate. On a shared machine the figures move with the neighbours:
+say so with them.
+
+    .venv/bin/python -m bench.read_paths
+    .venv/bin/python -m bench.read_paths --phase-s 6 --long-tokens 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import multiprocessing
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench.grpc_load import start_server
+from nanoserve.v1 import allocation_pb2 as apb
+from nanoserve.v1 import allocation_pb2_grpc, generation_pb2_grpc
+from nanoserve.v1 import generation_pb2 as pb
+
+LONG_ID = "bench-finished-long"
+
+
+@dataclass
+class Phase:
+    name: str
+    num_tokens: int = 0
+    duration_s: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)
+    load_s: float = 0.0  # seconds the phase's calls took
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.num_tokens / self.duration_s if self.duration_s else float("nan")
+
+
+async def _stream(stub: generation_pb2_grpc.GenerationServiceStub, max_tokens: int, current: list[Phase]) -> None:
+    request = pb.GenerateRequest(
+        prompt="Count from one to one thousand: one, two,",
+        sampling=pb.SamplingParameters(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    try:
+        async for response in stub.Generate(request):
+            current[0].num_tokens += len(response.token_ids)
+    except grpc.aio.AioRpcError as error:
+        if error.code() != grpc.StatusCode.CANCELLED:
+            raise
+
+
+def _count(calls: dict[str, int], code: grpc.StatusCode) -> None:
+    calls[code.name] = calls.get(code.name, 0) + 1
+
+
+async def _readers(address: str, num_watchers: int, num_resumes: int) -> dict[str, int]:
+    """WatchEvents from seq 1 until caught up, and Resume of the long request, all at once."""
+    calls: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        allocation = allocation_pb2_grpc.AllocationServiceStub(channel)
+        generation = generation_pb2_grpc.GenerationServiceStub(channel)
+        last_seq = (await allocation.GetPoolStatus(apb.GetPoolStatusRequest())).last_seq
+
+        async def watcher() -> None:
+            call = allocation.WatchEvents(apb.WatchEventsRequest(from_seq=1))
+            try:
+                async for response in call:
+                    if response.event.seq >= last_seq:
+                        break
+                _count(calls, grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as error:
+                _count(calls, error.code())
+            finally:
+                call.cancel()
+
+        async def resumer() -> None:
+            try:
+                async for _ in generation.Resume(pb.ResumeRequest(request_id=LONG_ID)):
+                    pass
+                _count(calls, grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as error:
+                _count(calls, error.code())
+
+        await asyncio.gather(*(watcher() for _ in range(num_watchers)), *(resumer() for _ in range(num_resumes)))
+    return {f"watch+resume {code}": n for code, n in calls.items()}
+
+
+async def _aborters(address: str, num_aborters: int, num_aborts: int) -> dict[str, int]:
+    calls: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
+        async def aborter(index: int) -> None:
+            for serial in range(index, num_aborts, num_aborters):
+                try:
+                    await stub.Abort(pb.AbortRequest(request_id=f"unknown-{serial}"))
+                    _count(calls, grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as error:
+                    _count(calls, error.code())
+
+        await asyncio.gather(*(aborter(index) for index in range(num_aborters)))
+    return {f"abort {code}": n for code, n in calls.items()}
+
+
+def _load_process(kind: str, address: str, args: argparse.Namespace) -> tuple[dict[str, int], float]:
+    """The phase's calls by status, and the seconds they took."""
+    start_s = time.perf_counter()
+    if kind == "readers":
+        calls = asyncio.run(_readers(address, args.num_watchers, args.num_resumes))
+    else:
+        calls = asyncio.run(_aborters(address, args.num_aborters, args.num_aborts))
+    return calls, time.perf_counter() - start_s
+
+
+async def _finish_long_request(address: str, num_tokens: int) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        request = pb.GenerateRequest(
+            request_id=LONG_ID,
+            prompt="Write a long story about a lighthouse keeper.",
+            sampling=pb.SamplingParameters(max_tokens=num_tokens, temperature=0.0, ignore_eos=True, logprobs=5),
+        )
+        async for _ in stub.Generate(request):
+            pass
+        return (
+            await allocation_pb2_grpc.AllocationServiceStub(channel).GetPoolStatus(apb.GetPoolStatusRequest())
+        ).last_seq
+
+
+async def _run(address: str, args: argparse.Namespace) -> list[Phase]:
+    phases = [Phase("idle"), Phase("readers"), Phase("aborts")]
+    current = [phases[0]]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest())
+        stream = asyncio.create_task(_stream(stub, info.max_model_len - 64, current))
+        await asyncio.sleep(2.0)  # past the prefill
+        loop = asyncio.get_running_loop()
+        spawn = multiprocessing.get_context("spawn")  # a forked child of a process with gRPC threads hangs
+        with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=spawn, initializer=os.nice, initargs=(args.load_nice,)
+        ) as load:
+            await loop.run_in_executor(load, os.getpid)  # the process is up before the clock starts
+            for phase in phases:
+                start_s = time.perf_counter()
+                current[0] = phase
+                if phase.name == "idle":
+                    await asyncio.sleep(args.phase_s)
+                else:
+                    phase.calls, phase.load_s = await loop.run_in_executor(
+                        load, _load_process, phase.name, address, args
+                    )
+                    await asyncio.sleep(max(0.0, args.phase_s - (time.perf_counter() - start_s)))
+                phase.duration_s = time.perf_counter() - start_s
+                if stream.done():  # it ended early: a failure of the benchmark, not a figure
+                    stream.result()
+        stream.cancel()
+        await asyncio.gather(stream, return_exceptions=True)
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--phase-s", type=float, default=10.0)
+    parser.add_argument("--long-tokens", type=int, default=1000, help="tokens of the finished request Resume reads")
+    parser.add_argument("--num-watchers", type=int, default=100)
+    parser.add_argument("--num-resumes", type=int, default=200)
+    parser.add_argument("--num-aborts", type=int, default=20_000)
+    parser.add_argument("--num-aborters", type=int, default=20, help="Aborts in flight at once")
+    parser.add_argument("--max-concurrent-log-reads", type=int, default=4, help="the server's setting")
+    parser.add_argument(
+        "--max-read-calls-per-s", type=float, default=1000.0, help="the server's setting (the load is one peer)"
+    )
+    parser.add_argument("--load-nice", type=int, default=10, help="niceness of the load process")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+
+    log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
+    flags = [
+        "--dtype",
+        args.dtype,
+        "--event-log-url",
+        f"sqlite:///{log_dir / 'log.db'}",
+        "--max-concurrent-log-reads",
+        str(args.max_concurrent_log_reads),
+        "--max-read-calls-per-s",
+        str(args.max_read_calls_per_s),
+    ]
+    server, address = start_server(flags)
+    try:
+        num_events = asyncio.run(_finish_long_request(address, args.long_tokens))
+        phases = asyncio.run(_run(address, args))
+    finally:
+        server.terminate()
+        server.wait()
+    print(
+        f"finished request: {args.long_tokens} tokens with logprobs 5; epoch at {num_events} events before the stream; "
+        f"{args.num_watchers} watchers, {args.num_resumes} Resume callers, {args.num_aborts} Aborts "
+        f"(one peer, nice {args.load_nice}); --max-concurrent-log-reads {args.max_concurrent_log_reads}, "
+        f"--max-read-calls-per-s {args.max_read_calls_per_s:g}; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(f"{'phase':<8} {'tokens':>7} {'seconds':>8} {'calls s':>8} {'tok/s':>7} {'vs idle':>8}  calls")
+    idle = phases[0].tok_per_s
+    for phase in phases:
+        calls = ", ".join(f"{name} {n}" for name, n in sorted(phase.calls.items())) or "-"
+        print(
+            f"{phase.name:<8} {phase.num_tokens:>7} {phase.duration_s:>8.1f} {phase.load_s:>8.1f} "
+            f"{phase.tok_per_s:>7.1f} "
+            f"{phase.tok_per_s / idle:>7.0%}  {calls}"
+        )
+    worst = min(phase.tok_per_s for phase in phases[1:]) / idle
+    print(f"target: every loaded phase >= 80% of idle: worst {worst:.0%}, {'met' if worst >= 0.8 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,596 @@
+"""LLMEngine: requests in, one scheduled forward pass per ``step()``, outputs out.
+
+Synchronous and single-threaded by design: the scheduler, the allocator and
+the model runner are touched only by the thread that calls ``step``
+(AsyncLLMEngine runs it on its own thread).
+
+One step::
+
+    scheduler.schedule()                chunks to compute; may preempt and admit
+    runner.forward(ForwardBatch)        logits for the chunks that end a sequence
+    _token_mask(sampled)                structured outputs: each constrained row's allowed tokens
+    sampler(logits, token_mask)         one token per such sequence, batched
+    request.advance_grammar()           the constrained rows' matchers take their tokens
+    request.append_token()              stop / length checks, detokenize
+    scheduler.finish()                  free the blocks of finished requests
+    _persist_events(step)               the allocator's events of the step go to the log as one batch
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from nanoserve.allocator import BlockAllocator, FreeReason
+from nanoserve.engine.config import EngineConfig
+from nanoserve.engine.core.outputs import AbortCause, RequestOutput
+from nanoserve.engine.core.request import Request
+from nanoserve.engine.core.sample_group import SampleGroup
+from nanoserve.engine.core.scheduler import ScheduledChunk, Scheduler
+from nanoserve.engine.core.status import ModelInfo, PoolStatus, ScopeUsage, scope_of
+from nanoserve.engine.errors import (
+    DuplicateRequestError,
+    PrefixCacheResetRefusedError,
+    QueueFullError,
+    RequestNotFoundError,
+)
+from nanoserve.engine.journal.request_journal import (
+    admit_record,
+    journal_final,
+    not_recovered_record,
+    output_record,
+    restore_request,
+    sampling_params,
+)
+from nanoserve.engine.model.forward_batch import ForwardBatch, SeqSlice
+from nanoserve.engine.model.model_runner import ModelRunner
+from nanoserve.engine.sampling.params import SamplingParams
+from nanoserve.engine.sampling.sampler import Sampler
+from nanoserve.engine.structured.grammar_compiler import GrammarCompiler
+from nanoserve.engine.structured.token_mask import TokenMask, TokenMasker
+from nanoserve.engine.text.input_processor import InputProcessor
+from nanoserve.engine.text.prompts import Prompt, TokensPrompt
+
+_log = structlog.get_logger(__name__)
+MAX_PENDING_TIMINGS = 100_000  # structured-output timings kept for the metrics, newest first dropped last
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanoserve.allocator.log import EventLog
+    from nanoserve.engine.journal.recovery import RecoveryPlanner
+    from nanoserve.engine.journal.store import JournalRecord
+    from nanoserve.engine.text.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Invariant between steps: every block of the pool is free or held by the
+    block table of exactly one running request; finished and aborted
+    requests hold none, so an idle engine's pool is all free.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner: ModelRunner | None = None,
+        event_log: EventLog | None = None,
+        recovery: RecoveryPlanner | None = None,
+    ) -> None:
+        """Loads the model (or takes ``runner``, already loaded from ``config``).
+
+        event_log: the opened epoch of ``config``'s log, recovery: what its
+        opening recovered from a crashed epoch; both are handed in by the entry
+        point (``nanoserve.engine.core.log_setup.build_engine``), as the runner
+        may be. Raises ValueError when ``config`` names a log and none is handed in.
+        """
+        if config.event_log.event_log_url is not None and event_log is None:
+            raise ValueError(
+                "event_log: config.event_log.event_log_url names a log but no opened log was handed in "
+                "(build the engine with nanoserve.engine.core.log_setup.build_engine)"
+            )
+        self.config = config
+        self.runner = runner if runner is not None else ModelRunner(config)
+        self.tokenizer: Tokenizer = self.runner.tokenizer
+        self.model_name: str = self.runner.model_name
+        self.block_size: int = self.runner.block_size
+        self.num_blocks: int = self.runner.num_kv_blocks
+        self.max_model_len: int = self.runner.max_model_len
+        self.vocab_size: int = self.runner.vocab_size
+        self.model_info = ModelInfo(
+            model_name=self.model_name,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            vocab_size=self.vocab_size,
+            has_chat_template=self.tokenizer.has_chat_template,
+            eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)),
+            max_prompt_bytes=(min(self.max_model_len, self.num_blocks * self.block_size) - 1)
+            * self.tokenizer.max_token_bytes,
+            bos_token_id=self.tokenizer.bos_token_id,
+            kv_cache_dtype=str(self.runner.kv_cache_dtype).removeprefix("torch."),
+        )
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_info, max_parallel_samples=config.scheduler.max_parallel_samples
+        )
+        self.recovery = recovery
+        self.event_log = event_log
+        self.allocator = BlockAllocator(self.num_blocks, self.block_size)
+        self.scheduler = Scheduler(
+            config.scheduler, self.allocator, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
+        self.sampler = Sampler()
+        structured = config.structured_output
+        self.grammars = GrammarCompiler(
+            self.tokenizer,
+            self.vocab_size,
+            compile_timeout_s=structured.structured_output_compile_timeout_s,
+            max_cached=structured.max_cached_grammars,
+        )
+        self._masker: TokenMasker | None = None  # made at the first constrained step
+        # seconds filling the grammar masks, one per constrained step (the metrics drain it from another thread)
+        self._mask_times_s: collections.deque[float] = collections.deque(maxlen=MAX_PENDING_TIMINGS)
+        self._num_constrained: dict[str, int] = {}  # constraint kind -> requests admitted with one, running total
+        # request_id -> live (unfinished) request: the one registry of requests, the one
+        # arbiter of duplicate ids and queue room
+        self._requests: dict[str, Request] = {}
+        self._pending_outputs: list[RequestOutput] = []  # final outputs of aborted requests
+        self._serials = itertools.count(1)  # Request.serial; next() on a count is atomic in CPython
+        self._step = 0
+        self._closed = False
+        # the request journal: records of this step, handed to the log with its events
+        self.journaling = self.event_log is not None and config.event_log.journal
+        self._journal: list[JournalRecord] = []
+        self.recovered_requests: list[Request] = self._readmit_recovered()
+
+    def _readmit_recovered(self) -> list[Request]:
+        """Queues the requests recovery took over from the crashed epoch, in admission order,
+        ahead of any new request: each a preempted request that recomputes prompt + journaled
+        outputs. Their ADMIT records are already in the log (committed with POOL_INIT)."""
+        recovery = self.recovery
+        if recovery is None or recovery.recovered_epoch is None:
+            return []
+        requests = []
+        unfit: list[JournalRecord] = []  # requests this engine cannot take back (another model or limits)
+        for history in recovery.recovered:
+            prompt = TokensPrompt(list(history.admit["prompt_token_ids"]))
+            try:
+                request = self.process_request(history.request_id, prompt, sampling_params(history))
+                request.prompt = history.admit.get("prompt")
+                restore_request(history, request, recovery.recovered_epoch)
+            except Exception as exc:  # the journal was written under another model or other limits
+                _log.warning("request_not_recovered", request_id=history.request_id, error=str(exc))
+                unfit.append(not_recovered_record(history))
+                continue
+            self._requests[request.request_id] = request
+            self.scheduler.add(request)
+            requests.append(request)
+        if unfit and self.event_log is not None:
+            self.event_log.append_batch(None, [], journal=unfit)
+        _log.info(
+            "requests_recovered",
+            epoch=recovery.recovered_epoch,
+            num_recovered=len(requests),
+            num_ended=len(recovery.ended),
+            request_ids=[request.request_id for request in requests],
+            log_open_s=round(recovery.log_open_s, 3) if recovery.log_open_s is not None else None,
+        )
+        return requests
+
+    # ---- requests in -------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues a request.
+
+        Raises InvalidRequestError (naming the field and the limit),
+        DuplicateRequestError when ``request_id`` is live, QueueFullError when
+        running + waiting requests already number ``max_num_seqs + max_num_waiting``.
+        """
+        self.add_processed(self.process_request(request_id, prompt, sampling_params, arrival_time))
+
+    def process_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        *,
+        attach_grammar: bool = True,
+    ) -> Request:
+        """Tokenizes and validates a request without touching the scheduler.
+
+        Safe to call from any thread (AsyncLLMEngine calls it on its tokenizer
+        thread). A constrained request's grammar is compiled here (waiting at
+        most ``structured_output_compile_timeout_s``) unless ``attach_grammar`` is
+        False: then the caller attaches ``grammars.matcher(...)`` itself
+        (AsyncLLMEngine waits for it off its one tokenizer thread). Raises
+        InvalidRequestError.
+        """
+        request = self.input_processor.process(request_id, prompt, sampling_params, arrival_time, next(self._serials))
+        if attach_grammar and request.sampling_params.constraint is not None:  # compiled here, off the engine thread
+            request.attach_matcher(self.grammars.matcher(request.sampling_params.constraint))
+        return request
+
+    def add_processed(self, request: Request) -> None:
+        """Queues a request made by ``process_request``; engine thread only."""
+        if request.request_id in self._requests:
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already live")
+        # a waiting request that a free running slot will take at the next step is not queued: the
+        # engine holds at most max_num_seqs + max_num_waiting requests, whatever step they arrive between
+        sched = self.config.scheduler
+        num_held = self.scheduler.num_running + self.scheduler.num_waiting
+        if num_held >= sched.max_num_seqs + sched.max_num_waiting:
+            raise QueueFullError(
+                f"{self.scheduler.num_running} requests are running and {self.scheduler.num_waiting} waiting"
+                f" (max_num_seqs {sched.max_num_seqs} + max_num_waiting {sched.max_num_waiting})"
+            )
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        constraint = request.sampling_params.constraint
+        if constraint is not None:
+            self._num_constrained[constraint.kind.value] = self._num_constrained.get(constraint.kind.value, 0) + 1
+        if self.journaling:
+            self._journal.append(admit_record(request))
+
+    # ---- stepping ----------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def has_pending_outputs(self) -> bool:
+        """Final outputs of aborted requests wait to be returned by ``step``."""
+        return bool(self._pending_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs the model once, samples; returns outputs that changed.
+
+        A request appears when it released new text or tokens, or finished
+        (including aborts since the last step).
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        step = self._begin_step()
+        try:
+            scheduled = self.scheduler.schedule()
+            if scheduled.chunks:
+                outputs.extend(self._execute(scheduled.chunks))
+        finally:
+            self._persist_events(step)
+        return outputs
+
+    def _begin_step(self) -> int:
+        """The next step number; every allocator event before it has gone to the log."""
+        assert self.allocator.num_pending_events == 0, (
+            f"{self.allocator.num_pending_events} allocator events were left pending across steps"
+        )
+        self._step += 1
+        return self._step
+
+    def _persist_events(self, step: int) -> None:
+        """Hands the allocator's pending events to the event log as one batch stamped ``step``.
+
+        Every event is taken, so none is left pending across steps; without a
+        log they are dropped. The log takes a snapshot of the pool when one is due.
+        """
+        events = self.allocator.take_events()
+        journal, self._journal = self._journal, []
+        if self.event_log is not None:
+            self.event_log.append_batch(step, events, self.allocator.snapshot, journal)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        now = time.monotonic()
+        slices = []
+        sampled: list[Request] = []  # requests whose chunk yields logits, in sampling-row order
+        sample_rows: list[int] = []  # the logits row of each of ``sampled``
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first logits row, chunk start): prompt logprobs
+        num_rows = 0
+        for chunk in chunks:
+            request = chunk.request
+            assert request.block_table is not None
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            end = chunk.start + chunk.num_new_tokens
+            all_logits = request.wants_prompt_logprobs(chunk.start, end)
+            slices.append(
+                SeqSlice(
+                    request.token_ids[chunk.start : end],
+                    chunk.start,
+                    request.block_table.block_ids,
+                    chunk.needs_logits,
+                    all_logits,
+                )
+            )
+            if all_logits:
+                prompt_rows.append((request, num_rows, chunk.start))
+                num_rows += chunk.num_new_tokens
+            elif chunk.needs_logits:
+                num_rows += 1
+            if chunk.needs_logits:
+                sampled.append(request)
+                sample_rows.append(num_rows - 1)
+        copies = [
+            pair for chunk in chunks if chunk.request.block_table for pair in chunk.request.block_table.take_copies()
+        ]
+        if copies:
+            self.runner.copy_blocks(copies)  # forked blocks copied on write: their K/V rows before the writes
+        batch = ForwardBatch.build(slices, self.block_size, self.runner.device)
+        logits = self.runner.forward(batch)  # [num_rows, vocab_size] float32
+        if prompt_rows:
+            for request, first_row, start in prompt_rows:
+                request.add_prompt_logprobs(start, logits[first_row:])
+            logits = logits[sample_rows]  # [len(sampled), vocab_size]
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += chunk.num_new_tokens
+            self.scheduler.register_computed(chunk.request, chunk.num_new_tokens)  # only now is the chunk's KV written
+        if not sampled:
+            return []
+        rows, row_logits = self._fork_prefilled(sampled)
+        if len(rows) != len(sampled):
+            logits = logits[row_logits]  # [len(rows), vocab_size]: a parent's row once per sample
+        result = self.sampler(logits, rows, self._token_mask(rows))
+        self._add_cumulative_logprobs(logits, rows, result.token_ids)
+        now = time.monotonic()
+        outputs = []
+        for request, token_id, logprob in zip(rows, result.token_ids, result.logprobs, strict=True):
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            group = request.group
+            if group is not None and group.parent.metrics.first_token_time is None:
+                group.parent.metrics.first_token_time = now
+            if not request.advance_grammar(token_id):  # the grammar allowed nothing: the token is discarded
+                _log.info("grammar_dead_end", request_id=request.request_id, error=_matcher_error(request))
+                request.abort(AbortCause.GRAMMAR)
+                ended = self._finish(request, FreeReason.ABORTED, now)
+                outputs.extend(ended)
+                if self.journaling and ended and ended[-1].finished:
+                    self._journal.append(output_record(ended[-1] if group is None else journal_final(ended[-1])))
+                continue
+            request.append_token(token_id, logprob)
+            if request.finish_reason is not None:
+                ended = self._finish(request, FreeReason.FINISHED, now)
+                outputs.extend(ended)
+                if self.journaling and ended and ended[-1].finished:
+                    self._journal.append(output_record(ended[-1] if group is None else journal_final(ended[-1])))
+            else:
+                output = request.make_output(final=False)
+                if group is not None:
+                    output = group.child_output(request, output)
+                if output is not None:
+                    outputs.append(output)
+                    if self.journaling and group is None:
+                        self._journal.append(output_record(output))
+        return outputs
+
+    def _fork_prefilled(self, sampled: list[Request]) -> tuple[list[Request], list[int]]:
+        """Forks each request with several samples whose prompt is now computed; returns who samples
+        from which logits row: each sample of a forked request draws its first token from the
+        parent's row, with its own seed."""
+        rows: list[Request] = []
+        row_logits: list[int] = []
+        for index, request in enumerate(sampled):
+            if request.sampling_params.num_samples > 1 and request.group is None:
+                serials = [next(self._serials) for _ in range(request.sampling_params.num_samples)]
+                group = SampleGroup(request, serials)
+                request.group = group
+                self.scheduler.fork(request, group.children)
+                rows.extend(group.children)
+                row_logits.extend([index] * len(group.children))
+            else:
+                rows.append(request)
+                row_logits.append(index)
+        return rows, row_logits
+
+    @staticmethod
+    def _add_cumulative_logprobs(logits: torch.Tensor, rows: list[Request], token_ids: list[int]) -> None:
+        """best_of ranks samples by the sum of their tokens' log-probabilities under the model (raw logits)."""
+        ranked = [i for i, request in enumerate(rows) if request.group is not None and not request.group.streams]
+        if not ranked:
+            return
+        logprobs = logits[ranked].float().log_softmax(dim=-1)  # [len(ranked), vocab_size]
+        for row, i in enumerate(ranked):
+            group = rows[i].group
+            assert group is not None
+            group.cumulative_logprobs[rows[i].index] += float(logprobs[row, token_ids[i]])
+
+    def _token_mask(self, sampled: list[Request]) -> TokenMask | None:
+        """The allowed tokens of the constrained rows of this step's logits (None: none is constrained)."""
+        rows = [index for index, request in enumerate(sampled) if request.matcher is not None]
+        if not rows:
+            return None
+        if self._masker is None:
+            self._masker = TokenMasker(self.vocab_size)
+        start = time.perf_counter()
+        bitmask = self._masker.fill([sampled[index].matcher for index in rows])  # type: ignore[misc]
+        mask = TokenMask(rows, bitmask, self._masker.bias(bitmask))
+        self._mask_times_s.append(time.perf_counter() - start)
+        return mask
+
+    def take_structured_output_stats(self) -> StructuredOutputStats:
+        """What structured outputs did since the last call (any thread: the timings are drained from
+        thread-safe deques, the counts copied)."""
+        return StructuredOutputStats(
+            num_requests_by_kind=dict(self._num_constrained),
+            compile_times_s=_drain(self.grammars.compile_times_s),
+            mask_times_s=_drain(self._mask_times_s),
+        )
+
+    def _finish(self, request: Request, reason: FreeReason, now: float) -> list[RequestOutput]:
+        """Ends ``request`` (a sample: its group too once it was the last); its outputs, the final one last."""
+        self.scheduler.finish(request, reason)
+        request.metrics.finished_time = now
+        output = request.make_output(final=True)
+        assert output is not None
+        group = request.group
+        if group is None or group.parent is request:
+            del self._requests[request.request_id]
+            return [output]
+        outputs = [] if (shown := group.child_output(request, output)) is None else [shown]
+        if group.done:
+            parent = group.parent
+            self.scheduler.finish(parent, reason)
+            del self._requests[parent.request_id]
+            parent.metrics.finished_time = now
+            outputs.append(group.final_output())
+        return outputs
+
+    def abort(self, request_id: str, cause: AbortCause, serial: int | None = None) -> None:
+        """Stops a waiting or running request and frees its blocks at once.
+
+        Its final output (finish_reason "abort", ``abort_cause`` = ``cause``)
+        comes from the next ``step``. ``serial``: abort only the request of
+        that serial (a stream aborting its own request must not end a newer
+        request that reuses the id). Raises RequestNotFoundError when no live
+        request has this id (and serial).
+        """
+        request = self._requests.get(request_id)
+        if request is None or (serial is not None and request.serial != serial):
+            raise RequestNotFoundError(f"request_id: no live request {request_id!r}")
+        _log.debug(
+            "request_aborted", request_id=request_id, cause=cause.value, num_output_tokens=request.num_output_tokens
+        )
+        request.abort(cause)
+        # Frees outside a scheduler step get a step of their own in the log.
+        step = self._begin_step()
+        try:
+            now = time.monotonic()
+            if request.group is None:
+                outputs = self._finish(request, FreeReason.ABORTED, now)
+            else:  # every sample still running ends with it; the last one's ending ends the group
+                for child in request.group.live_children:
+                    child.abort(cause)
+                    outputs = self._finish(child, FreeReason.ABORTED, now)
+            final = outputs[-1]
+            assert final.finished, "an aborted request's last output is its final one"
+            self._pending_outputs.append(final)
+            if self.journaling:
+                self._journal.append(output_record(final if request.group is None else journal_final(final)))
+        finally:
+            self._persist_events(step)
+
+    def reset_prefix_cache(self, owner: str = "reset_prefix_cache") -> int:
+        """Drops every cached-free block's key (one CACHE_RESET event, a step of its own in the log).
+
+        Returns the blocks reset. Raises PrefixCacheResetRefusedError while any
+        block is held (a held block's key may be shared at any moment), and
+        when prefix caching is off.
+        """
+        if not self.scheduler.enable_prefix_caching:
+            raise PrefixCacheResetRefusedError("prefix caching is off (--no-enable-prefix-caching): nothing to reset")
+        num_held = self.allocator.num_allocated
+        num_cached_free = self.allocator.num_cached_free
+        if num_held:
+            raise PrefixCacheResetRefusedError(
+                f"{num_held} blocks are held by {self.scheduler.num_running} running requests; "
+                "reset the prefix cache when the server is idle"
+            )
+        step = self._begin_step()
+        try:
+            assert self.allocator.reset_prefix_cache(owner), "the allocator refused a reset with no block held"
+        finally:
+            self._persist_events(step)
+        return num_cached_free
+
+    # ---- status and shutdown ----------------------------------------------
+
+    def pool_status(self) -> PoolStatus:
+        log = self.event_log
+        return PoolStatus(
+            pool_id=self.config.event_log.pool_id,
+            epoch=log.epoch if log is not None else None,
+            num_blocks=self.allocator.num_blocks,
+            block_size=self.allocator.block_size,
+            num_free=self.allocator.num_free,
+            num_allocated=self.allocator.num_allocated,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            last_seq=log.last_seq if log is not None else None,
+            durable_seq=log.durable_seq if log is not None else None,
+            num_cached=self.allocator.num_cached,
+            num_cached_free=self.allocator.num_cached_free,
+            num_shared=self.allocator.num_shared,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            enable_prefix_caching=self.scheduler.enable_prefix_caching,
+            scopes=self._scope_usage(),
+            num_forked_blocks=self.allocator.num_forked_blocks,
+            num_copied_blocks=self.allocator.num_copied_blocks,
+        )
+
+    def _scope_usage(self) -> tuple[ScopeUsage, ...]:
+        """Running and waiting requests and their blocks per request-id scope (O(requests))."""
+        usage: dict[str, list[int]] = {}
+        for request in self.scheduler.running:
+            counts = usage.setdefault(scope_of(request.request_id), [0, 0, 0])
+            counts[0] += 1
+            counts[2] += request.block_table.num_blocks if request.block_table is not None else 0
+        for request in self.scheduler.waiting:
+            usage.setdefault(scope_of(request.request_id), [0, 0, 0])[1] += 1
+        return tuple(ScopeUsage(scope, *usage[scope]) for scope in sorted(usage))
+
+    def shutdown(self, log_close_timeout_s: float | None = None) -> None:
+        """Aborts what is left and closes the event log (POOL_CLOSE). Idempotent.
+
+        The log gets ``log_close_timeout_s`` (default: the config's
+        ``event_log_close_timeout_s``) to take what waits. Raises
+        EventLogIncompleteError, naming the seqs not written, when it did not
+        (the store away, or the log failed); every request has ended anyway.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.grammars.close()
+        log = self.event_log
+        if log is not None:
+            log.unbound()  # the aborts below must not wait for room in a stalled log
+        for request_id in list(self._requests):
+            try:
+                self.abort(request_id, AbortCause.SHUTDOWN)
+            except Exception as exc:  # a failed log: the request has ended, its events are reported lost
+                if log is None or not log.failed:
+                    raise
+                _log.debug("abort_not_logged", request_id=request_id, error=str(exc))
+        if log is not None:
+            timeout_s = self.config.event_log.event_log_close_timeout_s
+            log.close(timeout_s if log_close_timeout_s is None else log_close_timeout_s, self.allocator.snapshot())
+
+
+@dataclass(frozen=True)
+class StructuredOutputStats:
+    """num_requests_by_kind: constraint kind -> constrained requests admitted (running totals);
+    compile_times_s: seconds of each grammar compile, mask_times_s: seconds filling each constrained
+    step's masks, both since the last ``take_structured_output_stats``."""
+
+    num_requests_by_kind: dict[str, int]
+    compile_times_s: list[float]
+    mask_times_s: list[float]
+
+
+def _drain(times: collections.deque[float]) -> list[float]:
+    drained = []
+    while True:
+        try:
+            drained.append(times.popleft())
+        except IndexError:
+            return drained
+
+
+def _matcher_error(request: Request) -> str:
+    matcher = request.matcher
+    return matcher.get_error() if matcher is not None else ""

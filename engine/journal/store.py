@@ -1,0 +1,281 @@
+"""The request journal's tables as the event log's companion: records in, histories out.
+
+``JournalRecord`` is what the engine hands ``EventLog.append_batch`` beside a
+step's events; it names ``JOURNAL_TABLE``, through which the log's writer
+stores a step's records as one ``journal_steps`` row (``step_codec``, chained by
+``journal_chain``) in the same transaction as the events (the log's
+``companion`` protocol). The readers here turn the stored rows, of either
+layout (``request_journal``'s row per record before migration 0005), back into
+``JournalEntry``s and ``RequestHistory``s (``records``); ``audit_journal``
+checks the chain.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import sqlalchemy as sa
+
+from nanoserve.allocator.log.companion import CompanionRow
+from nanoserve.allocator.log.errors import LogNotFoundError, safe_url
+from nanoserve.allocator.log.store import create_log_engine, insert_through_driver
+from nanoserve.engine.errors import JournalGapError
+from nanoserve.engine.journal.journal_chain import (
+    JournalDamage,
+    StepRow,
+    journal_genesis,
+    step_hash,
+    verify_journal_chain,
+)
+from nanoserve.engine.journal.records import JournalEntry, JournalKind, RequestHistory, request_history
+from nanoserve.engine.journal.schema import journal_requests, journal_steps, request_journal
+from nanoserve.engine.journal.step_codec import decode_step, encode_step
+
+
+class JournalRecord(NamedTuple):
+    """One journal record as the engine makes it; the log stamps journal_seq, step and time.
+
+    A companion record of the event log (``nanoserve.allocator.log.companion``): its
+    ``table`` is the request journal's, which the log asks to store it."""
+
+    kind: JournalKind
+    request_id: str
+    data: dict[str, Any]
+
+    @property
+    def table(self) -> JournalTable:
+        return JOURNAL_TABLE
+
+
+# the old layout (before migration 0005): one request_journal row per record, in JOURNAL_COLUMNS order
+JOURNAL_COLUMNS = ("pool_id", "epoch", "journal_seq", "request_id", "kind", "step", "wall_ns", "record")
+# one journal_steps row, in STEP_COLUMNS order, then its admissions rows (INDEX_COLUMNS order)
+STEP_COLUMNS = ("pool_id", "epoch", "first_seq", "last_seq", "step", "wall_ns", "body", "hash")
+INDEX_COLUMNS = ("pool_id", "epoch", "journal_seq", "request_id")
+_ROW_OVERHEAD_BYTES = 64  # a step row's fixed columns and hash, near enough for the pending-bytes figure
+_NUM_HEADS_KEPT = 256
+
+
+class JournalTable:
+    """The request journal as the event log's companion table: one ``journal_steps`` row per batch.
+
+    Keeps the chain's head of each epoch it writes (``(pool_id, epoch, last_seq)
+    -> hash``, the last few only): the writer hands it an epoch's batches in seq
+    order, so each row chains from the one built before it; a retry reuses its
+    sealed rows and builds nothing again."""
+
+    def __init__(self) -> None:
+        self._heads: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def rows(
+        self,
+        records: Sequence[JournalRecord],
+        pool_id: str,
+        epoch: int,
+        first_seq: int,
+        step: int | None,
+        wall_ns: int,
+    ) -> list[CompanionRow]:
+        """One step row holding ``records`` (journal seqs ``first_seq``, ...), chained to the epoch's
+        row that ends at ``first_seq - 1``; the row carries its ADMITs' and FINISHes' index rows last."""
+        last_seq = first_seq + len(records) - 1
+        body = encode_step([(record.kind.value, record.request_id, record.data) for record in records])
+        with self._lock:
+            previous = (
+                journal_genesis(pool_id, epoch) if first_seq == 1 else self._heads.get((pool_id, epoch, first_seq - 1))
+            )
+            assert previous is not None, f"journal seq {first_seq} of epoch {epoch} sealed before seq {first_seq - 1}"
+            digest = step_hash(previous, first_seq, last_seq, step, wall_ns, body)
+            self._heads[(pool_id, epoch, last_seq)] = digest
+            while len(self._heads) > _NUM_HEADS_KEPT:
+                self._heads.popitem(last=False)
+        index = tuple(
+            (pool_id, epoch, seq, record.request_id)
+            for seq, record in enumerate(records, first_seq)
+            if record.kind in (JournalKind.ADMIT, JournalKind.FINISH)
+        )
+        return [(pool_id, epoch, first_seq, last_seq, step, wall_ns, body, digest, index)]
+
+    def insert(self, conn: sa.Connection, rows: Sequence[CompanionRow]) -> None:
+        """Insert step rows and their index rows inside ``conn``'s transaction (COPY / executemany)."""
+        insert_through_driver(conn, journal_steps, STEP_COLUMNS, [row[:-1] for row in rows])
+        insert_through_driver(conn, journal_requests, INDEX_COLUMNS, [a for row in rows for a in row[-1]])
+
+    def holds(self, conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> bool:
+        """Whether the epoch's journal holds journal seq ``seq``."""
+        table = journal_steps
+        found = conn.execute(
+            sa.select(table.c.first_seq).where(
+                table.c.pool_id == pool_id,
+                table.c.epoch == epoch,
+                table.c.first_seq <= seq,
+                table.c.last_seq >= seq,
+            )
+        ).first()
+        return found is not None
+
+    def num_bytes(self, rows: Sequence[CompanionRow]) -> int:
+        """The bytes of the rows' bodies plus a fixed allowance per row."""
+        return sum(len(row[6]) + _ROW_OVERHEAD_BYTES for row in rows)
+
+
+JOURNAL_TABLE = JournalTable()
+
+
+def read_request_history(conn: sa.Connection, pool_id: str, request_id: str) -> RequestHistory | None:
+    """``request_id``'s history in ``pool_id`` across every epoch; None when the journal never saw it.
+
+    JournalGapError when a step row in its range is missing or altered, or a released delta is missing."""
+    records = _old_request_records(conn, pool_id, request_id)
+    if _has_steps(conn):
+        records += _step_request_records(conn, pool_id, request_id)
+    records.sort(key=lambda record: record[:2])
+    return request_history(((epoch, kind, data) for epoch, _, kind, data in records), request_id)
+
+
+def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[JournalEntry]:
+    """The journal records of one epoch (None: every epoch) of ``pool_id``, in order (old and new layout)."""
+    entries = []
+    table = request_journal
+    if sa.inspect(conn).has_table(table.name):
+        query = sa.select(table).where(table.c.pool_id == pool_id)
+        if epoch is not None:
+            query = query.where(table.c.epoch == epoch)
+        entries = [
+            JournalEntry(r.epoch, r.journal_seq, r.request_id, r.kind, r.step, r.wall_ns, json.loads(r.record))
+            for r in conn.execute(query)
+        ]
+    if _has_steps(conn):
+        for row in read_step_rows(conn, pool_id, epoch):
+            for seq, (kind, request_id, data) in enumerate(decode_step(row.body), row.first_seq):
+                entries.append(JournalEntry(row.epoch, seq, request_id, kind, row.step, row.wall_ns, data))
+    entries.sort(key=lambda entry: (entry.epoch, entry.journal_seq))
+    return entries
+
+
+def read_step_rows(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[StepRow]:
+    """The ``journal_steps`` rows of one epoch (None: every epoch) of ``pool_id``, by (epoch, first_seq)."""
+    table = journal_steps
+    query = sa.select(*_step_columns()).where(table.c.pool_id == pool_id)
+    if epoch is not None:
+        query = query.where(table.c.epoch == epoch)
+    return [StepRow(*row) for row in conn.execute(query.order_by(table.c.epoch, table.c.first_seq))]
+
+
+def audit_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[JournalDamage]:
+    """The first damaged or missing step row of each epoch (None: every epoch) of ``pool_id``; [] when clean."""
+    if not _has_steps(conn):
+        return []
+    return verify_journal_chain(pool_id, read_step_rows(conn, pool_id, epoch))
+
+
+def _step_columns() -> list[sa.ColumnElement[Any]]:
+    table = journal_steps
+    return [
+        table.c.epoch,
+        table.c.first_seq,
+        table.c.last_seq,
+        table.c.step,
+        table.c.wall_ns,
+        table.c.body,
+        table.c.hash,
+    ]
+
+
+# (epoch, journal_seq, kind, payload)
+_Record = tuple[int, int, str, dict[str, Any]]
+
+
+def _old_request_records(conn: sa.Connection, pool_id: str, request_id: str) -> list[_Record]:
+    table = request_journal
+    if not sa.inspect(conn).has_table(table.name):
+        return []
+    rows = conn.execute(
+        sa.select(table.c.epoch, table.c.journal_seq, table.c.kind, table.c.record).where(
+            table.c.pool_id == pool_id, table.c.request_id == request_id
+        )
+    )
+    return [(r.epoch, r.journal_seq, r.kind, json.loads(r.record)) for r in rows]
+
+
+def _step_request_records(conn: sa.Connection, pool_id: str, request_id: str) -> list[_Record]:
+    """The request's records in the step rows: in each epoch that indexes it, from its first ADMIT or
+    FINISH there to its FINISH (or the epoch's end), the rows checked contiguous and unaltered."""
+    admissions = journal_requests
+    spans: dict[int, tuple[int, int]] = {}  # epoch -> (first, last) indexed seq of the id there
+    for epoch, seq in conn.execute(
+        sa.select(admissions.c.epoch, admissions.c.journal_seq).where(
+            admissions.c.pool_id == pool_id, admissions.c.request_id == request_id
+        )
+    ):
+        first, last = spans.get(epoch, (seq, seq))
+        spans[epoch] = (min(first, seq), max(last, seq))
+    records: list[_Record] = []
+    for epoch, (first, last) in sorted(spans.items()):
+        records += _epoch_request_records(conn, pool_id, epoch, first, last, request_id)
+    return records
+
+
+def _epoch_request_records(
+    conn: sa.Connection, pool_id: str, epoch: int, first: int, last: int, request_id: str
+) -> list[_Record]:
+    """The id's records of one epoch from ``first`` on: up to the FINISH at ``last`` (an id reused in the
+    epoch holds one request after another), or to the epoch's end when ``last`` is no FINISH."""
+    table = journal_steps
+    in_epoch = (table.c.pool_id == pool_id, table.c.epoch == epoch)
+    before = conn.execute(
+        sa.select(table.c.last_seq, table.c.hash)
+        .where(*in_epoch, table.c.last_seq < first)
+        .order_by(table.c.first_seq.desc())
+        .limit(1)
+    ).first()
+    previous, next_seq = (
+        (before.hash, before.last_seq + 1) if before is not None else (journal_genesis(pool_id, epoch), 1)
+    )
+    rows = conn.execute(
+        sa.select(*_step_columns()).where(*in_epoch, table.c.last_seq >= first).order_by(table.c.first_seq)
+    )
+    records: list[_Record] = []
+    for row in rows:
+        step_row = StepRow(*row)
+        damage = verify_journal_chain(pool_id, [step_row], previous=previous, first_seq=next_seq)
+        if damage:
+            raise JournalGapError(request_id, damage[0].describe())
+        previous, next_seq = step_row.hash, step_row.last_seq + 1
+        for seq, (kind, rid, data) in enumerate(decode_step(step_row.body), step_row.first_seq):
+            if rid == request_id and seq >= first:
+                records.append((epoch, seq, kind, data))
+                if kind == JournalKind.FINISH.value and seq >= last:
+                    return records
+    return records
+
+
+def check_journal_schema(url: str) -> None:
+    """LogNotFoundError when the log at ``url`` has no journal table (its schema predates migration 0003)."""
+    engine = create_log_engine(url)
+    try:
+        with engine.connect() as conn:
+            if not _has_steps(conn):
+                shown = safe_url(url)
+                raise LogNotFoundError(
+                    f"{shown!r} has no request journal table (run `nanoserve db upgrade {shown}`, or serve with "
+                    "--no-journal)"
+                )
+    finally:
+        engine.dispose()
+
+
+def has_journal_table(conn: sa.Connection) -> bool:
+    """Whether the database holds a journal (a log older than migration 0003 does not)."""
+    inspector = sa.inspect(conn)
+    return bool(inspector.has_table(request_journal.name) or inspector.has_table(journal_steps.name))
+
+
+def _has_steps(conn: sa.Connection) -> bool:
+    """Whether the database holds the step rows' table (migration 0005)."""
+    return bool(sa.inspect(conn).has_table(journal_steps.name))

@@ -1,0 +1,2 @@
+"""The model half of the engine: weights, the Llama decoder and its layers, paged attention,
+the KV cache, the CPU kernels, and the ``ModelRunner`` that runs one packed step."""

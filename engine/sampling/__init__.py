@@ -1,0 +1,1 @@
+"""How tokens are picked: ``SamplingParams``, the batched sampler, counter-based random numbers."""

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizer, chat templates, input validation, incremental detokenization, stop strings."""

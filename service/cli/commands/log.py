@@ -1,0 +1,475 @@
+"""``nanoserve log``: read, replay and audit the allocator's event log.
+
+    nanoserve log audit  [--url URL] [--pool ID] [--epoch N]
+    nanoserve log show   [--url URL] [--pool ID] [--epoch N] [--owner O] [--block B] [--kind K]
+                         [--from SEQ] [--to SEQ] [--limit N]
+    nanoserve log state  --at SEQ [--url URL] [--pool ID] [--epoch N] [--full]
+    nanoserve log epochs [--url URL] [--pool ID]
+    nanoserve log requests [--url URL] [--pool ID] [--epoch N]   (the request journal: see ``log_requests``)
+    nanoserve log plot   [--url URL] [--pool ID] [--epoch N] [--from SEQ] [--to SEQ] [--x seq|step|time] -o FILE
+    nanoserve log state  --at SEQ --svg FILE ...     (the pictures: see ``log_plot``)
+
+The URL defaults to $NANOSERVE_EVENT_LOG_URL, else the server's default log
+file (``sqlite:///nanoserve-log.db`` in the working directory). Exit status:
+0 clean, 1 violations or damage found, 2 unusable input (no log there, unknown
+pool or epoch, unreachable database, a bad flag). A migrated log with no
+epochs yet is not an error: ``epochs`` says "no epochs in the log" and
+``audit`` says "nothing to audit", both exit 0.
+
+Damaged logs never end in a traceback: ``audit`` names the first bad seq
+(exit 1); ``show`` prints every event it can read and names each damaged row
+in its place (exit 1); ``state`` replays what it can and lists what broke
+(exit 1). SQLite files are opened read-only, so logs on read-only media work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from nanoserve.allocator import EventKind, PoolState
+from nanoserve.service.cli.commands import log_archive, log_plot, log_requests
+
+EVENT_KINDS = tuple(kind.value for kind in EventKind)
+
+EXIT_CLEAN = 0
+EXIT_VIOLATIONS = 1
+EXIT_UNUSABLE = 2
+
+# an epoch without POOL_CLOSE: a reader of the log cannot tell a running server from a crashed one
+OPEN_STATUS = "open (running, or crashed)"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "log",
+        help="audit, show and replay the allocator's event log (exit 0 clean, 1 violations, 2 unusable input)",
+        description="Read the block allocator's event log: audit it, show events, replay the pool at a seq, "
+        "list epochs.",
+    )
+    actions = parser.add_subparsers(dest="log_command", metavar="ACTION", required=True)
+
+    audit = actions.add_parser(
+        "audit",
+        help="check every rule of the log; report leaks and open epochs",
+        description="Replay every epoch (or --epoch N) from its genesis and check every rule of the log: "
+        "exit 0 clean, 1 violations (with the first bad seq), 2 unusable input. "
+        "For an open epoch (running, or crashed) it prints who held which blocks at the last durable event.",
+    )
+    _add_source(audit, epoch_help="epoch number (default: every epoch)")
+    audit.add_argument(
+        "--archive",
+        metavar="FILE",
+        help="audit this archive file (from `log archive`) instead; with --url, also check its sha256 and head "
+        "hash against the live log's manifest (exit 1 when they differ)",
+    )
+    audit.set_defaults(func=run_audit)
+
+    show = actions.add_parser(
+        "show",
+        help="print events as a table",
+        description="Print the events of one epoch as a table (seq, batch, step, time, kind, blocks, owner, reason), "
+        "filtered by owner, block, kind or seq range; --owner also lists the samples forked from that request "
+        "(n, best_of) and their fork and copy events. A damaged row is printed as DAMAGED in its place and named "
+        "below the table (exit 1). With --owner and no --epoch it follows the request across every epoch "
+        "(an epoch column when the log holds several) and prints its request journal records below.",
+    )
+    _add_source(show, epoch_help="the epoch whose events to print (default: the newest; with --owner: every epoch)")
+    show.add_argument("--owner", help="only events of this owner (request id)")
+    show.add_argument("--block", type=int, metavar="BLOCK_ID", help="only events touching this block")
+    show.add_argument("--kind", choices=EVENT_KINDS, help="only events of this kind")
+    show.add_argument("--from", dest="from_seq", type=int, default=1, metavar="SEQ", help="first seq (default 1)")
+    show.add_argument("--to", dest="to_seq", type=int, default=None, metavar="SEQ", help="last seq (default: the end)")
+    show.add_argument("--limit", type=int, default=None, metavar="N", help="print at most N events")
+    show.set_defaults(func=run_show)
+
+    state = actions.add_parser(
+        "state",
+        help="replay the pool as of one seq and print who holds which blocks",
+        description="Replay one epoch up to --at SEQ and print the pool then: counts, each owner's blocks, "
+        "the free blocks (as ranges; --full: the free stack in LIFO order) and any rule broken on the way.",
+    )
+    _add_source(state, epoch_help="the epoch to replay (default: the newest)")
+    state.add_argument(
+        "--at",
+        dest="at_seq",
+        type=int,
+        required=True,
+        metavar="SEQ",
+        help="the seq to replay up to (past the epoch's end: its last seq, said on stderr)",
+    )
+    state.add_argument(
+        "--full",
+        action="store_true",
+        help="print the free stack block by block, next out first, instead of sorted ranges",
+    )
+    state.add_argument(
+        "--trust-snapshot",
+        action="store_true",
+        help="start from the newest SNAPSHOT at or before --at without verifying the hash chain of the records "
+        "before it (faster on long epochs; by default they are verified, and a broken chain replays from the "
+        "epoch's start instead)",
+    )
+    state.add_argument(
+        "--svg",
+        metavar="FILE",
+        help="also draw the pool then as FILE.svg (or .png): blocks coloured by owner, free stack, block tables",
+    )
+    state.set_defaults(func=run_state)
+
+    epochs = actions.add_parser(
+        "epochs",
+        help="list the epochs of every pool (or one)",
+        description=f"List each epoch: pool, epoch, pool size, model, when it opened, durable seq, and its status "
+        f"('closed at seq N', or '{OPEN_STATUS}': no POOL_CLOSE yet).",
+    )
+    _add_source(epochs, epoch_help=None)
+    epochs.set_defaults(func=run_epochs)
+
+    log_archive.add_archive(actions, _add_source).set_defaults(func=run_archive)
+    log_plot.add_plot(actions, _add_source).set_defaults(func=run_plot)
+    log_requests.add_requests(actions, _add_source).set_defaults(func=run_requests)
+
+
+def _add_source(parser: argparse.ArgumentParser, epoch_help: str | None) -> None:
+    from_env = os.environ.get("NANOSERVE_EVENT_LOG_URL")
+    parser.add_argument(
+        "--url",
+        default=from_env,
+        help="SQLAlchemy URL of the log [env NANOSERVE_EVENT_LOG_URL; default: sqlite:///nanoserve-log.db]",
+    )
+    parser.add_argument("--pool", dest="pool_id", default=None, help="pool id (default: the log's only pool)")
+    if epoch_help is not None:
+        parser.add_argument("--epoch", type=int, default=None, help=epoch_help)
+
+
+def _url(args: argparse.Namespace) -> str:
+    from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
+
+    return args.url or DEFAULT_EVENT_LOG_URL
+
+
+def _guarded(run: Any) -> Any:
+    """Bad input (no log, unknown pool/epoch, unreachable database) -> message on stderr, exit 2."""
+
+    def wrapper(args: argparse.Namespace) -> int:
+        import sqlalchemy as sa
+
+        from nanoserve.allocator.log import EventLogError
+
+        try:
+            return int(run(args))
+        except (ValueError, EventLogError, sa.exc.SQLAlchemyError) as exc:
+            print(f"nanoserve log {args.log_command}: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_UNUSABLE
+
+    wrapper.__doc__ = run.__doc__
+    return wrapper
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one line: a SQLAlchemy error without its SQL echo and help link."""
+    import sqlalchemy as sa
+
+    from nanoserve.allocator.log.errors import store_cause
+
+    return store_cause(exc) if isinstance(exc, sa.exc.SQLAlchemyError) else str(exc)
+
+
+@_guarded
+def run_audit(args: argparse.Namespace) -> int:
+    from nanoserve.allocator.log import audit, audit_all
+    from nanoserve.allocator.log.reader import connect, list_epochs
+
+    if args.archive is not None:
+        matches, reports = log_archive.run_audit_archive(args, args.url)
+        for report in reports:
+            print(report.render(open_status=OPEN_STATUS))
+        return EXIT_CLEAN if matches and all(report.clean for report in reports) else EXIT_VIOLATIONS
+    url = _url(args)
+    if args.epoch is None and args.pool_id is None:
+        with connect(url) as conn:
+            if not list_epochs(conn, None):
+                print("nothing to audit: the log holds no epochs")
+                return EXIT_CLEAN
+    reports = audit_all(url, args.pool_id) if args.epoch is None else [audit(url, args.pool_id, args.epoch)]
+    for report in reports:
+        print(report.render(open_status=OPEN_STATUS))
+    journal_damage = log_requests.journal_damage_lines(url, [(report.pool_id, report.epoch) for report in reports])
+    for line in journal_damage:
+        print(f"request journal damaged: {line}")
+    clean = all(report.clean for report in reports) and not journal_damage
+    return EXIT_CLEAN if clean else EXIT_VIOLATIONS
+
+
+@_guarded
+def run_archive(args: argparse.Namespace) -> int:
+    return log_archive.run_archive(args, _url(args))
+
+
+@_guarded
+def run_show(args: argparse.Namespace) -> int:
+    from nanoserve.allocator.log import Damage, scan_events
+
+    if args.from_seq < 1 or (args.to_seq is not None and args.to_seq < args.from_seq):
+        raise ValueError(f"--from must be >= 1 and --to >= --from, got --from {args.from_seq} --to {args.to_seq}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    from nanoserve.allocator.log.reader import connect, list_epochs, resolve_epoch
+
+    pool_id, epochs = args.pool_id, [args.epoch]
+    if args.owner is not None and args.epoch is None:  # follow the request across every epoch
+        with connect(_url(args)) as conn:
+            pool_id = resolve_epoch(conn, args.pool_id, None).pool_id
+            epochs = [info.epoch for info in list_epochs(conn, pool_id)]
+    rows: list[list[str]] = []
+    damage: list[Damage] = []
+    for epoch in epochs:
+        owners = [args.owner] if args.owner is None else [args.owner, *_forked_children(args, pool_id, epoch)]
+        epoch_rows: list[tuple[int, list[str]]] = []  # (seq, cells): one owner's events, then its samples'
+        for owner in owners:
+            scan = scan_events(
+                _url(args),
+                pool_id,
+                epoch,
+                args.from_seq,
+                args.to_seq,
+                owner=owner,
+                kind=args.kind,
+                block_id=args.block,
+            )
+            try:
+                for item in scan:
+                    prefix = [str(epoch)] if len(epochs) > 1 else []
+                    if isinstance(item, Damage):
+                        damage.append(item)
+                        epoch_rows.append((item.seq, [*prefix, str(item.seq), "", "", "", "DAMAGED", "", "", "", ""]))
+                        continue
+                    epoch_rows.append((item.seq, [*prefix, *_event_cells(item)]))
+                    if args.limit is not None and len(rows) + len(epoch_rows) >= args.limit and len(owners) == 1:
+                        break
+            finally:
+                scan.close()
+        rows += [cells for _, cells in sorted(epoch_rows, key=lambda entry: entry[0])]
+        if args.limit is not None and len(rows) >= args.limit:
+            rows = rows[: args.limit]
+            break
+    header = ["seq", "batch", "step", "time (UTC)", "kind", "blocks", "owner", "reason", "keys (=count, <-parent)"]
+    if not any(row[-1] for row in rows):  # no prefix-cache event: the table of the plain pool
+        header.pop()
+        rows = [row[:-1] for row in rows]
+    print(_table(["epoch", *header] if len(epochs) > 1 else header, rows))
+    for item in damage:
+        print(f"damaged: {item}")
+    if args.owner is not None and pool_id is not None:
+        for line in log_requests.owner_lines(_url(args), pool_id, args.owner):
+            print(line)
+    return EXIT_CLEAN if not damage else EXIT_VIOLATIONS
+
+
+def _forked_children(args: argparse.Namespace, pool_id: str | None, epoch: int | None) -> list[str]:
+    """The owners a FORK of the epoch names ``args.owner`` the parent of (parallel sampling's samples), in order."""
+    from nanoserve.allocator.log import Damage, scan_events
+
+    children: list[str] = []
+    scan = scan_events(_url(args), pool_id, epoch, args.from_seq, args.to_seq, kind="fork")
+    try:
+        for item in scan:
+            if not isinstance(item, Damage) and item.parent == args.owner and item.owner not in children:
+                children.append(item.owner or "")
+    finally:
+        scan.close()
+    return children
+
+
+def _event_cells(item: Any) -> list[str]:
+    return [
+        str(item.seq),
+        str(item.batch_seq),
+        "" if item.step is None else str(item.step),
+        _utc(item.wall_time_ns),
+        item.kind,
+        ",".join(map(str, item.block_ids)),
+        item.owner or "",
+        item.reason or "",
+        fork_detail(item.parent, item.partial, item.ref_counts)
+        if item.parent is not None
+        else cache_detail(item.keys, item.parent_keys, item.ref_counts),
+    ]
+
+
+@_guarded
+def run_requests(args: argparse.Namespace) -> int:
+    entries = log_requests.read_entries(_url(args), args.pool_id, args.epoch)
+    rows = log_requests.request_rows(entries)
+    journal_damage = log_requests.pool_damage_lines(_url(args), args.pool_id, args.epoch)
+    if not rows:
+        print("no journaled requests" + ("" if args.epoch is None else f" in epoch {args.epoch}"))
+    else:
+        print(_table(log_requests.REQUEST_HEADER, rows))
+    for line in journal_damage:
+        print(f"request journal damaged: {line}")
+    return EXIT_VIOLATIONS if journal_damage else EXIT_CLEAN
+
+
+@_guarded
+def run_state(args: argparse.Namespace) -> int:
+    from nanoserve.allocator.log import replay
+
+    if args.at_seq < 1:
+        raise ValueError(f"--at must be >= 1, got {args.at_seq}")
+    state = replay(_url(args), args.pool_id, args.epoch, until_seq=args.at_seq, verify_chain=not args.trust_snapshot)
+    if args.trust_snapshot:
+        print(
+            "note: --trust-snapshot: the records before the SNAPSHOT replay started from were not verified",
+            file=sys.stderr,
+        )
+    if state.last_seq is not None and state.last_seq < args.at_seq:
+        print(
+            f"note: epoch {state.epoch} ends at seq {state.last_seq}; "
+            f"showing the pool there, not at --at {args.at_seq}",
+            file=sys.stderr,
+        )
+    print(
+        f"pool {state.pool_id!r} epoch {state.epoch} at seq {state.last_seq}: "
+        f"{state.num_free} free, {state.num_allocated} allocated "
+        f"of {state.num_blocks} blocks of {state.block_size} tokens"
+    )
+    held = state.blocks_by_owner()
+    if held:
+        print(
+            _table(
+                ["owner", "num_blocks", "block ids"], [[o, str(len(b)), ",".join(map(str, b))] for o, b in held.items()]
+            )
+        )
+    if args.full:
+        print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
+    else:
+        print("free blocks: " + (block_ranges(state.free_block_ids) or "none"))
+    if state.block_keys or state.sharers:  # prefix-cache blocks, or forked ones (parallel sampling)
+        _print_cache(state, args.full)
+    for violation in state.violations:
+        print(f"violation: {violation}")
+    status = EXIT_CLEAN if not state.violations else EXIT_VIOLATIONS
+    if args.svg is not None:
+        status = max(status, log_plot.write_state_picture(_url(args), state, args.svg))
+    return status
+
+
+@_guarded
+def run_plot(args: argparse.Namespace) -> int:
+    return log_plot.run_plot(args, _url(args))
+
+
+@_guarded
+def run_epochs(args: argparse.Namespace) -> int:
+    from nanoserve.allocator.log.errors import LogNotFoundError
+    from nanoserve.allocator.log.reader import connect, list_epochs
+
+    with connect(_url(args)) as conn:
+        epochs = list_epochs(conn, args.pool_id)
+        recovered_by = log_requests.recovered_by(conn)
+    if not epochs and args.pool_id is not None:
+        raise LogNotFoundError(f"the log holds no pool {args.pool_id!r}")
+    if not epochs:
+        print("no epochs in the log")
+        return EXIT_CLEAN
+    rows = [
+        [
+            info.pool_id,
+            str(info.epoch),
+            str(info.num_blocks),
+            str(info.block_size),
+            info.model or "",
+            _utc(info.opened_wall_ns),
+            str(info.durable_seq),
+            f"closed at seq {info.closed_seq}"
+            if info.closed
+            else OPEN_STATUS
+            if (info.pool_id, info.epoch) not in recovered_by
+            else f"crashed; recovered by epoch {recovered_by[(info.pool_id, info.epoch)]}",
+        ]
+        for info in epochs
+    ]
+    print(_table(["pool", "epoch", "num_blocks", "block_size", "model", "opened (UTC)", "durable_seq", "status"], rows))
+    return EXIT_CLEAN
+
+
+def _print_cache(state: PoolState, full: bool) -> None:
+    """The prefix cache of a replayed pool: cached-free blocks, shared blocks (registered, or forked by parallel
+    sampling, those partly filled copied on write) and who shares them, keys."""
+    print(
+        f"prefix cache: {len(state.block_keys)} blocks registered, {state.num_cached_free} of them free "
+        f"(evicted first: {','.join(map(str, state.cached_free)) or 'none'})"
+    )
+    shared = state.shared_blocks()
+    if shared:
+        rows = [
+            [
+                str(b),
+                str(len(h)),
+                ",".join(h),
+                state.block_keys[b][0][:KEY_CHARS] if b in state.block_keys else "(forked)",
+                "copy on write" if b in state.copy_on_write else "",
+            ]
+            for b, h in shared.items()
+        ]
+        print(_table(["shared block", "count", "held by", "key", ""], rows))
+    if full:
+        rows = [
+            [str(block_id), str(state.ref_count(block_id)), key, parent or ""]
+            for block_id, (key, parent) in sorted(state.block_keys.items())
+        ]
+        print(_table(["block", "count", "key", "parent key"], rows))
+
+
+# hex characters of a key shown where a whole key (64) would not fit
+KEY_CHARS = 12
+
+
+def fork_detail(parent: str, partial: bool, ref_counts: Sequence[int]) -> str:
+    """A FORK or COPY event's detail: ``<-parent``, ``partial`` when a fork's last block is partly filled,
+    and the counts after it (``=2,2,2``)."""
+    counts = ",".join(map(str, ref_counts))
+    return f"<-{parent}" + (" partial" if partial else "") + (f" ={counts}" if counts else "")
+
+
+def cache_detail(keys: Sequence[str], parent_keys: Sequence[str | None], ref_counts: Sequence[int]) -> str:
+    """A prefix-cache event's keys, shortened: ``key=count`` (SHARE, RELEASE), ``key<-parent`` (REGISTER;
+    a sequence's first block has no parent)."""
+    if parent_keys:
+        return " ".join(
+            f"{k[:KEY_CHARS]}<-{p[:KEY_CHARS]}" if p else k[:KEY_CHARS] for k, p in zip(keys, parent_keys, strict=False)
+        )
+    if ref_counts:
+        return " ".join(f"{k[:KEY_CHARS]}={c}" for k, c in zip(keys, ref_counts, strict=False))
+    return " ".join(k[:KEY_CHARS] for k in keys)
+
+
+def block_ranges(block_ids: Iterable[int]) -> str:
+    """Block ids sorted and compressed into runs: [5, 0, 1, 2, 7] -> "0-2, 5, 7"."""
+    runs: list[list[int]] = []
+    for block_id in sorted(block_ids):
+        if runs and block_id == runs[-1][1] + 1:
+            runs[-1][1] = block_id
+        else:
+            runs.append([block_id, block_id])
+    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+
+
+def _utc(wall_time_ns: int) -> str:
+    return datetime.fromtimestamp(wall_time_ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)

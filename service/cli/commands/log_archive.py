@@ -1,0 +1,113 @@
+"""``nanoserve log archive`` and ``nanoserve log audit --archive``: epochs out of the live log, and their check.
+
+``log archive`` moves finished epochs into one SQLite file each under
+``--dest`` (``nanoserve.allocator.log.archive``): every epoch but each pool's
+newest, or those a retention bound no longer keeps, or one ``--epoch``.
+``log audit --archive FILE`` replays the file's epochs (hash chain and rules,
+like any log) and, with the live log (``--url``), checks the file's sha256 and
+head hash against the manifest row that names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_archive(actions: Any, add_source: Any) -> argparse.ArgumentParser:
+    archive: argparse.ArgumentParser = actions.add_parser(
+        "archive",
+        help="move finished epochs out of the live log into one SQLite file each",
+        description="Move finished epochs of the live log (--url) into DEST/<pool>-epoch-<N>.db: the epoch's rows "
+        "as stored (its events and request journal), so `nanoserve log audit --archive FILE` verifies the hash "
+        "chain and `log show/state/plot --url sqlite:///FILE` read it. A manifest row in the live log names each "
+        "file with its seq range, head hash and sha256. A pool's newest epoch is never archived. Without a bound "
+        "or --epoch: every epoch but each pool's newest.",
+    )
+    add_source(archive, epoch_help="archive this epoch only (default: every epoch the bounds no longer keep)")
+    archive.add_argument("--dest", required=True, metavar="DIR", help="folder of the archive files (made 0700)")
+    archive.add_argument(
+        "--retention-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="archive epochs that ended more than S seconds ago (0: no age bound)",
+    )
+    archive.add_argument(
+        "--retention-bytes",
+        type=int,
+        default=0,
+        metavar="B",
+        help="keep the newest epochs while they hold at most B bytes; archive the older (0: no size bound)",
+    )
+    return archive
+
+
+def run_archive(args: argparse.Namespace, url: str) -> int:
+    """Archives, printing one line per file; 0 (also when nothing was due)."""
+    from nanoserve.allocator.log.archive import RetentionPolicy, archive_due, archive_epoch
+    from nanoserve.allocator.log.store import create_log_engine
+    from nanoserve.migrations import upgrade
+
+    dest = Path(args.dest)
+    if args.epoch is not None:
+        if args.pool_id is None:
+            raise ValueError("--epoch needs --pool")
+        live = create_log_engine(url)
+        try:
+            entries = [archive_epoch(live, args.pool_id, args.epoch, dest, upgrade)]
+        finally:
+            live.dispose()
+    else:
+        policy = RetentionPolicy(args.retention_s, args.retention_bytes)
+        if not policy.enabled:
+            policy = RetentionPolicy(retention_bytes=1)  # every epoch but the newest
+        entries = archive_due(url, dest, policy, upgrade, pool_id=args.pool_id)
+    for entry in entries:
+        print(
+            f"archived pool {entry.pool_id} epoch {entry.epoch} (seq {entry.first_seq}..{entry.last_seq}, "
+            f"{entry.num_bytes} bytes) -> {entry.path} sha256 {entry.sha256}"
+        )
+    if not entries:
+        print("nothing to archive")
+    return 0
+
+
+def run_audit_archive(args: argparse.Namespace, live_url: str | None) -> tuple[bool, list[Any]]:
+    """(the file matches the live log's manifest, or no live log was given; the audit reports of its epochs).
+
+    Raises ValueError when the live log's manifest names none of the file's epochs.
+    """
+    from nanoserve.allocator.log import audit_all
+    from nanoserve.allocator.log.archive import file_sha256, manifest
+    from nanoserve.allocator.log.reader import connect, list_epochs
+
+    path = Path(args.archive)
+    if not path.is_file():
+        raise ValueError(f"no archive at {str(path)!r}")
+    archive_url = f"sqlite:///{path}"
+    reports = audit_all(archive_url, args.pool_id)
+    if live_url is None:
+        print(f"{path}: sha256 {file_sha256(path)} (no live log given: not checked against a manifest)")
+        return True, reports
+    with connect(archive_url) as conn:
+        infos = list_epochs(conn, args.pool_id)
+    named = {(e.pool_id, e.epoch): e for e in manifest(live_url)}
+    digest = file_sha256(path)
+    matches = True
+    for info in infos:
+        entry = named.get((info.pool_id, info.epoch))
+        if entry is None:
+            raise ValueError(f"the live log's manifest names no archive of pool {info.pool_id} epoch {info.epoch}")
+        if entry.sha256 != digest:
+            print(f"{path}: sha256 {digest} differs from the manifest's {entry.sha256} (the file changed)")
+            matches = False
+        elif entry.head_hash != info.head_hash:
+            print(f"{path}: head hash {info.head_hash.hex()} differs from the manifest's {entry.head_hash.hex()}")
+            matches = False
+        else:
+            print(
+                f"{path}: sha256 {digest} and head hash match the manifest (pool {entry.pool_id} epoch {entry.epoch})"
+            )
+    return matches, reports

@@ -1,0 +1,158 @@
+"""``nanoserve log requests``: the request journal, one line per request; a request's journal lines.
+
+    nanoserve log requests [--url URL] [--pool ID] [--epoch N]
+
+Each request admitted in the epoch (every epoch without --epoch): its epoch, how
+it entered it (admitted, or recovered from a crashed epoch), its prompt and
+output token counts as journaled, and its state: ``finished (stop|length)``,
+``aborted (cause)``, ``running`` (an open epoch: live, or cut by a crash),
+``recovered in epoch M`` (taken over after the crash). A log written before
+the journal existed (migration 0003) has no requests to list.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from nanoserve.engine.journal.records import JournalEntry, JournalKind
+
+
+def add_requests(actions: Any, add_source: Callable[[argparse.ArgumentParser, str | None], None]) -> Any:
+    parser = actions.add_parser(
+        "requests",
+        help="list the journaled requests with their state and token counts",
+        description="List the requests of the request journal: epoch, request id, how it was admitted "
+        "(or recovered from which epoch), prompt and output tokens, and its state (finished, aborted with "
+        "its cause, running or cut by a crash, recovered in a later epoch).",
+    )
+    add_source(parser, "only this epoch (default: every epoch)")
+    return parser
+
+
+def request_rows(entries: list[JournalEntry]) -> list[list[str]]:
+    """One row per (epoch, request): epoch, request id, admitted, prompt tokens, output tokens, state."""
+    rows: dict[tuple[int, str], dict[str, Any]] = {}
+    recovered_in: dict[tuple[int, str], int] = {}  # (crashed epoch, request id) -> epoch that took it over
+    for entry in entries:
+        if entry.kind == JournalKind.RECOVER.value:
+            for request_id in entry.data.get("recovered", []):
+                recovered_in[(entry.data["epoch"], request_id)] = entry.epoch
+            continue
+        key = (entry.epoch, entry.request_id)
+        if entry.kind == JournalKind.ADMIT.value:
+            source = entry.data.get("recovered_from")
+            rows[key] = {
+                "admitted": "admitted" if source is None else f"recovered from epoch {source}",
+                "num_prompt_tokens": len(entry.data.get("prompt_token_ids", [])),
+                "num_tokens": entry.data.get("num_prior_tokens", 0),
+                "state": None,
+            }
+            continue
+        row = rows.setdefault(key, {"admitted": "-", "num_prompt_tokens": 0, "num_tokens": 0, "state": None})
+        row["num_tokens"] = max(row["num_tokens"], entry.data["start"] + len(entry.data.get("token_ids", [])))
+        if entry.kind == JournalKind.FINISH.value:
+            reason = entry.data.get("finish_reason")
+            detail = entry.data.get("abort_cause") if reason == "abort" else reason
+            row["state"] = f"{'aborted' if reason == 'abort' else 'finished'} ({detail})"
+    table = []
+    for (epoch, request_id), row in rows.items():
+        state = row["state"]
+        if state is None:
+            taken = recovered_in.get((epoch, request_id))
+            state = "running, or cut by a crash" if taken is None else f"recovered in epoch {taken}"
+        table.append(
+            [str(epoch), request_id, row["admitted"], str(row["num_prompt_tokens"]), str(row["num_tokens"]), state]
+        )
+    return table
+
+
+REQUEST_HEADER = ["epoch", "request_id", "admitted", "prompt_tokens", "output_tokens", "state"]
+
+
+def read_entries(url: str, pool_id: str | None, epoch: int | None) -> list[JournalEntry]:
+    """The journal of one pool (the log's only pool when None), one epoch or all; [] for a log
+    without the journal's table."""
+    from nanoserve.allocator.log.reader import connect, resolve_epoch
+    from nanoserve.engine.journal.store import has_journal_table, read_journal
+
+    with connect(url) as conn:
+        info = resolve_epoch(conn, pool_id, epoch)
+        if not has_journal_table(conn):
+            return []
+        return read_journal(conn, info.pool_id, epoch)
+
+
+def journal_damage_lines(url: str, epochs: list[tuple[str, int]]) -> list[str]:
+    """One line per damaged journal among ``(pool_id, epoch)``s: its first missing or altered step row."""
+    from nanoserve.allocator.log.reader import connect
+    from nanoserve.engine.journal.store import audit_journal
+
+    lines: list[str] = []
+    with connect(url) as conn:
+        for pool_id, epoch in epochs:
+            lines.extend(f"pool {pool_id!r} {damage.describe()}" for damage in audit_journal(conn, pool_id, epoch))
+    return lines
+
+
+def pool_damage_lines(url: str, pool_id: str | None, epoch: int | None) -> list[str]:
+    """``journal_damage_lines`` of one pool (the log's only pool when None), one epoch or all."""
+    from nanoserve.allocator.log.reader import connect, list_epochs, resolve_epoch
+
+    with connect(url) as conn:
+        pool_id = resolve_epoch(conn, pool_id, epoch).pool_id
+        epochs = [info.epoch for info in list_epochs(conn, pool_id)] if epoch is None else [epoch]
+    return journal_damage_lines(url, [(pool_id, number) for number in epochs])
+
+
+def recovered_by(conn: Any) -> dict[tuple[str, int], int]:
+    """(pool_id, crashed epoch) -> the epoch that recovered it, from the RECOVER records."""
+    import sqlalchemy as sa
+
+    from nanoserve.allocator.log.schema import pool_epochs
+    from nanoserve.engine.journal.store import has_journal_table, read_journal
+
+    if not has_journal_table(conn):
+        return {}
+    pool_ids = conn.execute(sa.select(pool_epochs.c.pool_id).distinct()).scalars()
+    return {
+        (pool_id, entry.data["epoch"]): entry.epoch
+        for pool_id in list(pool_ids)
+        for entry in read_journal(conn, pool_id)
+        if entry.kind == JournalKind.RECOVER.value
+    }
+
+
+def owner_lines(url: str, pool_id: str, owner: str) -> list[str]:
+    """The journal's account of request ``owner`` across epochs, one line per record."""
+    from nanoserve.allocator.log.reader import connect
+    from nanoserve.engine.journal.store import has_journal_table
+
+    with connect(url) as conn:
+        if not has_journal_table(conn):
+            return []
+        from nanoserve.engine.journal.store import read_journal
+
+        entries = [e for e in read_journal(conn, pool_id) if e.request_id == owner]
+    lines = []
+    for entry in entries:
+        data = entry.data
+        if entry.kind == JournalKind.ADMIT.value:
+            source = data.get("recovered_from")
+            what = (
+                "admitted"
+                if source is None
+                else f"recovered from epoch {source} with {data.get('num_prior_tokens', 0)} tokens"
+            )
+            what += f", {len(data.get('prompt_token_ids', []))} prompt tokens, seed {data['sampling'].get('seed')}"
+        else:
+            end = data["start"] + len(data.get("token_ids", []))
+            what = f"tokens {data['start']}..{end}" if data.get("token_ids") else "no new tokens"
+            if entry.kind == JournalKind.FINISH.value:
+                what += f", ended: {data.get('finish_reason')}"
+                if data.get("abort_cause"):
+                    what += f" ({data['abort_cause']})"
+        step = "" if entry.step is None else f" step {entry.step}"
+        lines.append(f"journal: epoch {entry.epoch}{step} {entry.kind}: {what}")
+    return lines

@@ -1,0 +1,54 @@
+"""The ``nanoserve`` command line: one sub-command module per verb.
+
+Each module in ``nanoserve.service.cli.commands`` exposes
+``register(subparsers) -> None``, which adds its parser and sets
+``func(args) -> int`` (the exit status). Modules import heavy dependencies
+(torch, grpc) inside ``func`` so that ``nanoserve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import sys
+from collections.abc import Sequence
+
+# sub-command module names under nanoserve.service.cli.commands, in --help order
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
+COMMANDS: tuple[str, ...] = ("serve", "generate", "health", "log", "db", "gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanoserve",
+        description="LLM inference server: gRPC streaming over a paged KV cache with an event-sourced block allocator.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"nanoserve.service.cli.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Before anything imports torch: its OpenMP pool reads the wait policy once, at start.
+    from nanoserve.engine.model.threads import prefer_bounded_spin
+
+    prefer_bounded_spin()
+    # The parser's imports, and serve's after them (torch, grpc, SQLAlchemy: ~200k objects that live
+    # until exit), run with the collector off: a collection during them walks them all, again and
+    # again. serve turns it back on once they are frozen (nanoserve.service.grpc.server.serve); the other
+    # commands, here.
+    gc.disable()
+    args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        gc.enable()
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: quiet, as shells expect
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

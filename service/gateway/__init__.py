@@ -1,0 +1,1 @@
+"""``nanoserve gateway``: several replicas behind the smg gateway (the OpenAI API), as processes on one machine."""

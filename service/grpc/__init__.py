@@ -1,0 +1,1 @@
+"""The gRPC server: servicers for both contracts, conversions, interceptors, streaming, metrics."""

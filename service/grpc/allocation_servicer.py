@@ -1,0 +1,74 @@
+"""``nanoserve.v1.AllocationService``: the KV pool's status, its live event stream, its audit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from nanoserve.allocator.log import EventLog, audit
+from nanoserve.engine import AsyncLLMEngine
+from nanoserve.service.grpc import convert
+from nanoserve.service.grpc.errors import EventLogDisabledError, SeqOutOfRangeError
+from nanoserve.service.grpc.event_follower import follow_events
+from nanoserve.v1 import allocation_pb2 as apb
+from nanoserve.v1 import allocation_pb2_grpc
+
+
+class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
+    """max_queued_events: live events one WatchEvents stream may buffer before the log
+    cuts it off (it then catches up from the store)."""
+
+    def __init__(self, engine: AsyncLLMEngine, max_queued_events: int = 100_000) -> None:
+        self._engine = engine
+        self._max_queued_events = max_queued_events
+
+    async def GetPoolStatus(
+        self,
+        request: apb.GetPoolStatusRequest,
+        context: grpc.aio.ServicerContext[apb.GetPoolStatusRequest, apb.GetPoolStatusResponse],
+    ) -> apb.GetPoolStatusResponse:
+        return convert.to_pool_status(self._engine.pool_status())
+
+    async def ResetPrefixCache(
+        self,
+        request: apb.ResetPrefixCacheRequest,
+        context: grpc.aio.ServicerContext[apb.ResetPrefixCacheRequest, apb.ResetPrefixCacheResponse],
+    ) -> apb.ResetPrefixCacheResponse:
+        return apb.ResetPrefixCacheResponse(num_blocks_reset=await self._engine.reset_prefix_cache())
+
+    async def WatchEvents(
+        self,
+        request: apb.WatchEventsRequest,
+        context: grpc.aio.ServicerContext[apb.WatchEventsRequest, apb.WatchEventsResponse],
+    ) -> AsyncIterator[apb.WatchEventsResponse]:
+        """Stored events from ``from_seq``, then live ones, without gap or duplicate
+        (``follow_events``); the stream ends after POOL_CLOSE. SeqOutOfRangeError when
+        ``from_seq`` is past ``last_seq + 1``, the seq of the epoch's next event."""
+        event_log = self._event_log()
+        next_seq = convert.to_from_seq(request)
+        last_seq = event_log.last_seq
+        if next_seq > last_seq + 1:
+            raise SeqOutOfRangeError(
+                f"from_seq: {next_seq} is past the epoch's next event (last seq {last_seq});"
+                f" ask for at most {last_seq + 1}"
+            )
+        async for event in follow_events(event_log, next_seq, self._max_queued_events, self._engine.log_reads):
+            if event is not None:  # None: caught up with the store
+                yield apb.WatchEventsResponse(event=convert.to_event(event))
+
+    async def Audit(
+        self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditResponse]
+    ) -> apb.AuditResponse:
+        event_log = self._event_log()
+        epoch = convert.to_audit_epoch(request, default=event_log.epoch)
+        report = await asyncio.to_thread(audit, event_log.url, pool_id=event_log.pool_id, epoch=epoch)
+        # the server knows its own epoch is open because it is running, not crashed
+        return convert.to_audit_response(report, live=report.epoch == event_log.epoch)
+
+    def _event_log(self) -> EventLog:
+        event_log = self._engine.event_log
+        if event_log is None:
+            raise EventLogDisabledError("the server keeps no event log (--event-log-url none)")
+        return event_log

@@ -1,0 +1,104 @@
+"""The running server's archiver: a background thread that keeps the live event log within its retention.
+
+Every ``interval_s`` it runs ``archive_due`` on the server's log and pool: the
+epochs ``--event-log-retention-s`` / ``--event-log-retention-bytes`` no longer
+keep move into ``--event-log-archive-dir`` (``nanoserve.allocator.log.archive``).
+It runs on a thread of its own, never on the engine's, and through its own
+connections; the open epoch is never touched (a pool's newest epoch is never
+archived), so the engine's writes and the archiver's meet only as two writers
+of the same database. A failed pass is logged and retried at the next interval;
+it never stops the server.
+
+Invariant: at most one pass runs at a time; ``stop`` waits for the pass in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import structlog
+
+from nanoserve.allocator.log.archive import ManifestEntry, RetentionPolicy, archive_due
+
+log = structlog.get_logger("nanoserve.service")
+
+# how often the archiver looks for epochs to archive, seconds
+RETENTION_INTERVAL_S = 60.0
+# the archive folder's name beside a SQLite log file, when none is configured: <file>.archive
+SQLITE_ARCHIVE_SUFFIX = ".archive"
+# the archive folder when none is configured and the log is not a SQLite file (relative to the working directory)
+DEFAULT_ARCHIVE_DIR = "nanoserve-log-archive"
+
+
+def default_archive_dir(url: str) -> Path:
+    """Where archives go when ``--event-log-archive-dir`` is unset: ``<log file>.archive`` beside a
+    SQLite log, ``./nanoserve-log-archive`` otherwise."""
+    from nanoserve.allocator.log.store import sqlite_file
+
+    path = sqlite_file(url)
+    return path.with_name(path.name + SQLITE_ARCHIVE_SUFFIX) if path is not None else Path(DEFAULT_ARCHIVE_DIR)
+
+
+class LogArchiver:
+    """Archives ``pool_id``'s epochs of the log at ``url`` that ``policy`` no longer keeps, every ``interval_s``.
+
+    passes: passes finished so far; archived: every epoch archived so far, in order.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        pool_id: str,
+        dest_dir: Path,
+        policy: RetentionPolicy,
+        interval_s: float = RETENTION_INTERVAL_S,
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0 seconds, got {interval_s}")
+        self.url = url
+        self.pool_id = pool_id
+        self.dest_dir = dest_dir
+        self.policy = policy
+        self.interval_s = interval_s
+        self.passes = 0
+        self.archived: list[ManifestEntry] = []
+        self._sizes: dict[tuple[str, int], int] = {}  # finished epochs' bytes, measured once
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nanoserve-log-archiver", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Ends the thread after the pass in flight (if any); safe to call twice or unstarted."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def run_once(self) -> list[ManifestEntry]:
+        """One pass: archives what is due and returns it (also what the thread runs)."""
+        from nanoserve.migrations import upgrade
+
+        entries = archive_due(self.url, self.dest_dir, self.policy, upgrade, pool_id=self.pool_id, sizes=self._sizes)
+        for entry in entries:
+            log.info(
+                "event_log_epoch_archived",
+                pool_id=entry.pool_id,
+                epoch=entry.epoch,
+                last_seq=entry.last_seq,
+                num_bytes=entry.num_bytes,
+                path=entry.path,
+                sha256=entry.sha256,
+            )
+        self.archived.extend(entries)
+        self.passes += 1
+        return entries
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception as exc:  # the store away, a full disk: try again at the next interval
+                log.warning("event_log_archive_failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+            self._stop.wait(self.interval_s)

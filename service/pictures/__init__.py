@@ -1,0 +1,1 @@
+"""Pictures of the allocation log (matplotlib): the block map over time, the pool at one seq."""

@@ -1,0 +1,259 @@
+"""``nanoserve log`` and ``nanoserve db`` through ``main([...])``: output and exit codes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from nanoserve.allocator import BlockAllocator, BlockTable, FreeReason
+from nanoserve.allocator.log import EventLog
+from nanoserve.migrations import upgrade
+from nanoserve.service.cli.main import main
+
+
+def persist(pool: BlockAllocator, log: EventLog) -> None:
+    """The pool's pending events as one batch of the log, as the engine appends a step's."""
+    log.append_batch(None, pool.take_events(), pool.snapshot)
+
+
+@pytest.fixture
+def log_url(tmp_path: Path) -> str:
+    """A closed epoch: A [0, 1] finished, B [2] still held (a leak)."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    with EventLog.open(url, pool_id="p", num_blocks=4, block_size=16) as log:
+        pool = BlockAllocator(4, 16)
+        pool.allocate_for(20, "A")  # seq 2
+        persist(pool, log)
+        pool.allocate("B")  # seq 3
+        persist(pool, log)
+        pool.free_all([0, 1], FreeReason.FINISHED)  # seq 4
+        persist(pool, log)
+    return url
+
+
+def test_db_upgrade_creates_the_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    assert main(["db", "upgrade", url]) == 0
+    engine = sa.create_engine(url)
+    assert "allocator_events" in sa.inspect(engine).get_table_names()
+    engine.dispose()
+    assert capsys.readouterr().out == f"{url}: schema at head\n"
+
+
+def test_db_upgrade_of_unreachable_database_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["db", "upgrade", "postgresql+psycopg://nobody@127.0.0.1:1/none"]) == 2
+    assert "nanoserve db upgrade:" in capsys.readouterr().err
+
+
+def test_audit_with_leak_exits_1_and_names_block_and_owner(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "audit", "--url", log_url]) == 1
+    out = capsys.readouterr().out
+    assert "seq 5 block 2 owner 'B': leaked_block" in out
+
+
+def test_audit_of_clean_log_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'clean.db'}"
+    upgrade(url)
+    with EventLog.open(url, num_blocks=4, block_size=16) as log:
+        pool = BlockAllocator(4, 16)
+        pool.free(pool.allocate("A"))
+        persist(pool, log)
+    assert main(["log", "audit", "--url", url]) == 0
+    assert "clean" in capsys.readouterr().out
+
+
+def test_audit_of_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "audit", "--url", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_audit_of_unknown_epoch_exits_2(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "audit", "--url", log_url, "--epoch", "9"]) == 2
+    assert "pool 'p' has no epoch 9; epochs: [1]" in capsys.readouterr().err
+
+
+def test_audit_of_tampered_log_names_first_bad_seq(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM allocator_events WHERE seq = 3"))
+    engine.dispose()
+    assert main(["log", "audit", "--url", log_url, "--pool", "p", "--epoch", "1"]) == 1
+    assert "first bad seq 3" in capsys.readouterr().out
+
+
+def test_show_filters_by_owner(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "show", "--url", log_url, "--owner", "A"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["seq", "batch", "step", "time", "(UTC)", "kind", "blocks", "owner", "reason"]
+    assert [line.split()[0] for line in lines[2:]] == ["2", "4"]
+    assert lines[3].split()[-3:] == ["0,1", "A", "finished"]
+
+
+def test_show_filters_by_block_and_range(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "show", "--url", log_url, "--block", "1", "--from", "3", "--to", "5"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["4"]
+
+
+def test_state_at_seq_lists_holders(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "state", "--url", log_url, "--at", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "at seq 3: 1 free, 3 allocated of 4 blocks of 16 tokens" in out
+    assert "free blocks: 3" in out
+    owners = {line.split()[0]: line.split()[2] for line in out.splitlines() if line.startswith(("A ", "B "))}
+    assert owners == {"A": "0,1", "B": "2"}
+
+
+def test_epochs_lists_each_epoch_with_status(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    log = EventLog.open(log_url, pool_id="p", num_blocks=4, block_size=16)
+    log._writer.stop()  # crashed: never closed
+    assert main(["log", "epochs", "--url", log_url]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    assert [line.split()[:4] for line in lines] == [["p", "1", "4", "16"], ["p", "2", "4", "16"]]
+    assert lines[0].endswith("5            closed at seq 5")
+    assert lines[1].endswith("1            open (running, or crashed)")
+
+
+def test_url_defaults_to_environment(
+    log_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("NANOSERVE_EVENT_LOG_URL", log_url)
+    assert main(["log", "show", "--kind", "allocate"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["3"]
+
+
+def test_audit_of_an_open_epoch_says_running_or_crashed(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    log = EventLog.open(log_url, pool_id="p", num_blocks=4, block_size=16)
+    log._writer.stop()  # never closed
+    assert main(["log", "audit", "--url", log_url, "--epoch", "2"]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[0] == "pool 'p' epoch 2: 1 events, last seq 1, open (running, or crashed)"
+    )
+
+
+def test_state_prints_free_blocks_as_sorted_ranges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'ranges.db'}"
+    upgrade(url)
+    with EventLog.open(url, pool_id="p", num_blocks=10, block_size=16) as log:
+        pool = BlockAllocator(10, 16)
+        taken = [pool.allocate(f"r{i}") for i in range(10)]  # seq 2..11
+        for block_id in (5, 0, 9, 1, 2, 7):  # seq 12..17
+            pool.free(taken[block_id])
+        pool.free_all([taken[i] for i in (3, 4, 6, 8)], FreeReason.FINISHED)
+        persist(pool, log)
+    assert main(["log", "state", "--url", url, "--at", "17"]) == 0
+    assert "free blocks: 0-2, 5, 7, 9" in capsys.readouterr().out.splitlines()
+
+
+def test_state_full_prints_the_free_stack_in_lifo_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'lifo.db'}"
+    upgrade(url)
+    with EventLog.open(url, pool_id="p", num_blocks=10, block_size=16) as log:
+        pool = BlockAllocator(10, 16)
+        taken = [pool.allocate(f"r{i}") for i in range(10)]
+        for block_id in (5, 0, 9, 1, 2, 7):
+            pool.free(taken[block_id])
+        pool.free_all([taken[i] for i in (3, 4, 6, 8)], FreeReason.FINISHED)
+        persist(pool, log)
+    assert main(["log", "state", "--url", url, "--at", "17", "--full"]) == 0
+    assert "free stack (next out first): 7,2,1,9,0,5" in capsys.readouterr().out.splitlines()
+
+
+def test_state_past_the_end_says_where_the_epoch_ends(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "state", "--url", log_url, "--at", "99999"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "note: epoch 1 ends at seq 5; showing the pool there, not at --at 99999\n"
+    assert "epoch 1 at seq 5:" in captured.out
+
+
+def test_show_rejects_an_unknown_kind_naming_the_kinds(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["log", "show", "--url", log_url, "--kind", "bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err
+    assert "'allocate_for'" in err
+    assert "'pool_close'" in err
+
+
+def _empty_log(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    assert main(["db", "upgrade", url]) == 0
+    return url
+
+
+def test_epochs_of_an_empty_log_says_so_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = _empty_log(tmp_path)
+    capsys.readouterr()
+    assert main(["log", "epochs", "--url", url]) == 0
+    assert capsys.readouterr().out == "no epochs in the log\n"
+
+
+def test_audit_of_an_empty_log_has_nothing_to_audit_and_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = _empty_log(tmp_path)
+    capsys.readouterr()
+    assert main(["log", "audit", "--url", url]) == 0
+    assert capsys.readouterr().out == "nothing to audit: the log holds no epochs\n"
+
+
+def test_epochs_of_an_unknown_pool_exits_2(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["log", "epochs", "--url", log_url, "--pool", "nope"]) == 2
+    assert "the log holds no pool 'nope'" in capsys.readouterr().err
+
+
+def forked_log(tmp_path: Path) -> str:
+    """Request r (blocks 0, 1; block 1 half full) forked into r#0 and r#1 (seqs 4, 5), which copy block 1 into
+    3 and 4 (seqs 6, 7); "other" holds block 2 (seq 3); everything released at the end."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    with EventLog.open(url, pool_id="p", num_blocks=8, block_size=4) as log:
+        pool = BlockAllocator(8, 4)
+        parent = BlockTable(pool, "r")
+        parent.append_tokens(6)
+        other = BlockTable(pool, "other")
+        other.append_tokens(1)
+        children = [parent.fork("r#0"), parent.fork("r#1")]
+        for child in children:
+            child.append_tokens(1)
+        persist(pool, log)
+        for table in (*children, parent, other):
+            table.release(FreeReason.FINISHED)
+        persist(pool, log)
+    return url
+
+
+def test_state_at_a_fork_names_the_shared_blocks_and_the_one_to_copy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = forked_log(tmp_path)
+    capsys.readouterr()
+    assert main(["log", "state", "--url", url, "--at", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shared = lines[lines.index(next(line for line in lines if line.startswith("shared block"))) + 2 :]
+    assert [line.split() for line in shared] == [
+        ["0", "3", "r,r#0,r#1", "(forked)"],
+        ["1", "3", "r,r#0,r#1", "(forked)", "copy", "on", "write"],
+    ]
+
+
+def test_show_owner_lists_the_samples_forked_from_it_with_their_forks_and_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = forked_log(tmp_path)
+    capsys.readouterr()
+    assert main(["log", "show", "--url", url, "--owner", "r", "--epoch", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    events = [line.split()[:1] + line.split()[4:7] for line in lines[2:]]  # no step: seq, batch, date, time, kind, ...
+    assert events[:5] == [
+        ["2", "allocate_for", "0,1", "r"],
+        ["4", "fork", "0,1", "r#0"],
+        ["5", "fork", "0,1", "r#1"],
+        ["6", "copy", "1,3", "r#0"],
+        ["7", "copy", "1,4", "r#1"],
+    ]
+    assert "other" not in "\n".join(lines)
+    assert any("<-r partial =2,2" in line for line in lines)

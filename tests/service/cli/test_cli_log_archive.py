@@ -1,0 +1,95 @@
+"""``nanoserve log archive`` and ``log audit --archive``; an archive file read like any log."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from nanoserve.allocator import BlockAllocator, FreeReason
+from nanoserve.allocator.log import EventLog
+from nanoserve.migrations import upgrade
+from nanoserve.service.cli.main import main
+
+
+def _epoch(url: str) -> None:
+    """One clean epoch: seq 1 POOL_INIT, 2 A takes [0, 1], 3 A frees them, 4 POOL_CLOSE."""
+    with EventLog.open(url, pool_id="p", num_blocks=4, block_size=16) as log:
+        pool = BlockAllocator(4, 16)
+        pool.allocate_for(20, "A")
+        log.append_batch(None, pool.take_events(), pool.snapshot)
+        pool.free_all([0, 1], FreeReason.FINISHED)
+        log.append_batch(None, pool.take_events(), pool.snapshot)
+
+
+@pytest.fixture
+def archived(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, Path]:
+    """A live log of three epochs whose first two were archived by the CLI: (live url, epoch 1's file)."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    for _ in range(3):
+        _epoch(url)
+    dest = tmp_path / "archive"
+    assert main(["log", "archive", "--url", url, "--dest", str(dest)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2
+    assert out[0].startswith("archived pool p epoch 1 (seq 1..4, ")
+    assert out[1].startswith("archived pool p epoch 2 (seq 1..4, ")
+    path = dest / "p-epoch-00000001.db"
+    assert out[0].split(" -> ")[1].startswith(f"{path.resolve()} sha256 ")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    return url, path
+
+
+def test_the_live_log_keeps_the_newest_epoch_only(
+    archived: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = archived
+    assert main(["log", "epochs", "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert "closed at seq 4" in out
+    assert [line.split()[1] for line in out.splitlines()[2:] if line.strip()] == ["3"]
+    assert main(["log", "archive", "--url", url, "--dest", str(archived[1].parent)]) == 0
+    assert capsys.readouterr().out == "nothing to archive\n"
+
+
+def test_an_archive_audits_clean_and_matches_the_manifest(
+    archived: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, path = archived
+    assert main(["log", "audit", "--archive", str(path), "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: sha256 " in out
+    assert "and head hash match the manifest (pool p epoch 1)" in out
+
+
+def test_an_archive_is_read_like_a_log(archived: tuple[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    _, path = archived
+    file_url = f"sqlite:///{path}"
+    assert main(["log", "show", "--url", file_url]) == 0
+    shown = capsys.readouterr().out
+    assert "pool_init" in shown
+    assert "pool_close" in shown
+    assert main(["log", "state", "--url", file_url, "--at", "2"]) == 0
+    assert "A" in capsys.readouterr().out
+    assert main(["log", "plot", "--url", file_url, "-o", str(path.parent / "p.svg")]) == 0
+    assert (path.parent / "p.svg").stat().st_size > 0
+
+
+def test_a_changed_archive_differs_from_the_manifest(
+    archived: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, path = archived
+    with path.open("ab") as f:
+        f.write(b"\0")
+    assert main(["log", "audit", "--archive", str(path), "--url", url]) == 1
+    assert "differs from the manifest's" in capsys.readouterr().out
+
+
+def test_archiving_one_epoch_needs_its_pool(archived: tuple[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    url, path = archived
+    assert main(["log", "archive", "--url", url, "--dest", str(path.parent), "--epoch", "3"]) == 2
+    assert capsys.readouterr().err == "nanoserve log archive: --epoch needs --pool\n"
+    assert main(["log", "archive", "--url", url, "--dest", str(path.parent), "--pool", "p", "--epoch", "3"]) == 2
+    assert "epoch 3 is the newest of pool 'p': it is never archived" in capsys.readouterr().err
