@@ -50,9 +50,12 @@ from datetime import datetime
 from typing import IO, NamedTuple
 
 import sqlalchemy as sa
+import structlog
 
-from nanoserve.allocator.log.errors import SecondWriterError, is_store_unavailable
+from nanoserve.allocator.log.errors import PoolLockLostError, SecondWriterError, is_store_unavailable
 from nanoserve.allocator.log.schema import pool_epochs
+
+log = structlog.get_logger(__name__)
 
 try:
     import fcntl
@@ -171,6 +174,16 @@ class PoolLock:
                 return False
             self._connection, self.session = connection, session
             return True
+
+    def hold(self, epoch: int, durable_seq: int) -> None:
+        """``ensure_held`` for the writer of ``epoch``: a lock taken again on a new session is logged
+        (``event_log_pool_lock_retaken``). Raises PoolLockLostError when another server holds it, the
+        store's errors when it cannot be reached."""
+        session = self.session
+        if not self.ensure_held():
+            raise PoolLockLostError(self.pool_id, epoch, durable_seq, self.describe())
+        if self.session != session:
+            log.warning("event_log_pool_lock_retaken", pool_id=self.pool_id, epoch=epoch, durable_seq=durable_seq)
 
     def release(self) -> None:
         """Gives the pool up. Never raises for a store that is away: a lost PostgreSQL session has

@@ -42,7 +42,7 @@ from nanoserve.allocator.log.record_codec import (
     split_record,
     split_records,
 )
-from nanoserve.allocator.log.snapshot_codec import decode_snapshot
+from nanoserve.allocator.log.snapshot_codec import check_whole, decode_snapshot
 from nanoserve.allocator.pool_state import PoolState, Violation
 from nanoserve.allocator.transition import apply
 
@@ -425,14 +425,7 @@ class Replayer:
         replay then starts at genesis instead, and reaching the snapshot reports it.
         """
         pool = decode_snapshot(tail, self.pool.num_blocks, self.pool.block_size)
-        if sorted([*pool.free_block_ids, *pool.cached_free, *pool.owners]) != list(range(pool.num_blocks)) or not all(
-            type(owner) is str and owner for owner in pool.owners.values()
-        ):
-            raise ValueError("the snapshot does not hold every block of the pool exactly once")
-        if not set(pool.cached_free) <= set(pool.block_keys) or not set(pool.sharers) <= set(pool.owners):
-            raise ValueError("the snapshot's cached-free or shared blocks are not registered and held")
-        if not pool.copy_on_write <= set(pool.sharers):
-            raise ValueError("the snapshot's copy-on-write blocks are not shared")
+        check_whole(pool)
         self.pool = pool
 
     def _snapshot(self, seq: int, tail: str) -> None:

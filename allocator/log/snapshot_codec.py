@@ -58,6 +58,21 @@ def decode_snapshot(tail: str, num_blocks: int, block_size: int) -> PoolState:
     return state
 
 
+def check_whole(pool: PoolState) -> None:
+    """Checks the ``PoolState`` invariant on a decoded snapshot, the rules a replay may start from:
+    every block of the pool free, cached-free or owned by a named owner, exactly once; cached-free
+    and shared blocks registered and held; copy-on-write blocks shared. ValueError naming the rule
+    it breaks."""
+    if sorted([*pool.free_block_ids, *pool.cached_free, *pool.owners]) != list(range(pool.num_blocks)) or not all(
+        type(owner) is str and owner for owner in pool.owners.values()
+    ):
+        raise ValueError("the snapshot does not hold every block of the pool exactly once")
+    if not set(pool.cached_free) <= set(pool.block_keys) or not set(pool.sharers) <= set(pool.owners):
+        raise ValueError("the snapshot's cached-free or shared blocks are not registered and held")
+    if not pool.copy_on_write <= set(pool.sharers):
+        raise ValueError("the snapshot's copy-on-write blocks are not shared")
+
+
 def _decode_cache(data: dict[str, Any], state: PoolState) -> None:
     """The prefix-cache part of a snapshot (absent in snapshots written before it), into ``state``."""
     cached_free = data.get("cached_free", [])

@@ -1,4 +1,7 @@
-"""``EventStream``: an event log's newly committed events for an asyncio consumer.
+"""Who hears of each commit: the writer's ``Subscribers``, and ``EventStream`` for an asyncio consumer.
+
+``Subscribers`` holds the callbacks the writer thread calls after each commit, with the
+committed events decoded once for all of them.
 
 The log's writer thread calls subscribers after each commit; this wraps such a
 subscriber so that a coroutine can ``async for event in stream`` without
@@ -15,17 +18,67 @@ slowing the writer); it can resume from the stored log with
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import structlog
+
 from nanoserve.allocator.events import EventKind
+from nanoserve.allocator.log.record_codec import decode_event
+from nanoserve.allocator.log.store import Row
 from nanoserve.allocator.log.stored_event import Event
 
 if TYPE_CHECKING:
     from nanoserve.allocator.log.event_log import EventLog
 
 _CLOSE = EventKind.POOL_CLOSE.value
+
+log = structlog.get_logger(__name__)
+
+# called on the writer thread with the events of one commit, in seq order
+Subscriber = Callable[[Sequence[Event]], None]
+
+
+class Subscribers:
+    """The callbacks to call after each commit, safe to add to and remove from on any thread.
+
+    ``publish`` runs on the writer thread: a callback that raises is dropped (logged once)
+    so that one broken consumer never stops the log.
+    """
+
+    def __init__(self) -> None:
+        self._callbacks: list[Subscriber] = []
+        self._lock = threading.Lock()
+
+    def add(self, callback: Subscriber) -> Callable[[], None]:
+        """Adds ``callback``; returns the function that removes it (safe to call twice)."""
+        with self._lock:
+            self._callbacks.append(callback)
+        return lambda: self._remove(callback)
+
+    def _remove(self, callback: Subscriber) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def publish(self, rows: Sequence[Row]) -> None:
+        """Decodes the committed ``rows`` (``store.ROW_COLUMNS`` order) once, if anyone listens, and
+        hands the events to every callback."""
+        with self._lock:
+            callbacks = list(self._callbacks)
+        if not callbacks:
+            return
+        events = [
+            decode_event(pool_id, epoch, seq, record, hash_) for pool_id, epoch, seq, _, _, record, hash_, _ in rows
+        ]
+        for callback in callbacks:
+            try:
+                callback(events)
+            except Exception as exc:
+                log.warning("event_log_subscriber_failed", error=repr(exc))
+                self._remove(callback)
 
 
 class EventStreamLagged(RuntimeError):

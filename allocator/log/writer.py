@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -51,21 +51,16 @@ from nanoserve.allocator.log.errors import (
     EventLogError,
     LogFileLostError,
     LogRefusedError,
-    PoolLockLostError,
     SecondWriterError,
     is_integrity_error,
     is_refused_as_data,
     store_cause,
 )
 from nanoserve.allocator.log.pool_lock import PoolLock
-from nanoserve.allocator.log.record_codec import decode_event
 from nanoserve.allocator.log.store import Row
-from nanoserve.allocator.log.stored_event import Event
+from nanoserve.allocator.log.subscription import Subscriber, Subscribers
 
 log = structlog.get_logger(__name__)
-
-Subscriber = Callable[[Sequence[Event]], None]
-
 
 MAX_EVENTS_PER_COMMIT = 20_000
 RETRY_DELAYS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -130,8 +125,7 @@ class LogWriter:
         self.pending: deque[Batch] = deque()
         self._wakeup = threading.Event()
         self._progress = threading.Condition()  # notified after every commit or failure
-        self._subscribers: list[Subscriber] = []
-        self._subscribers_lock = threading.Lock()
+        self._subscribers = Subscribers()
         self._stopping = False
         self._abandoned = False
         self.healthy = True
@@ -213,15 +207,7 @@ class LogWriter:
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call ``callback(events)`` on the writer thread after each commit; returns unsubscribe."""
-        with self._subscribers_lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._subscribers_lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-
-        return unsubscribe
+        return self._subscribers.add(callback)
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Commit what is queued, then end the thread."""
@@ -364,23 +350,13 @@ class LogWriter:
         for listener in self._durable_listeners:
             listener()
         if rows:
-            self._publish(rows)
+            self._subscribers.publish(rows)
 
     def _hold_lock(self) -> None:
-        """Make sure the pool's lock is held (taken again on a new session when its own ended).
-
-        Raises PoolLockLostError when another server holds it; the store's errors when it is away."""
-        lock = self._pool_lock
-        if lock is None:
-            return
-        session = lock.session
-        if not lock.ensure_held():
-            raise PoolLockLostError(self.pool_id, self.epoch, self.durable_seq, lock.describe())
+        """``PoolLock.hold``: PoolLockLostError when another server holds the lock; the store's errors when away."""
+        if self._pool_lock is not None:
+            self._pool_lock.hold(self.epoch, self.durable_seq)
         self._lock_suspect = False
-        if lock.session != session:
-            log.warning(
-                "event_log_pool_lock_retaken", pool_id=self.pool_id, epoch=self.epoch, durable_seq=self.durable_seq
-            )
 
     def _check_lock_idle(self) -> None:
         """Idle: take the pool's lock again as soon as the store is back (before another server can)."""
@@ -457,23 +433,6 @@ class LogWriter:
         guard = EpochGuard(self.pool_id, self.epoch, self.writer_id, self._written_seq)
         check_own_commit(self._engine, guard, last_seq, head_hash, self.durable_seq)
         log.info("event_log_duplicate_commit_recognised", pool_id=self.pool_id, epoch=self.epoch, last_seq=last_seq)
-
-    def _publish(self, rows: list[Row]) -> None:
-        with self._subscribers_lock:
-            subscribers = list(self._subscribers)
-        if not subscribers:
-            return
-        events = [
-            decode_event(pool_id, epoch, seq, record, hash_) for pool_id, epoch, seq, _, _, record, hash_, _ in rows
-        ]
-        for callback in subscribers:
-            try:
-                callback(events)
-            except Exception as exc:  # one broken consumer must not stop the log
-                log.warning("event_log_subscriber_failed", error=repr(exc))
-                with self._subscribers_lock:
-                    if callback in self._subscribers:
-                        self._subscribers.remove(callback)
 
     def _fail(self, error: EventLogError) -> None:
         log.error("event_log_writer_failed", pool_id=self.pool_id, epoch=self.epoch, error=str(error))

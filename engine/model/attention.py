@@ -8,7 +8,8 @@ before it calls ``forward`` (``write_kv`` here, or its fused rope kernel on a fl
 CPU model), one writer for every backend.
 ``select_backend`` picks flash-attn on CUDA where it can run (``flash_attention.py``),
 ``CpuPagedAttentionBackend`` on a float32 CPU model where nanoserve's kernels load
-(decodes read K/V straight through the block tables, ``kernels/paged_attention.cpp``),
+(decodes read K/V straight through the block tables, ``kernels/paged_attention.cpp``;
+``cpu_paged_attention.py``),
 and this module's torch backend otherwise; the torch backend runs on CPU and CUDA
 with ``scaled_dot_product_attention``:
 
@@ -185,7 +186,7 @@ class TorchAttentionBackend:
 
     def prepare(self, batch: ForwardBatch, block_size: int) -> TorchAttentionMetadata:
         metadata = TorchAttentionMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
-        token_starts = _token_starts(batch.query_lens)
+        token_starts = first_rows(batch.query_lens)
         self._prepare_decode_buckets(batch, block_size, token_starts, metadata)
         self._prepare_prefills(batch, block_size, token_starts, metadata)
         return metadata
@@ -336,91 +337,7 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1).flatten(1)
 
 
-@dataclass
-class KernelDecodes:
-    """Every decode of a step, for the paged decode kernel: no buckets, no gather, no mask."""
-
-    token_indices: torch.Tensor  # [num_decodes] int64: their rows in the batch
-    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
-    context_lens: torch.Tensor  # [num_decodes] int32
-    in_order: bool  # every token is a decode, in batch order: the kernel's output is the layer's
-
-
-@dataclass
-class CpuPagedAttentionMetadata(TorchAttentionMetadata):
-    kernel_decodes: KernelDecodes | None = None
-
-
-class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """Decodes by nanoserve's paged decode kernel (float32 CPU), prefills by SDPA as the torch backend.
-
-    prefill_by_decode_kernel (batch invariance): every query row, prefill or decode, goes through the
-    paged decode kernel as a decode at its own position (keys ``0 .. position``, read from the cache
-    this step's K/V were just written to). A row's attention then depends only on its query, its
-    position and the cached K/V, never on how its prompt was chunked, whether its prefix came from
-    the prefix cache or a recompute, or what else is in the batch: the kernel reduces each row over
-    its keys in one fixed order, the same one a later decode of that row would use.
-    """
-
-    name = "cpu-paged"
-
-    def __init__(self, prefill_by_decode_kernel: bool = False) -> None:
-        self.prefill_by_decode_kernel = prefill_by_decode_kernel
-
-    def prepare(self, batch: ForwardBatch, block_size: int) -> CpuPagedAttentionMetadata:
-        metadata = CpuPagedAttentionMetadata(slot_mapping=batch.slot_mapping, num_tokens=batch.num_tokens)
-        if self.prefill_by_decode_kernel and any(q != 1 for q in batch.query_lens):
-            query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
-            metadata.kernel_decodes = KernelDecodes(
-                token_indices=torch.arange(batch.num_tokens, dtype=torch.int64),
-                # [num_tokens, max_blocks]: each row its sequence's table, keys up to its own position
-                block_tables=batch.block_tables.repeat_interleave(query_lens, dim=0).to(torch.int32),
-                context_lens=(batch.positions + 1).to(torch.int32),
-                in_order=True,
-            )
-            return metadata
-        token_starts = _token_starts(batch.query_lens)
-        self._prepare_prefills(batch, block_size, token_starts, metadata)
-        decode_rows = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        if decode_rows:
-            seq_index = torch.tensor(decode_rows, dtype=torch.int64)
-            metadata.kernel_decodes = KernelDecodes(
-                token_indices=torch.tensor([token_starts[i] for i in decode_rows], dtype=torch.int64),
-                block_tables=batch.block_tables.index_select(0, seq_index).to(torch.int32),
-                context_lens=torch.tensor([batch.context_lens[i] for i in decode_rows], dtype=torch.int32),
-                in_order=len(decode_rows) == batch.num_tokens,
-            )
-        return metadata
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: TorchAttentionMetadata,
-    ) -> torch.Tensor:
-        assert isinstance(metadata, CpuPagedAttentionMetadata)
-        num_tokens, num_heads, head_dim = q.shape
-        decodes, scale = metadata.kernel_decodes, 1.0 / math.sqrt(head_dim)
-        if decodes is not None and decodes.in_order:
-            return kernels.paged_decode_attention(
-                q, key_cache, value_cache, decodes.block_tables, decodes.context_lens, scale
-            )
-        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-        if decodes is not None:
-            queries = q.index_select(0, decodes.token_indices)
-            attended = kernels.paged_decode_attention(
-                queries, key_cache, value_cache, decodes.block_tables, decodes.context_lens, scale
-            )
-            out.index_copy_(0, decodes.token_indices, attended)
-        for p in metadata.prefills:
-            out[p.token_start : p.token_end] = self._prefill(q, k, v, key_cache, value_cache, p, scale)
-        return out
-
-
-def _token_starts(query_lens: list[int]) -> list[int]:
+def first_rows(query_lens: list[int]) -> list[int]:
     """The first batch row of each sequence."""
     starts = [0] * len(query_lens)
     for i in range(1, len(query_lens)):
@@ -452,6 +369,8 @@ def select_backend(
     multiple of 256; the torch backend otherwise.
     """
     if device.type == "cpu" and dtype == torch.float32 and kernels.load():
+        from nanoserve.engine.model.cpu_paged_attention import CpuPagedAttentionBackend
+
         cache = str(kv_cache_dtype).removeprefix("torch.")
         prefill = "prefill queries too" if batch_invariant else "prefill by SDPA"
         return (

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve.engine.model import kernels
-from nanoserve.engine.model.attention import CpuPagedAttentionBackend
+from nanoserve.engine.model.cpu_paged_attention import CpuPagedAttentionBackend
 from nanoserve.engine.model.layers.quantized_linear import GGUFLinear
 
 

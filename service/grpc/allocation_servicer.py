@@ -9,7 +9,7 @@ import grpc
 
 from nanoserve.allocator.log import EventLog, audit
 from nanoserve.engine import AsyncLLMEngine
-from nanoserve.service.grpc import convert
+from nanoserve.service.grpc import allocation_convert
 from nanoserve.service.grpc.errors import EventLogDisabledError, SeqOutOfRangeError
 from nanoserve.service.grpc.event_follower import follow_events
 from nanoserve.v1 import allocation_pb2 as apb
@@ -29,7 +29,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         request: apb.GetPoolStatusRequest,
         context: grpc.aio.ServicerContext[apb.GetPoolStatusRequest, apb.GetPoolStatusResponse],
     ) -> apb.GetPoolStatusResponse:
-        return convert.to_pool_status(self._engine.pool_status())
+        return allocation_convert.to_pool_status(self._engine.pool_status())
 
     async def ResetPrefixCache(
         self,
@@ -47,7 +47,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         (``follow_events``); the stream ends after POOL_CLOSE. SeqOutOfRangeError when
         ``from_seq`` is past ``last_seq + 1``, the seq of the epoch's next event."""
         event_log = self._event_log()
-        next_seq = convert.to_from_seq(request)
+        next_seq = allocation_convert.to_from_seq(request)
         last_seq = event_log.last_seq
         if next_seq > last_seq + 1:
             raise SeqOutOfRangeError(
@@ -56,16 +56,16 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
             )
         async for event in follow_events(event_log, next_seq, self._max_queued_events, self._engine.log_reads):
             if event is not None:  # None: caught up with the store
-                yield apb.WatchEventsResponse(event=convert.to_event(event))
+                yield apb.WatchEventsResponse(event=allocation_convert.to_event(event))
 
     async def Audit(
         self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditResponse]
     ) -> apb.AuditResponse:
         event_log = self._event_log()
-        epoch = convert.to_audit_epoch(request, default=event_log.epoch)
+        epoch = allocation_convert.to_audit_epoch(request, default=event_log.epoch)
         report = await asyncio.to_thread(audit, event_log.url, pool_id=event_log.pool_id, epoch=epoch)
         # the server knows its own epoch is open because it is running, not crashed
-        return convert.to_audit_response(report, live=report.epoch == event_log.epoch)
+        return allocation_convert.to_audit_response(report, live=report.epoch == event_log.epoch)
 
     def _event_log(self) -> EventLog:
         event_log = self._engine.event_log

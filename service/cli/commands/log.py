@@ -27,12 +27,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
-from nanoserve.allocator import EventKind, PoolState
-from nanoserve.service.cli.commands import log_archive, log_plot, log_requests
+from nanoserve.allocator import EventKind
+from nanoserve.service.cli.commands import log_archive, log_format, log_plot, log_requests
 
 EVENT_KINDS = tuple(kind.value for kind in EventKind)
 
@@ -249,7 +247,7 @@ def run_show(args: argparse.Namespace) -> int:
                         damage.append(item)
                         epoch_rows.append((item.seq, [*prefix, str(item.seq), "", "", "", "DAMAGED", "", "", "", ""]))
                         continue
-                    epoch_rows.append((item.seq, [*prefix, *_event_cells(item)]))
+                    epoch_rows.append((item.seq, [*prefix, *log_format.event_cells(item)]))
                     if args.limit is not None and len(rows) + len(epoch_rows) >= args.limit and len(owners) == 1:
                         break
             finally:
@@ -262,7 +260,7 @@ def run_show(args: argparse.Namespace) -> int:
     if not any(row[-1] for row in rows):  # no prefix-cache event: the table of the plain pool
         header.pop()
         rows = [row[:-1] for row in rows]
-    print(_table(["epoch", *header] if len(epochs) > 1 else header, rows))
+    print(log_format.table(["epoch", *header] if len(epochs) > 1 else header, rows))
     for item in damage:
         print(f"damaged: {item}")
     if args.owner is not None and pool_id is not None:
@@ -286,22 +284,6 @@ def _forked_children(args: argparse.Namespace, pool_id: str | None, epoch: int |
     return children
 
 
-def _event_cells(item: Any) -> list[str]:
-    return [
-        str(item.seq),
-        str(item.batch_seq),
-        "" if item.step is None else str(item.step),
-        _utc(item.wall_time_ns),
-        item.kind,
-        ",".join(map(str, item.block_ids)),
-        item.owner or "",
-        item.reason or "",
-        fork_detail(item.parent, item.partial, item.ref_counts)
-        if item.parent is not None
-        else cache_detail(item.keys, item.parent_keys, item.ref_counts),
-    ]
-
-
 @_guarded
 def run_requests(args: argparse.Namespace) -> int:
     entries = log_requests.read_entries(_url(args), args.pool_id, args.epoch)
@@ -310,7 +292,7 @@ def run_requests(args: argparse.Namespace) -> int:
     if not rows:
         print("no journaled requests" + ("" if args.epoch is None else f" in epoch {args.epoch}"))
     else:
-        print(_table(log_requests.REQUEST_HEADER, rows))
+        print(log_format.table(log_requests.REQUEST_HEADER, rows))
     for line in journal_damage:
         print(f"request journal damaged: {line}")
     return EXIT_VIOLATIONS if journal_damage else EXIT_CLEAN
@@ -342,16 +324,16 @@ def run_state(args: argparse.Namespace) -> int:
     held = state.blocks_by_owner()
     if held:
         print(
-            _table(
+            log_format.table(
                 ["owner", "num_blocks", "block ids"], [[o, str(len(b)), ",".join(map(str, b))] for o, b in held.items()]
             )
         )
     if args.full:
         print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
     else:
-        print("free blocks: " + (block_ranges(state.free_block_ids) or "none"))
+        print("free blocks: " + (log_format.block_ranges(state.free_block_ids) or "none"))
     if state.block_keys or state.sharers:  # prefix-cache blocks, or forked ones (parallel sampling)
-        _print_cache(state, args.full)
+        log_format.print_cache(state, args.full)
     for violation in state.violations:
         print(f"violation: {violation}")
     status = EXIT_CLEAN if not state.violations else EXIT_VIOLATIONS
@@ -385,7 +367,7 @@ def run_epochs(args: argparse.Namespace) -> int:
             str(info.num_blocks),
             str(info.block_size),
             info.model or "",
-            _utc(info.opened_wall_ns),
+            log_format.utc(info.opened_wall_ns),
             str(info.durable_seq),
             f"closed at seq {info.closed_seq}"
             if info.closed
@@ -395,81 +377,9 @@ def run_epochs(args: argparse.Namespace) -> int:
         ]
         for info in epochs
     ]
-    print(_table(["pool", "epoch", "num_blocks", "block_size", "model", "opened (UTC)", "durable_seq", "status"], rows))
-    return EXIT_CLEAN
-
-
-def _print_cache(state: PoolState, full: bool) -> None:
-    """The prefix cache of a replayed pool: cached-free blocks, shared blocks (registered, or forked by parallel
-    sampling, those partly filled copied on write) and who shares them, keys."""
     print(
-        f"prefix cache: {len(state.block_keys)} blocks registered, {state.num_cached_free} of them free "
-        f"(evicted first: {','.join(map(str, state.cached_free)) or 'none'})"
-    )
-    shared = state.shared_blocks()
-    if shared:
-        rows = [
-            [
-                str(b),
-                str(len(h)),
-                ",".join(h),
-                state.block_keys[b][0][:KEY_CHARS] if b in state.block_keys else "(forked)",
-                "copy on write" if b in state.copy_on_write else "",
-            ]
-            for b, h in shared.items()
-        ]
-        print(_table(["shared block", "count", "held by", "key", ""], rows))
-    if full:
-        rows = [
-            [str(block_id), str(state.ref_count(block_id)), key, parent or ""]
-            for block_id, (key, parent) in sorted(state.block_keys.items())
-        ]
-        print(_table(["block", "count", "key", "parent key"], rows))
-
-
-# hex characters of a key shown where a whole key (64) would not fit
-KEY_CHARS = 12
-
-
-def fork_detail(parent: str, partial: bool, ref_counts: Sequence[int]) -> str:
-    """A FORK or COPY event's detail: ``<-parent``, ``partial`` when a fork's last block is partly filled,
-    and the counts after it (``=2,2,2``)."""
-    counts = ",".join(map(str, ref_counts))
-    return f"<-{parent}" + (" partial" if partial else "") + (f" ={counts}" if counts else "")
-
-
-def cache_detail(keys: Sequence[str], parent_keys: Sequence[str | None], ref_counts: Sequence[int]) -> str:
-    """A prefix-cache event's keys, shortened: ``key=count`` (SHARE, RELEASE), ``key<-parent`` (REGISTER;
-    a sequence's first block has no parent)."""
-    if parent_keys:
-        return " ".join(
-            f"{k[:KEY_CHARS]}<-{p[:KEY_CHARS]}" if p else k[:KEY_CHARS] for k, p in zip(keys, parent_keys, strict=False)
+        log_format.table(
+            ["pool", "epoch", "num_blocks", "block_size", "model", "opened (UTC)", "durable_seq", "status"], rows
         )
-    if ref_counts:
-        return " ".join(f"{k[:KEY_CHARS]}={c}" for k, c in zip(keys, ref_counts, strict=False))
-    return " ".join(k[:KEY_CHARS] for k in keys)
-
-
-def block_ranges(block_ids: Iterable[int]) -> str:
-    """Block ids sorted and compressed into runs: [5, 0, 1, 2, 7] -> "0-2, 5, 7"."""
-    runs: list[list[int]] = []
-    for block_id in sorted(block_ids):
-        if runs and block_id == runs[-1][1] + 1:
-            runs[-1][1] = block_id
-        else:
-            runs.append([block_id, block_id])
-    return ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
-
-
-def _utc(wall_time_ns: int) -> str:
-    return datetime.fromtimestamp(wall_time_ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
-        for line in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
+    )
+    return EXIT_CLEAN

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.engine.model import kernels, llama
-from nanoserve.engine.model.attention import CpuPagedAttentionBackend, TorchAttentionBackend, select_backend, write_kv
+from nanoserve.engine.model.attention import TorchAttentionBackend, select_backend, write_kv
+from nanoserve.engine.model.cpu_paged_attention import CpuPagedAttentionBackend
 from nanoserve.engine.model.forward_batch import ForwardBatch, SeqSlice
 from nanoserve.engine.model.layers.rope import RotaryEmbedding, apply_rope
 

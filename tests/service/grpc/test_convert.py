@@ -15,7 +15,7 @@ from nanoserve.allocator.log import AuditReport, Event
 from nanoserve.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from nanoserve.engine.sampling.params import SamplingParams
 from nanoserve.engine.text.prompts import ChatPrompt, TokensPrompt
-from nanoserve.service.grpc import convert
+from nanoserve.service.grpc import allocation_convert, convert
 from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import generation_pb2 as pb
 
@@ -196,7 +196,7 @@ def _event(kind: str, reason: str | None = None) -> Event:
 
 
 def test_event_crosses_with_enums_and_exact_times() -> None:
-    assert convert.to_event(_event("free_all", "preempted")) == apb.AllocationEvent(
+    assert allocation_convert.to_event(_event("free_all", "preempted")) == apb.AllocationEvent(
         seq=7,
         pool_id="default",
         epoch=3,
@@ -212,11 +212,11 @@ def test_event_crosses_with_enums_and_exact_times() -> None:
 
 
 def test_event_without_a_reason_has_no_free_reason() -> None:
-    assert convert.to_event(_event("allocate")).free_reason == apb.FREE_REASON_UNSPECIFIED
+    assert allocation_convert.to_event(_event("allocate")).free_reason == apb.FREE_REASON_UNSPECIFIED
 
 
 def test_event_kind_from_a_newer_log_is_unspecified() -> None:
-    assert convert.to_event(_event("adapter_load")).kind == apb.EVENT_KIND_UNSPECIFIED
+    assert allocation_convert.to_event(_event("adapter_load")).kind == apb.EVENT_KIND_UNSPECIFIED
 
 
 @pytest.mark.parametrize(
@@ -224,9 +224,9 @@ def test_event_kind_from_a_newer_log_is_unspecified() -> None:
     [
         (convert.FINISH_REASONS, pb.FinishReason, "FINISH_REASON_"),
         ({name: value for value, name in convert.CHAT_ROLES.items()}, pb.ChatRole, "CHAT_ROLE_"),
-        (convert.EVENT_KINDS, apb.EventKind, "EVENT_KIND_"),
-        (convert.FREE_REASONS, apb.FreeReason, "FREE_REASON_"),
-        (convert.AUDIT_RULES, apb.AuditRule, "AUDIT_RULE_"),
+        (allocation_convert.EVENT_KINDS, apb.EventKind, "EVENT_KIND_"),
+        (allocation_convert.FREE_REASONS, apb.FreeReason, "FREE_REASON_"),
+        (allocation_convert.AUDIT_RULES, apb.AuditRule, "AUDIT_RULE_"),
     ],
     ids=["finish-reason", "chat-role", "event-kind", "free-reason", "audit-rule"],
 )
@@ -241,8 +241,8 @@ def test_each_table_maps_every_enum_value_but_unspecified_by_its_own_name(
 
 
 def test_event_kinds_and_free_reasons_cover_the_allocators() -> None:
-    assert set(convert.EVENT_KINDS) == {kind.value for kind in EventKind}
-    assert set(convert.FREE_REASONS) == {reason.value for reason in FreeReason}
+    assert set(allocation_convert.EVENT_KINDS) == {kind.value for kind in EventKind}
+    assert set(allocation_convert.FREE_REASONS) == {reason.value for reason in FreeReason}
 
 
 # the calls that name a broken rule -> which argument: Replayer.violate(seq, rule, ...), transition's report(rule, ...)
@@ -275,7 +275,7 @@ def _rules_the_allocator_reports() -> set[str]:
 
 
 def test_audit_rules_cover_every_rule_the_allocator_reports() -> None:
-    assert set(convert.AUDIT_RULES) == _rules_the_allocator_reports()
+    assert set(allocation_convert.AUDIT_RULES) == _rules_the_allocator_reports()
 
 
 def _report(violations: list[Violation], closed: bool) -> AuditReport:
@@ -297,7 +297,7 @@ def test_audit_response_names_the_rule_of_each_violation() -> None:
         Violation(seq=4, rule="free_of_free_block", message="block is not allocated", block_id=2, owner="r1"),
         Violation(seq=9, rule="leaked_block", message="block still allocated at POOL_CLOSE", block_id=1, owner="r2"),
     ]
-    response = convert.to_audit_response(_report(violations, closed=True))
+    response = allocation_convert.to_audit_response(_report(violations, closed=True))
     assert list(response.violations) == [
         apb.Violation(
             seq=4, block_id=2, owner="r1", message="block is not allocated", rule=apb.AUDIT_RULE_FREE_OF_FREE_BLOCK
@@ -316,7 +316,7 @@ def test_audit_response_names_the_rule_of_each_violation() -> None:
 
 def test_audit_rule_this_server_cannot_name_keeps_its_name_in_the_message() -> None:
     violation = Violation(seq=3, rule="refcount_underflow", message="block 2 freed by a non-holder")
-    [entry] = convert.to_audit_response(_report([violation], closed=False)).violations
+    [entry] = allocation_convert.to_audit_response(_report([violation], closed=False)).violations
     assert (entry.rule, entry.message) == (
         apb.AUDIT_RULE_UNSPECIFIED,
         "refcount_underflow: block 2 freed by a non-holder",

@@ -21,7 +21,7 @@ from nanoserve.allocator import BlockAllocator, BlockEvent, EventKind, FreeReaso
 from nanoserve.allocator.log import Event, EventLog, audit, replay
 from nanoserve.migrations import upgrade
 from nanoserve.service.cli.main import main
-from nanoserve.service.grpc import convert
+from nanoserve.service.grpc import allocation_convert
 from nanoserve.service.pictures.occupancy_panel import deepest_brief_dip
 from nanoserve.service.pictures.owner_colours import FREE_COLOUR
 from nanoserve.service.pictures.pool_timeline import PoolTimeline, read_timeline
@@ -424,7 +424,7 @@ def test_state_svg_lists_block_tables_in_logical_order(url: str, tmp_path: Path)
 
 def test_audit_report_message_carries_the_plot_range(url: str) -> None:
     write_trace(url)
-    message = convert.to_audit_response(audit(url))
+    message = allocation_convert.to_audit_response(audit(url))
     assert [(v.seq, v.block_id, v.plot_from_seq, v.plot_to_seq) for v in message.violations] == [
         (8, 0, 7, 8),
         (8, 1, 7, 8),
