@@ -110,7 +110,7 @@ def throughput(args: argparse.Namespace) -> None:
             rate = num_tokens / wall_s
             if constrained not in best or rate > best[constrained][0]:
                 best[constrained] = (rate, num_tokens, wall_s)
-    mask_times = engine.take_structured_output_stats().mask_times_s
+    mask_times = engine.structured.take_stats().mask_times_s
     print(f"\n{args.num_requests} parallel requests, greedy, max {args.max_tokens} tokens, best of {args.rounds}")
     print(f"{'workload':<28}{'tokens':>8}{'wall s':>9}{'tok/s':>9}")
     for constrained, label in ((False, "unconstrained"), (True, "half JSON schema")):

@@ -49,7 +49,7 @@ from nanoserve.engine.core.engine_inbox import (
     StopEngine,
     apply_messages,
 )
-from nanoserve.engine.core.llm_engine import LLMEngine, StructuredOutputStats
+from nanoserve.engine.core.llm_engine import LLMEngine
 from nanoserve.engine.core.log_reads import LogReads
 from nanoserve.engine.core.outputs import AbortCause, RequestOutput
 from nanoserve.engine.core.recovered_streams import adopt_recovered
@@ -63,6 +63,7 @@ from nanoserve.engine.errors import (
     RequestNotFoundError,
 )
 from nanoserve.engine.sampling.params import SamplingParams
+from nanoserve.engine.structured.structured_outputs import StructuredOutputStats
 from nanoserve.engine.text.input_processor import MAX_REQUEST_ID_CHARS
 from nanoserve.engine.text.prompts import ChatPrompt, Prompt
 from nanoserve.engine.text.stored_text import check_stored_text
@@ -317,8 +318,8 @@ class AsyncLLMEngine:
 
     def structured_output_stats(self) -> StructuredOutputStats:
         """Constrained requests by kind (running totals), and the compile and mask timings since
-        the last call (``LLMEngine.take_structured_output_stats``; safe from the event loop)."""
-        return self._core.take_structured_output_stats()
+        the last call (``StructuredOutputs.take_stats``; safe from the event loop)."""
+        return self._core.structured.take_stats()
 
     def pool_status(self) -> PoolStatus:
         """The pool and queues as of the engine thread's last step (they change only in a step),

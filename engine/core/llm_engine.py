@@ -8,7 +8,7 @@ One step::
 
     scheduler.schedule()                chunks to compute; may preempt and admit
     runner.forward(ForwardBatch)        logits for the chunks that end a sequence
-    _token_mask(sampled)                structured outputs: each constrained row's allowed tokens
+    structured.token_mask(sampled)      structured outputs: each constrained row's allowed tokens
     sampler(logits, token_mask)         one token per such sequence, batched
     request.advance_grammar()           the constrained rows' matchers take their tokens
     request.append_token()              stop / length checks, detokenize
@@ -18,10 +18,8 @@ One step::
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
@@ -30,38 +28,27 @@ from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.core.outputs import AbortCause, RequestOutput
 from nanoserve.engine.core.request import Request
-from nanoserve.engine.core.sample_group import SampleGroup
+from nanoserve.engine.core.sample_group import add_cumulative_logprobs, fork_prefilled
 from nanoserve.engine.core.scheduler import ScheduledChunk, Scheduler
-from nanoserve.engine.core.status import ModelInfo, PoolStatus, ScopeUsage, scope_of
+from nanoserve.engine.core.status import PoolStatus, model_info_of, pool_status_of
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     PrefixCacheResetRefusedError,
     QueueFullError,
     RequestNotFoundError,
 )
-from nanoserve.engine.journal.request_journal import (
-    admit_record,
-    journal_final,
-    not_recovered_record,
-    output_record,
-    restore_request,
-    sampling_params,
-)
+from nanoserve.engine.journal.request_journal import admit_record, journal_final, output_record, rebuild_requests
 from nanoserve.engine.model.forward_batch import ForwardBatch, SeqSlice
 from nanoserve.engine.model.model_runner import ModelRunner
 from nanoserve.engine.sampling.params import SamplingParams
 from nanoserve.engine.sampling.sampler import Sampler
-from nanoserve.engine.structured.grammar_compiler import GrammarCompiler
-from nanoserve.engine.structured.token_mask import TokenMask, TokenMasker
+from nanoserve.engine.structured.structured_outputs import StructuredOutputs
 from nanoserve.engine.text.input_processor import InputProcessor
-from nanoserve.engine.text.prompts import Prompt, TokensPrompt
+from nanoserve.engine.text.prompts import Prompt
 
 _log = structlog.get_logger(__name__)
-MAX_PENDING_TIMINGS = 100_000  # structured-output timings kept for the metrics, newest first dropped last
 
 if TYPE_CHECKING:
-    import torch
-
     from nanoserve.allocator.log import EventLog
     from nanoserve.engine.journal.recovery import RecoveryPlanner
     from nanoserve.engine.journal.store import JournalRecord
@@ -104,21 +91,7 @@ class LLMEngine:
         self.num_blocks: int = self.runner.num_kv_blocks
         self.max_model_len: int = self.runner.max_model_len
         self.vocab_size: int = self.runner.vocab_size
-        self.model_info = ModelInfo(
-            model_name=self.model_name,
-            dtype=str(self.runner.dtype).removeprefix("torch."),
-            device=str(self.runner.device),
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            vocab_size=self.vocab_size,
-            has_chat_template=self.tokenizer.has_chat_template,
-            eos_token_ids=tuple(sorted(self.tokenizer.eos_token_ids)),
-            max_prompt_bytes=(min(self.max_model_len, self.num_blocks * self.block_size) - 1)
-            * self.tokenizer.max_token_bytes,
-            bos_token_id=self.tokenizer.bos_token_id,
-            kv_cache_dtype=str(self.runner.kv_cache_dtype).removeprefix("torch."),
-        )
+        self.model_info = model_info_of(self.runner)
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_info, max_parallel_samples=config.scheduler.max_parallel_samples
         )
@@ -129,17 +102,8 @@ class LLMEngine:
             config.scheduler, self.allocator, enable_prefix_caching=config.cache.enable_prefix_caching
         )
         self.sampler = Sampler()
-        structured = config.structured_output
-        self.grammars = GrammarCompiler(
-            self.tokenizer,
-            self.vocab_size,
-            compile_timeout_s=structured.structured_output_compile_timeout_s,
-            max_cached=structured.max_cached_grammars,
-        )
-        self._masker: TokenMasker | None = None  # made at the first constrained step
-        # seconds filling the grammar masks, one per constrained step (the metrics drain it from another thread)
-        self._mask_times_s: collections.deque[float] = collections.deque(maxlen=MAX_PENDING_TIMINGS)
-        self._num_constrained: dict[str, int] = {}  # constraint kind -> requests admitted with one, running total
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, config.structured_output)
+        self.grammars = self.structured.grammars
         # request_id -> live (unfinished) request: the one registry of requests, the one
         # arbiter of duplicate ids and queue room
         self._requests: dict[str, Request] = {}
@@ -159,21 +123,10 @@ class LLMEngine:
         recovery = self.recovery
         if recovery is None or recovery.recovered_epoch is None:
             return []
-        requests = []
-        unfit: list[JournalRecord] = []  # requests this engine cannot take back (another model or limits)
-        for history in recovery.recovered:
-            prompt = TokensPrompt(list(history.admit["prompt_token_ids"]))
-            try:
-                request = self.process_request(history.request_id, prompt, sampling_params(history))
-                request.prompt = history.admit.get("prompt")
-                restore_request(history, request, recovery.recovered_epoch)
-            except Exception as exc:  # the journal was written under another model or other limits
-                _log.warning("request_not_recovered", request_id=history.request_id, error=str(exc))
-                unfit.append(not_recovered_record(history))
-                continue
+        requests, unfit = rebuild_requests(recovery.recovered, recovery.recovered_epoch, self.process_request)
+        for request in requests:
             self._requests[request.request_id] = request
             self.scheduler.add(request)
-            requests.append(request)
         if unfit and self.event_log is not None:
             self.event_log.append_batch(None, [], journal=unfit)
         _log.info(
@@ -241,9 +194,7 @@ class LLMEngine:
             )
         self._requests[request.request_id] = request
         self.scheduler.add(request)
-        constraint = request.sampling_params.constraint
-        if constraint is not None:
-            self._num_constrained[constraint.kind.value] = self._num_constrained.get(constraint.kind.value, 0) + 1
+        self.structured.admitted(request.sampling_params.constraint)
         if self.journaling:
             self._journal.append(admit_record(request))
 
@@ -341,11 +292,11 @@ class LLMEngine:
             self.scheduler.register_computed(chunk.request, chunk.num_new_tokens)  # only now is the chunk's KV written
         if not sampled:
             return []
-        rows, row_logits = self._fork_prefilled(sampled)
+        rows, row_logits = fork_prefilled(sampled, self.scheduler, self._serials)
         if len(rows) != len(sampled):
             logits = logits[row_logits]  # [len(rows), vocab_size]: a parent's row once per sample
-        result = self.sampler(logits, rows, self._token_mask(rows))
-        self._add_cumulative_logprobs(logits, rows, result.token_ids)
+        result = self.sampler(logits, rows, self.structured.token_mask(rows))
+        add_cumulative_logprobs(logits, rows, result.token_ids)
         now = time.monotonic()
         outputs = []
         for request, token_id, logprob in zip(rows, result.token_ids, result.logprobs, strict=True):
@@ -377,59 +328,6 @@ class LLMEngine:
                     if self.journaling and group is None:
                         self._journal.append(output_record(output))
         return outputs
-
-    def _fork_prefilled(self, sampled: list[Request]) -> tuple[list[Request], list[int]]:
-        """Forks each request with several samples whose prompt is now computed; returns who samples
-        from which logits row: each sample of a forked request draws its first token from the
-        parent's row, with its own seed."""
-        rows: list[Request] = []
-        row_logits: list[int] = []
-        for index, request in enumerate(sampled):
-            if request.sampling_params.num_samples > 1 and request.group is None:
-                serials = [next(self._serials) for _ in range(request.sampling_params.num_samples)]
-                group = SampleGroup(request, serials)
-                request.group = group
-                self.scheduler.fork(request, group.children)
-                rows.extend(group.children)
-                row_logits.extend([index] * len(group.children))
-            else:
-                rows.append(request)
-                row_logits.append(index)
-        return rows, row_logits
-
-    @staticmethod
-    def _add_cumulative_logprobs(logits: torch.Tensor, rows: list[Request], token_ids: list[int]) -> None:
-        """best_of ranks samples by the sum of their tokens' log-probabilities under the model (raw logits)."""
-        ranked = [i for i, request in enumerate(rows) if request.group is not None and not request.group.streams]
-        if not ranked:
-            return
-        logprobs = logits[ranked].float().log_softmax(dim=-1)  # [len(ranked), vocab_size]
-        for row, i in enumerate(ranked):
-            group = rows[i].group
-            assert group is not None
-            group.cumulative_logprobs[rows[i].index] += float(logprobs[row, token_ids[i]])
-
-    def _token_mask(self, sampled: list[Request]) -> TokenMask | None:
-        """The allowed tokens of the constrained rows of this step's logits (None: none is constrained)."""
-        rows = [index for index, request in enumerate(sampled) if request.matcher is not None]
-        if not rows:
-            return None
-        if self._masker is None:
-            self._masker = TokenMasker(self.vocab_size)
-        start = time.perf_counter()
-        bitmask = self._masker.fill([sampled[index].matcher for index in rows])  # type: ignore[misc]
-        mask = TokenMask(rows, bitmask, self._masker.bias(bitmask))
-        self._mask_times_s.append(time.perf_counter() - start)
-        return mask
-
-    def take_structured_output_stats(self) -> StructuredOutputStats:
-        """What structured outputs did since the last call (any thread: the timings are drained from
-        thread-safe deques, the counts copied)."""
-        return StructuredOutputStats(
-            num_requests_by_kind=dict(self._num_constrained),
-            compile_times_s=_drain(self.grammars.compile_times_s),
-            mask_times_s=_drain(self._mask_times_s),
-        )
 
     def _finish(self, request: Request, reason: FreeReason, now: float) -> list[RequestOutput]:
         """Ends ``request`` (a sample: its group too once it was the last); its outputs, the final one last."""
@@ -510,39 +408,8 @@ class LLMEngine:
     # ---- status and shutdown ----------------------------------------------
 
     def pool_status(self) -> PoolStatus:
-        log = self.event_log
-        return PoolStatus(
-            pool_id=self.config.event_log.pool_id,
-            epoch=log.epoch if log is not None else None,
-            num_blocks=self.allocator.num_blocks,
-            block_size=self.allocator.block_size,
-            num_free=self.allocator.num_free,
-            num_allocated=self.allocator.num_allocated,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            last_seq=log.last_seq if log is not None else None,
-            durable_seq=log.durable_seq if log is not None else None,
-            num_cached=self.allocator.num_cached,
-            num_cached_free=self.allocator.num_cached_free,
-            num_shared=self.allocator.num_shared,
-            prefix_cache_queries=self.scheduler.prefix_cache_queries,
-            prefix_cache_hits=self.scheduler.prefix_cache_hits,
-            enable_prefix_caching=self.scheduler.enable_prefix_caching,
-            scopes=self._scope_usage(),
-            num_forked_blocks=self.allocator.num_forked_blocks,
-            num_copied_blocks=self.allocator.num_copied_blocks,
-        )
-
-    def _scope_usage(self) -> tuple[ScopeUsage, ...]:
-        """Running and waiting requests and their blocks per request-id scope (O(requests))."""
-        usage: dict[str, list[int]] = {}
-        for request in self.scheduler.running:
-            counts = usage.setdefault(scope_of(request.request_id), [0, 0, 0])
-            counts[0] += 1
-            counts[2] += request.block_table.num_blocks if request.block_table is not None else 0
-        for request in self.scheduler.waiting:
-            usage.setdefault(scope_of(request.request_id), [0, 0, 0])[1] += 1
-        return tuple(ScopeUsage(scope, *usage[scope]) for scope in sorted(usage))
+        """The pool, the queues and the log's progress now (engine thread; ``status.pool_status_of``)."""
+        return pool_status_of(self.config.event_log.pool_id, self.allocator, self.scheduler, self.event_log)
 
     def shutdown(self, log_close_timeout_s: float | None = None) -> None:
         """Aborts what is left and closes the event log (POOL_CLOSE). Idempotent.
@@ -555,7 +422,7 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
-        self.grammars.close()
+        self.structured.close()
         log = self.event_log
         if log is not None:
             log.unbound()  # the aborts below must not wait for room in a stalled log
@@ -569,26 +436,6 @@ class LLMEngine:
         if log is not None:
             timeout_s = self.config.event_log.event_log_close_timeout_s
             log.close(timeout_s if log_close_timeout_s is None else log_close_timeout_s, self.allocator.snapshot())
-
-
-@dataclass(frozen=True)
-class StructuredOutputStats:
-    """num_requests_by_kind: constraint kind -> constrained requests admitted (running totals);
-    compile_times_s: seconds of each grammar compile, mask_times_s: seconds filling each constrained
-    step's masks, both since the last ``take_structured_output_stats``."""
-
-    num_requests_by_kind: dict[str, int]
-    compile_times_s: list[float]
-    mask_times_s: list[float]
-
-
-def _drain(times: collections.deque[float]) -> list[float]:
-    drained = []
-    while True:
-        try:
-            drained.append(times.popleft())
-        except IndexError:
-            return drained
 
 
 def _matcher_error(request: Request) -> str:

@@ -17,10 +17,17 @@ request id and serial and ``CompletionOutput.index`` i.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from nanoserve.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.core.request import Request
 from nanoserve.engine.sampling.counter_rng import sample_seed
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanoserve.engine.core.scheduler import Scheduler
 
 
 class SampleGroup:
@@ -116,3 +123,38 @@ def _child(parent: Request, index: int, serial: int) -> Request:
     )
     child.index = index
     return child
+
+
+def fork_prefilled(
+    sampled: list[Request], scheduler: Scheduler, serials: Iterator[int]
+) -> tuple[list[Request], list[int]]:
+    """Forks each request of ``sampled`` with several samples whose prompt is now computed (its
+    ``SampleGroup`` made, its block table forked by ``scheduler``, each child taking the next of
+    ``serials``); returns who samples from which logits row: each sample of a forked request draws
+    its first token from the parent's row, with its own seed."""
+    rows: list[Request] = []
+    row_logits: list[int] = []
+    for index, request in enumerate(sampled):
+        if request.sampling_params.num_samples > 1 and request.group is None:
+            group = SampleGroup(request, [next(serials) for _ in range(request.sampling_params.num_samples)])
+            request.group = group
+            scheduler.fork(request, group.children)
+            rows.extend(group.children)
+            row_logits.extend([index] * len(group.children))
+        else:
+            rows.append(request)
+            row_logits.append(index)
+    return rows, row_logits
+
+
+def add_cumulative_logprobs(logits: torch.Tensor, rows: list[Request], token_ids: list[int]) -> None:
+    """Adds each ranked sample's token log-probability to its group's sum: best_of ranks samples by the
+    sum under the model (the raw logits, ``[len(rows), vocab_size]``)."""
+    ranked = [i for i, request in enumerate(rows) if request.group is not None and not request.group.streams]
+    if not ranked:
+        return
+    logprobs = logits[ranked].float().log_softmax(dim=-1)  # [len(ranked), vocab_size]
+    for row, i in enumerate(ranked):
+        group = rows[i].group
+        assert group is not None
+        group.cumulative_logprobs[rows[i].index] += float(logprobs[row, token_ids[i]])

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanoserve.allocator import BlockAllocator
+    from nanoserve.allocator.log import EventLog
+    from nanoserve.engine.core.request import Request
+    from nanoserve.engine.core.scheduler import Scheduler
+    from nanoserve.engine.model.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -116,3 +125,61 @@ class ScopeUsage:
     num_running: int
     num_waiting: int
     num_blocks_held: int
+
+
+def scope_usage(running: Iterable[Request], waiting: Iterable[Request]) -> tuple[ScopeUsage, ...]:
+    """Running and waiting requests and their blocks per request-id scope, sorted by scope (O(requests))."""
+    usage: dict[str, list[int]] = {}
+    for request in running:
+        counts = usage.setdefault(scope_of(request.request_id), [0, 0, 0])
+        counts[0] += 1
+        counts[2] += request.block_table.num_blocks if request.block_table is not None else 0
+    for request in waiting:
+        usage.setdefault(scope_of(request.request_id), [0, 0, 0])[1] += 1
+    return tuple(ScopeUsage(scope, *usage[scope]) for scope in sorted(usage))
+
+
+def model_info_of(runner: ModelRunner) -> ModelInfo:
+    """The loaded model's facts and limits, from its runner and tokenizer (once, at load). The longest
+    prompt by bytes: the tokens that fit the context and the pool, less one, at the longest token's bytes."""
+    tokenizer = runner.tokenizer
+    max_prompt_tokens = min(runner.max_model_len, runner.num_kv_blocks * runner.block_size) - 1
+    return ModelInfo(
+        model_name=runner.model_name,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        device=str(runner.device),
+        max_model_len=runner.max_model_len,
+        block_size=runner.block_size,
+        num_blocks=runner.num_kv_blocks,
+        vocab_size=runner.vocab_size,
+        has_chat_template=tokenizer.has_chat_template,
+        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+        max_prompt_bytes=max_prompt_tokens * tokenizer.max_token_bytes,
+        bos_token_id=tokenizer.bos_token_id,
+        kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
+    )
+
+
+def pool_status_of(pool_id: str, allocator: BlockAllocator, scheduler: Scheduler, log: EventLog | None) -> PoolStatus:
+    """The pool, the queues and the log's progress as of now (the engine thread's view)."""
+    return PoolStatus(
+        pool_id=pool_id,
+        epoch=log.epoch if log is not None else None,
+        num_blocks=allocator.num_blocks,
+        block_size=allocator.block_size,
+        num_free=allocator.num_free,
+        num_allocated=allocator.num_allocated,
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        last_seq=log.last_seq if log is not None else None,
+        durable_seq=log.durable_seq if log is not None else None,
+        num_cached=allocator.num_cached,
+        num_cached_free=allocator.num_cached_free,
+        num_shared=allocator.num_shared,
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
+        enable_prefix_caching=scheduler.enable_prefix_caching,
+        scopes=scope_usage(scheduler.running, scheduler.waiting),
+        num_forked_blocks=allocator.num_forked_blocks,
+        num_copied_blocks=allocator.num_copied_blocks,
+    )

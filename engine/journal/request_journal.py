@@ -2,8 +2,8 @@
 
 ``admit_record`` / ``output_record`` turn a request and each output it
 releases into journal records (``nanoserve.engine.journal.records`` describes
-the payloads); ``restore_request`` re-creates a request from its history after
-a crash; ``history_outputs`` turns a history back into the ``RequestOutput``s
+the payloads); ``restore_request`` (``rebuild_requests`` for all of them) re-creates a request from its
+history after a crash; ``history_outputs`` turns a history back into the ``RequestOutput``s
 that ``Resume`` streams. Token index ``i`` is the i-th released output token of
 the request (its ``outputs[0].token_ids[i]``), across every admission.
 """
@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import structlog
 
 from nanoserve.engine.core.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from nanoserve.engine.core.request import Request
 from nanoserve.engine.journal.records import JournalKind, OutputChunk, RequestHistory
 from nanoserve.engine.journal.store import JournalRecord
 from nanoserve.engine.sampling.params import SamplingParams
+from nanoserve.engine.text.prompts import Prompt, TokensPrompt
+
+_log = structlog.get_logger(__name__)
 
 
 def admit_record(request: Request) -> JournalRecord:
@@ -89,6 +94,31 @@ def restore_request(history: RequestHistory, request: Request, recovered_from: i
     request.recovered_from = recovered_from
     request.metrics.num_preemptions += 1
     return request
+
+
+def rebuild_requests(
+    histories: list[RequestHistory],
+    recovered_from: int,
+    process: Callable[[str, Prompt, SamplingParams], Request],
+) -> tuple[list[Request], list[JournalRecord]]:
+    """The requests of ``histories`` (recovered from epoch ``recovered_from``), each made by ``process``
+    (tokenize and validate, as for a new request) and restored (``restore_request``), in order; and the
+    FINISH records (``not_recovered_record``) of those this engine cannot take back: the journal was
+    written under another model or other limits, so ``process`` refused them (logged one line each)."""
+    requests: list[Request] = []
+    unfit: list[JournalRecord] = []
+    for history in histories:
+        prompt = TokensPrompt(list(history.admit["prompt_token_ids"]))
+        try:
+            request = process(history.request_id, prompt, sampling_params(history))
+            request.prompt = history.admit.get("prompt")
+            restore_request(history, request, recovered_from)
+        except Exception as exc:
+            _log.warning("request_not_recovered", request_id=history.request_id, error=str(exc))
+            unfit.append(not_recovered_record(history))
+            continue
+        requests.append(request)
+    return requests, unfit
 
 
 def not_recovered_record(history: RequestHistory) -> JournalRecord:
