@@ -145,6 +145,16 @@ class EventLogIncompleteError(EventLogError):
     def num_events(self) -> int:
         return max(0, self.last_seq - self.first_seq + 1)
 
+    def log_fields(self) -> dict[str, object]:
+        """The error as a log line's fields: the url (no password), num_events, first_seq, last_seq, reason."""
+        return {
+            "url": safe_url(self.url),
+            "num_events": self.num_events,
+            "first_seq": self.first_seq,
+            "last_seq": self.last_seq,
+            "reason": self.reason,
+        }
+
     @property
     def seq_range(self) -> str:
         if self.num_events == 0:

@@ -27,8 +27,6 @@ blocks before the next forward pass.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import dataclasses
 import enum
 import functools
 import queue
@@ -53,9 +51,10 @@ from nanoserve.engine.core.llm_engine import LLMEngine
 from nanoserve.engine.core.log_reads import LogReads
 from nanoserve.engine.core.outputs import AbortCause, RequestOutput
 from nanoserve.engine.core.recovered_streams import adopt_recovered
+from nanoserve.engine.core.request_intake import RequestIntake
 from nanoserve.engine.core.request_stream import RequestStream, StreamRegistry
 from nanoserve.engine.core.resume_followers import ResumeFollowers, read_journaled
-from nanoserve.engine.core.status import ModelInfo, PoolStatus
+from nanoserve.engine.core.status import ModelInfo, PoolStatus, with_log_progress
 from nanoserve.engine.errors import (
     EngineDeadError,
     EventLogNotDurableError,
@@ -111,8 +110,8 @@ class AsyncLLMEngine:
         self._recovered: list[RequestStream] = []  # streams of recovered requests, until the server takes them
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        # tokenization and chat templating run here, one at a time, never on the event loop
-        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenize")
+        # tokenization, chat templating and grammar compiles: never on the event loop
+        self._intake = RequestIntake(lambda: self._core)
         self._state = _State.NEW
         self._error: BaseException | None = None
         self._log_close_error: EventLogIncompleteError | None = None  # set by the engine thread at shutdown
@@ -200,7 +199,7 @@ class AsyncLLMEngine:
         could not write are reported in ``log_close_error``."""
         if self._state in (_State.NEW, _State.STOPPED):
             self._state = _State.STOPPED
-            self._tokenizer_pool.shutdown(wait=False)
+            self._intake.shutdown()
             self.log_reads.shutdown()
             return
         self._state = _State.DRAINING
@@ -215,7 +214,7 @@ class AsyncLLMEngine:
         self._submit(StopEngine())
         assert self._thread is not None
         await asyncio.to_thread(self._thread.join)
-        self._tokenizer_pool.shutdown(wait=False)
+        self._intake.shutdown()
         self.log_reads.shutdown()
         self._state = _State.STOPPED
 
@@ -299,14 +298,12 @@ class AsyncLLMEngine:
         the tokenizer thread. Raises InvalidRequestError (field ``text`` or ``messages``): an
         unknown role, a model without a chat template, a text too long to be any prompt by its
         length alone (the work stays bounded; a text that tokenizes longer is counted)."""
-        tokenize = functools.partial(self._core.input_processor.tokenize, prompt, text_field="text", as_prompt=False)
-        _, token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, tokenize)
-        return token_ids
+        return await self._intake.tokenize(prompt)
 
     async def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer as files (``Tokenizer.export_files``: file name -> content), written out
         on the tokenizer thread, never on the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._core.tokenizer.export_files)
+        return await self._intake.tokenizer_files()
 
     async def reset_prefix_cache(self) -> int:
         """Resets the prefix cache on the engine thread (``LLMEngine.reset_prefix_cache``); returns the
@@ -323,20 +320,10 @@ class AsyncLLMEngine:
 
     def pool_status(self) -> PoolStatus:
         """The pool and queues as of the engine thread's last step (they change only in a step),
-        with the log's progress and backlog read from the log now."""
-        status = self._pool_status
-        if status is None:
+        with the log's progress and backlog read from the log now (``status.with_log_progress``)."""
+        if self._pool_status is None:
             raise EngineDeadError("engine not started")
-        log = self._core.event_log
-        if log is None:
-            return status
-        return dataclasses.replace(
-            status,
-            last_seq=log.last_seq,
-            durable_seq=log.durable_seq,
-            num_pending_batches=log.num_pending_batches,
-            pending_bytes=log.pending_bytes,
-        )
+        return with_log_progress(self._pool_status, self._core.event_log)
 
     def _check_accepting(self) -> None:
         if self._error is not None:
@@ -356,16 +343,8 @@ class AsyncLLMEngine:
         """Tokenizes on the tokenizer thread, waits for a constraint's grammar to compile on another
         (so that a slow compile holds up no other request's tokenizing), then hands the request to
         the engine thread."""
-        loop = asyncio.get_running_loop()
         try:
-            process = functools.partial(self._core.process_request, attach_grammar=False)
-            request = await loop.run_in_executor(
-                self._tokenizer_pool, process, stream.request_id, prompt, params, stream.arrival_time
-            )
-            constraint = request.sampling_params.constraint
-            if constraint is not None:
-                request.attach_matcher(await loop.run_in_executor(None, self._core.grammars.matcher, constraint))
-            stream.request = request
+            stream.request = await self._intake.process(stream.request_id, prompt, params, stream.arrival_time)
             self._check_accepting()
         except Exception as exc:
             if stream.abort_cause is not None:  # the caller left first: its ending, not the refusal
@@ -458,17 +437,10 @@ class AsyncLLMEngine:
 
     def _shut_down(self, engine: LLMEngine) -> None:
         """Ends the engine; a log that did not take every event is reported (one line) and kept."""
-        from nanoserve.allocator.log.errors import EventLogIncompleteError, safe_url
+        from nanoserve.allocator.log.errors import EventLogIncompleteError
 
         try:
             engine.shutdown()
         except EventLogIncompleteError as exc:
             self._log_close_error = exc
-            _log.error(
-                "event_log_incomplete",
-                url=safe_url(exc.url),
-                num_events=exc.num_events,
-                first_seq=exc.first_seq,
-                last_seq=exc.last_seq,
-                reason=exc.reason,
-            )
+            _log.error("event_log_incomplete", **exc.log_fields())

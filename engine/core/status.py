@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -182,4 +183,18 @@ def pool_status_of(pool_id: str, allocator: BlockAllocator, scheduler: Scheduler
         scopes=scope_usage(scheduler.running, scheduler.waiting),
         num_forked_blocks=allocator.num_forked_blocks,
         num_copied_blocks=allocator.num_copied_blocks,
+    )
+
+
+def with_log_progress(status: PoolStatus, log: EventLog | None) -> PoolStatus:
+    """``status`` with the log's progress and backlog as of now (any thread: the log's counters are
+    read, not locked); ``status`` itself without a log."""
+    if log is None:
+        return status
+    return dataclasses.replace(
+        status,
+        last_seq=log.last_seq,
+        durable_seq=log.durable_seq,
+        num_pending_batches=log.num_pending_batches,
+        pending_bytes=log.pending_bytes,
     )
