@@ -12,9 +12,10 @@ SQLAlchemy nor structlog.
 """
 
 from nanoserve.allocator.arithmetic import cdiv
-from nanoserve.allocator.block_allocator import BlockAllocator, KVCacheExhausted
+from nanoserve.allocator.block_allocator import BlockAllocator
 from nanoserve.allocator.block_key import BlockKey, extend_block_keys, hash_block
 from nanoserve.allocator.block_table import BlockTable
+from nanoserve.allocator.errors import KVCacheExhausted
 from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.pool_state import PoolState, Violation
 from nanoserve.allocator.transition import TRANSITIONS, apply

@@ -14,50 +14,19 @@ never holds the log: it emits, the caller persists.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
 
 from nanoserve.allocator.arithmetic import cdiv
 from nanoserve.allocator.block_key import BlockKey
+from nanoserve.allocator.errors import KVCacheExhausted
 from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.pool_state import PoolState
+from nanoserve.allocator.prefix_index import PrefixIndex
 from nanoserve.allocator.transition import apply
 
 _ALLOCATE = EventKind.ALLOCATE
 _ALLOCATE_FOR = EventKind.ALLOCATE_FOR
 _FREE = EventKind.FREE
 _FREE_ALL = EventKind.FREE_ALL
-
-
-class _Cached(NamedTuple):
-    """What a registered block's KV was computed from: checked on every lookup, never logged.
-
-    serial: this registration's number (unique over the allocator's life);
-    parent_serial: the parent block's registration number, None for a first
-    block. A child whose parent_serial matches proves its KV followed exactly
-    the parent the lookup just verified, whatever the keys say.
-    """
-
-    serial: int
-    parent_serial: int | None
-    token_ids: tuple[int, ...]
-    extra_keys: tuple[str, ...]
-
-
-class KVCacheExhausted(RuntimeError):
-    """The pool has fewer free blocks than a request needs.
-
-    ``requested`` and ``available`` are block counts. Nothing was reserved. The
-    scheduler catches this by name (to preempt or to wait); it never leaves the
-    engine.
-    """
-
-    def __init__(self, requested: int, available: int) -> None:
-        super().__init__(f"KV cache exhausted: requested {requested} blocks, {available} free")
-        self.requested = requested
-        self.available = available
-
-    def __reduce__(self) -> tuple[type, tuple[int, int]]:
-        return (type(self), (self.requested, self.available))
 
 
 def _check_reason(reason: FreeReason | None) -> None:
@@ -109,8 +78,7 @@ class BlockAllocator:
         self._free = self._state.free_block_ids  # the state's free stack, top at the end
         self._owners = self._state.owners  # block_id -> owner (request id) of every allocated block
         self._pending: list[BlockEvent] = []  # emitted, not yet taken; in order
-        self._cached: dict[int, _Cached] = {}  # block_id -> content of every registered block
-        self._num_registrations = 0
+        self._index = PrefixIndex()  # what every registered block's KV was computed from
         self.num_forked_blocks = 0  # block references FORK events took, over the allocator's life
         self.num_copied_blocks = 0  # blocks COPY events copied on write, over the allocator's life
 
@@ -345,7 +313,7 @@ class BlockAllocator:
 
     def count_prefix_hits(self, owner: str, keys: Sequence[BlockKey]) -> tuple[int, int]:
         """(blocks of ``keys`` a ``share_prefix`` would hit now, how many of them are cached-free). Emits nothing."""
-        hits = self._lookup(owner, keys)
+        hits = self._index.lookup(self._state, owner, keys)
         return len(hits), sum(1 for block_id in hits if block_id not in self._owners)
 
     def share_prefix(self, owner: str, keys: Sequence[BlockKey]) -> list[int]:
@@ -359,7 +327,7 @@ class BlockAllocator:
         when there is any.
         """
         _check_owner(owner)
-        hits = self._lookup(owner, keys)
+        hits = self._index.lookup(self._state, owner, keys)
         if hits:
             state = self._state
             self._emit(
@@ -371,26 +339,6 @@ class BlockAllocator:
                     ref_counts=tuple(state.ref_count(b) + 1 for b in hits),
                 )
             )
-        return hits
-
-    def _lookup(self, owner: str, keys: Sequence[BlockKey]) -> list[int]:
-        key_blocks, cached = self._state.key_blocks, self._cached
-        hits: list[int] = []
-        parent_serial: int | None = None
-        for key in keys:
-            block_id = key_blocks.get(key.key)
-            if block_id is None:
-                break
-            content = cached[block_id]
-            if (
-                content.parent_serial != parent_serial
-                or content.token_ids != key.token_ids
-                or content.extra_keys != key.extra_keys
-                or owner in self._state.holders(block_id)
-            ):
-                break
-            hits.append(block_id)
-            parent_serial = content.serial
         return hits
 
     def register(
@@ -410,11 +358,7 @@ class BlockAllocator:
         if len(block_ids) != len(keys):
             raise ValueError(f"{len(block_ids)} block_ids but {len(keys)} keys")
         state = self._state
-        parent_serial: int | None = None
-        if parent_block_id is not None:
-            if parent_block_id not in self._cached:
-                raise ValueError(f"parent block {parent_block_id} is not registered")
-            parent_serial = self._cached[parent_block_id].serial
+        parent_serial = self._index.serial_of(parent_block_id)
         registered: list[int] = []
         for block_id, key in zip(block_ids, keys, strict=True):
             if owner not in state.holders(block_id):
@@ -423,9 +367,7 @@ class BlockAllocator:
                 raise ValueError(f"block {block_id} is registered already")
             if key.key in state.key_blocks or any(key.key == done.key for done in keys[: len(registered)]):
                 break
-            self._num_registrations += 1
-            self._cached[block_id] = _Cached(self._num_registrations, parent_serial, key.token_ids, key.extra_keys)
-            parent_serial = self._num_registrations
+            parent_serial = self._index.add(block_id, parent_serial, key)
             registered.append(block_id)
         if registered:
             used = keys[: len(registered)]
@@ -453,8 +395,7 @@ class BlockAllocator:
         state = self._state
         block_ids = tuple(state.cached_free)
         keys = tuple(state.block_keys[b][0] for b in block_ids)
-        for block_id in block_ids:
-            del self._cached[block_id]
+        self._index.drop(block_ids)
         self._emit(BlockEvent(EventKind.CACHE_RESET, block_ids, owner, keys=keys))
         return True
 
@@ -463,8 +404,7 @@ class BlockAllocator:
         state = self._state
         block_ids = tuple(state.cached_free[:num_blocks])
         keys = tuple(state.block_keys[b][0] for b in block_ids)
-        for block_id in block_ids:
-            del self._cached[block_id]
+        self._index.drop(block_ids)
         self._emit(BlockEvent(EventKind.EVICT, block_ids, owner, keys=keys))
 
     def take_events(self) -> list[BlockEvent]:

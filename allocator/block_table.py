@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from nanoserve.allocator.arithmetic import cdiv
-from nanoserve.allocator.block_allocator import BlockAllocator, KVCacheExhausted
+from nanoserve.allocator.block_allocator import BlockAllocator
 from nanoserve.allocator.block_key import BlockKey
+from nanoserve.allocator.errors import KVCacheExhausted
 from nanoserve.allocator.events import FreeReason
 
 

@@ -5,75 +5,26 @@ a ``NANOSERVE_*`` environment variable, the default. ``add_arguments`` turns the
 table into argparse flags whose ``--help`` names the variable and the default;
 ``resolve`` reads them; ``nanoserve.service.config.build_configs`` builds the
 configs; ``nanoserve.service.cli.config_docs`` writes docs/configuration.md's table.
+A row's shape and the parsers of its values are in ``setting.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
+from nanoserve.service.setting import (
+    Setting,
+    parse_bool,
+    parse_bytes,
+    parse_optional_bytes,
+    parse_optional_int,
+)
 
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-ENV_PREFIX = "NANOSERVE_"
-
-
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() in ("", "none", "off") else int(text)
-
-
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
-
-
-def _bytes(text: str) -> int:
-    """``1073741824``, ``512MiB``, ``2GiB``, ``4GB`` -> bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lowered = text.strip().lower()
-    for suffix, factor in units.items():
-        if lowered.endswith(suffix):
-            return int(float(lowered[: -len(suffix)]) * factor)
-    return int(lowered)
-
-
-def _optional_bytes(text: str) -> int | None:
-    return None if text.lower() in ("", "none", "auto") else _bytes(text)
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One setting: flag ``--name-with-dashes``, env ``NANOSERVE_NAME``."""
-
-    name: str
-    layer: str  # "server" or "engine"
-    parse: Callable[[str], Any]
-    default: Any
-    help: str
-    choices: tuple[str, ...] | None = None
-    default_help: str | None = None  # what the default means, where its value alone does not say
-
-    @property
-    def shown_default(self) -> str:
-        """The default as --help shows it."""
-        if self.default_help is not None:
-            return self.default_help
-        return "none" if self.default is None else str(self.default)
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -110,7 +61,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "num_threads",
         "engine",
-        _optional_int,
+        parse_optional_int,
         None,
         "CPU threads for the model's math (fixed); unset: up to the CPUs this process may use "
         "(affinity and cgroup quota), 1, half or all per step size, whichever runs fastest",
@@ -142,7 +93,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "dense_large_steps",
         "engine",
-        _bool,
+        parse_bool,
         False,
         "torch's int4 layers (--quantization int4) also keep a dense --dtype copy for steps of more than 8 tokens "
         "(prefill, big batches), faster there than the int4 kernel, but a prompt's logits then depend on how its "
@@ -151,7 +102,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_model_len",
         "engine",
-        _optional_int,
+        parse_optional_int,
         None,
         "longest sequence served (prompt + new tokens)",
         default_help="the model's context length",
@@ -161,7 +112,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "num_kv_blocks",
         "engine",
-        _optional_int,
+        parse_optional_int,
         None,
         "KV cache blocks in the pool",
         default_help="as many as --kv-cache-memory holds",
@@ -169,7 +120,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "kv_cache_memory",
         "engine",
-        _bytes,
+        parse_bytes,
         1 << 30,
         "KV cache budget in bytes (suffixes KiB, MiB, GiB allowed)",
         default_help="1GiB",
@@ -188,7 +139,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "enable_prefix_caching",
         "engine",
-        _bool,
+        parse_bool,
         True,
         "reuse the KV of full prompt blocks computed before (automatic prefix caching); "
         "--no-enable-prefix-caching keeps the plain LIFO pool",
@@ -218,7 +169,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_stream_buffer_bytes",
         "engine",
-        _bytes,
+        parse_bytes,
         16 << 20,
         "estimated bytes of outputs one stream may hold unread (suffixes KiB, MiB, GiB allowed); past it, as "
         "--max-stream-buffer-messages",
@@ -250,12 +201,16 @@ SETTINGS: tuple[Setting, ...] = (
         "SQLAlchemy URL of the allocator's event log (sqlite:///FILE or postgresql+psycopg://...); 'none' keeps no log",
     ),
     Setting(
-        "event_log_sync", "engine", _bool, False, "commit every event batch before the step returns (debugging; slower)"
+        "event_log_sync",
+        "engine",
+        parse_bool,
+        False,
+        "commit every event batch before the step returns (debugging; slower)",
     ),
     Setting(
         "event_log_migrate",
         "engine",
-        _bool,
+        parse_bool,
         True,
         "bring the event log's schema to the newest migration at start (--no-event-log-migrate: it must be there "
         "already, e.g. from nanoserve db upgrade)",
@@ -288,7 +243,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "journal",
         "engine",
-        _bool,
+        parse_bool,
         True,
         "keep the request journal in the event log: unfinished requests are recovered after a crash and Resume "
         "serves journaled tokens (--no-journal: neither; needs an event log)",
@@ -296,7 +251,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "stream_before_durable",
         "engine",
-        _bool,
+        parse_bool,
         False,
         "send tokens before their journal batch is durable (lower latency; a crash may then lose tokens a client "
         "already received, and Resume cannot promise a contiguous stream)",
@@ -348,7 +303,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "metrics_port",
         "server",
-        _optional_int,
+        parse_optional_int,
         9090,
         "Prometheus metrics HTTP port ('off' = no metrics, 0 = any free port); it answers without a token",
     ),
@@ -397,14 +352,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "share_prefix_cache_across_tenants",
         "server",
-        _bool,
+        parse_bool,
         False,
         "let tenants share prefix-cache blocks (off: each tenant's blocks are keyed by its name, like a cache_salt)",
     ),
     Setting(
         "max_request_bytes",
         "server",
-        _optional_bytes,
+        parse_optional_bytes,
         None,
         "largest request message read, in bytes (suffixes KiB, MiB allowed); larger ones get RESOURCE_EXHAUSTED "
         "without RetryInfo",
@@ -441,7 +396,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per setting; an absent flag sets nothing, so env or default decide."""
     for setting in SETTINGS:
         help_text = f"{setting.help} [env {setting.env}; default: {setting.shown_default}]"
-        if setting.parse is _bool:
+        if setting.parse is parse_bool:
             parser.add_argument(
                 setting.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
             )

@@ -31,12 +31,12 @@ allocator's ``apply`` turn it into a ``BlockEvent`` (``block_event_of``);
 replay splits records into their fields (``split_record``, or
 ``split_records`` for a whole chunk in its fast loop) and turns block records
 into ``BlockEvent``s (``decode_block_event``) to apply them. Nothing outside
-this module splits a record.
+this module splits a record; the prefix-cache entries of the reason field are written and
+read in ``cache_entries``, the SNAPSHOT tail in ``snapshot_codec``.
 """
 
 from __future__ import annotations
 
-import base64
 import binascii
 import json
 import operator
@@ -45,6 +45,16 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
+from nanoserve.allocator.log.cache_entries import (
+    b64,
+    compact_register_entries,
+    decode_compact_register_entry,
+    decode_register_entry,
+    is_sha256_hex,
+    key_of,
+    key_text,
+    unb64,
+)
 from nanoserve.allocator.log.stored_event import Event
 from nanoserve.allocator.transition import CACHE_KINDS, FAMILY_KINDS, TRANSITIONS
 
@@ -66,40 +76,21 @@ def encode_detail(event: BlockEvent) -> str:
     reason = "" if event.reason is None else event.reason.value
     if event.kind in FAMILY_KINDS:
         counts = ".".join(map(str, event.ref_counts))
-        return f"{reason};{_b64((event.parent or '').encode())}:{int(event.partial)}:{counts}"
+        return f"{reason};{b64((event.parent or '').encode())}:{int(event.partial)}:{counts}"
     if event.kind not in CACHE_KINDS:
         return reason
     if event.parent_keys:
-        if event.token_ids and all(map(_is_sha256_hex, event.keys)):
-            return f"{reason};{_compact_register_entries(event)}"
+        if event.token_ids and all(map(is_sha256_hex, event.keys)):
+            return f"{reason};{compact_register_entries(event)}"
         entries = [f"{key}:{parent or ''}" for key, parent in zip(event.keys, event.parent_keys, strict=True)]
         if event.token_ids:
             tokens = (".".join(map(str, block_tokens)) for block_tokens in event.token_ids)
             entries = [f"{entry}:{text}" for entry, text in zip(entries, tokens, strict=True)]
     elif event.ref_counts:
-        entries = [f"{_key_text(key)}={count}" for key, count in zip(event.keys, event.ref_counts, strict=True)]
+        entries = [f"{key_text(key)}={count}" for key, count in zip(event.keys, event.ref_counts, strict=True)]
     else:
-        entries = [_key_text(key) for key in event.keys]
+        entries = [key_text(key) for key in event.keys]
     return f"{reason};{','.join(entries)}"
-
-
-def _key_text(key: str) -> str:
-    """A SHARE, RELEASE or EVICT entry's key: ``~`` and its 32 bytes in base64url (43 characters, not
-    64), or as it is when it is no sha256 hex key (a test's)."""
-    return f"~{_b64(bytes.fromhex(key))}" if _is_sha256_hex(key) else key
-
-
-def _key_of(text: str) -> str:
-    """The key an entry's key text names (hex): ``~base64url`` or hex (records written before)."""
-    if not text.startswith("~"):
-        return text
-    try:
-        raw = _unb64(text[1:])
-    except (ValueError, binascii.Error) as exc:
-        raise ValueError(f"key {text!r}: {exc}") from None
-    if len(raw) != 32:
-        raise ValueError(f"key {text!r} holds {len(raw)} bytes, not 32")
-    return raw.hex()
 
 
 class Detail(NamedTuple):
@@ -122,7 +113,7 @@ def _decode_family_detail(kind: str, detail: str) -> Detail:
     if not separator or len(parts) != 3 or parts[1] not in ("0", "1"):
         raise ValueError(f"reason {detail!r} of a {kind} record is not reason;parent:partial:counts")
     try:
-        parent = _unb64(parts[0]).decode()
+        parent = unb64(parts[0]).decode()
         counts = tuple(map(int, parts[2].split("."))) if parts[2] else ()
     except (ValueError, binascii.Error) as exc:
         raise ValueError(f"reason {detail!r} of a {kind} record: {exc}") from None
@@ -149,9 +140,9 @@ def decode_detail(kind: str, detail: str) -> Detail:
     for entry in entry_text.split(",") if entry_text else ():
         if kind == EventKind.REGISTER.value:
             if entry.startswith("~"):
-                key, parent, block_tokens = _decode_compact_register_entry(entry, keys[-1] if keys else None)
+                key, parent, block_tokens = decode_compact_register_entry(entry, keys[-1] if keys else None)
             else:
-                key, parent, block_tokens = _decode_register_entry(entry)
+                key, parent, block_tokens = decode_register_entry(entry)
             parents.append(parent)
             if block_tokens is not None:
                 tokens.append(block_tokens)
@@ -159,99 +150,14 @@ def decode_detail(kind: str, detail: str) -> Detail:
             key, equals, count = entry.partition("=")
             if not equals or not count.isdigit():
                 raise ValueError(f"{kind} entry {entry!r} is not key=count")
-            key = _key_of(key)
+            key = key_of(key)
             counts.append(int(count))
         else:
-            key = _key_of(entry)
+            key = key_of(entry)
         keys.append(key)
     if tokens and len(tokens) != len(keys):
         raise ValueError(f"register record has token ids for {len(tokens)} of its {len(keys)} blocks")
     return Detail(reason, tuple(keys), tuple(parents), tuple(counts), tuple(tokens))
-
-
-def _is_sha256_hex(key: str | None) -> bool:
-    return key is not None and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
-
-
-def _b64(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def _compact_register_entries(event: BlockEvent) -> str:
-    """REGISTER entries ``~key:parent:tokens``: the key in base64url (its 32 bytes), the parent
-    the same, or ``^`` for the entry before's key, or empty for none; the token ids LEB128 varints
-    in base64url. About 90 characters a block of 16 tokens, where the hex and decimal form took 225."""
-    entries = []
-    previous: str | None = None
-    for key, parent, block_tokens in zip(event.keys, event.parent_keys, event.token_ids, strict=True):
-        if parent is None:
-            parent_text = ""
-        elif parent == previous:
-            parent_text = "^"
-        elif _is_sha256_hex(parent):
-            parent_text = _b64(bytes.fromhex(parent))
-        else:
-            parent_text = "'" + parent  # not a sha256 key (a test's): as it is, marked
-        varints = bytearray()
-        for token_id in block_tokens:
-            while token_id >= 0x80:
-                varints.append((token_id & 0x7F) | 0x80)
-                token_id >>= 7
-            varints.append(token_id)
-        entries.append(f"~{_b64(bytes.fromhex(key))}:{parent_text}:{_b64(bytes(varints))}")
-        previous = key
-    return ",".join(entries)
-
-
-def _decode_compact_register_entry(entry: str, previous: str | None) -> tuple[str, str | None, tuple[int, ...] | None]:
-    """(key, parent or None, token ids) of a ``~key:parent:tokens`` REGISTER entry (``previous``:
-    the key of the entry before it, which ``^`` names)."""
-    parts = entry[1:].split(":")
-    if len(parts) != 3:
-        raise ValueError(f"register entry {entry!r} is not ~key:parent:tokens")
-    key_text, parent_text, token_text = parts
-    try:
-        key = _unb64(key_text).hex()
-        if parent_text == "^":
-            if previous is None:
-                raise ValueError("^ names the entry before, and this is the first")
-            parent: str | None = previous
-        elif parent_text.startswith("'"):
-            parent = parent_text[1:]
-        else:
-            parent = _unb64(parent_text).hex() if parent_text else None
-        raw = _unb64(token_text)
-    except (ValueError, binascii.Error) as exc:
-        raise ValueError(f"register entry {entry!r}: {exc}") from None
-    tokens: list[int] = []
-    value = shift = 0
-    for byte in raw:
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            tokens.append(value)
-            value = shift = 0
-    if shift:
-        raise ValueError(f"register entry {entry!r}: its token ids end inside a varint")
-    return key, parent, tuple(tokens)
-
-
-def _decode_register_entry(entry: str) -> tuple[str, str | None, tuple[int, ...] | None]:
-    """(key, parent or None, token ids or None when the entry predates them) of a REGISTER entry."""
-    parts = entry.split(":")
-    if len(parts) not in (2, 3):
-        raise ValueError(f"register entry {entry!r} is not key:parent:token_ids")
-    if len(parts) == 2:
-        return parts[0], parts[1] or None, None
-    try:
-        block_tokens = tuple(map(int, parts[2].split(".")))
-    except ValueError:
-        raise ValueError(f"register entry {entry!r}: token_ids {parts[2]!r} is not a list of token ids") from None
-    return parts[0], parts[1] or None, block_tokens
 
 
 def encode_block_record(
@@ -339,7 +245,7 @@ def fast_register_entries(detail: str, num_blocks: int) -> tuple[list[str], list
     if all(entry.startswith("~") for entry in entries):
         try:
             for entry in entries:
-                key, parent, _ = _decode_compact_register_entry(entry, keys[-1] if keys else None)
+                key, parent, _ = decode_compact_register_entry(entry, keys[-1] if keys else None)
                 keys.append(key)
                 parents.append(parent)
         except ValueError:
@@ -369,7 +275,7 @@ def entries_are(detail: str, keys: list[str], counts: list[int] | None = None) -
     if text.count(",") != len(keys) - 1 or (counts is not None and text.count("=") != len(keys)):
         return False
     # as written now (``~`` + base64url for a sha256 key), else as written before (the key as it is)
-    for names in ([_key_text(key) for key in keys], keys):
+    for names in ([key_text(key) for key in keys], keys):
         if counts is None:
             written = ",".join(names)
         else:
