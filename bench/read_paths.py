@@ -195,6 +195,9 @@ def main() -> None:
     parser.add_argument(
         "--max-read-calls-per-s", type=float, default=1000.0, help="the server's setting (the load is one peer)"
     )
+    parser.add_argument(
+        "--max-read-items-per-s", type=float, default=20_000.0, help="the server's setting (0: read paths not paced)"
+    )
     parser.add_argument("--load-nice", type=int, default=10, help="niceness of the load process")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
@@ -209,6 +212,8 @@ def main() -> None:
         str(args.max_concurrent_log_reads),
         "--max-read-calls-per-s",
         str(args.max_read_calls_per_s),
+        "--max-read-items-per-s",
+        str(args.max_read_items_per_s),
     ]
     server, address = start_server(flags)
     try:
@@ -221,7 +226,8 @@ def main() -> None:
         f"finished request: {args.long_tokens} tokens with logprobs 5; epoch at {num_events} events before the stream; "
         f"{args.num_watchers} watchers, {args.num_resumes} Resume callers, {args.num_aborts} Aborts "
         f"(one peer, nice {args.load_nice}); --max-concurrent-log-reads {args.max_concurrent_log_reads}, "
-        f"--max-read-calls-per-s {args.max_read_calls_per_s:g}; load average {os.getloadavg()[0]:.1f}"
+        f"--max-read-calls-per-s {args.max_read_calls_per_s:g}, --max-read-items-per-s {args.max_read_items_per_s:g}; "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     print(f"{'phase':<8} {'tokens':>7} {'seconds':>8} {'calls s':>8} {'tok/s':>7} {'vs idle':>8}  calls")
     idle = phases[0].tok_per_s

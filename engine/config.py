@@ -176,6 +176,9 @@ class EventLogConfig:
     max_concurrent_log_reads: reads of the log and journal for clients (Resume,
         WatchEvents catch-up) that run at once, each on a thread of its own;
         more wait their turn. Small, so readers cannot starve the engine thread.
+    max_read_items_per_s: while requests run, the journaled tokens (Resume) and stored
+        events (WatchEvents / SubscribeKvEvents catch-up) sent to readers per second, shared
+        evenly by the tenants reading (``log_reads.ReadPacer``); 0: no limit.
     """
 
     event_log_url: str | None = None
@@ -189,6 +192,7 @@ class EventLogConfig:
     stream_before_durable: bool = False
     journal_retention_s: float = 3600.0
     max_concurrent_log_reads: int = 4
+    max_read_items_per_s: float = 20_000.0
 
     @property
     def journal_enabled(self) -> bool:
@@ -201,6 +205,8 @@ class EventLogConfig:
         _check_positive("num_events_per_snapshot", self.num_events_per_snapshot)
         _check_positive("event_log_max_pending_batches", self.event_log_max_pending_batches)
         _check_positive("max_concurrent_log_reads", self.max_concurrent_log_reads)
+        if not self.max_read_items_per_s >= 0:
+            raise ValueError(f"max_read_items_per_s must be >= 0 (0: no limit), got {self.max_read_items_per_s}")
         if not self.event_log_close_timeout_s >= 0:
             raise ValueError(f"event_log_close_timeout_s must be >= 0 seconds, got {self.event_log_close_timeout_s}")
         if not self.pool_id:

@@ -297,6 +297,14 @@ SETTINGS: tuple[Setting, ...] = (
         "log and journal reads for clients (Resume, WatchEvents catch-up) run at once, each on its own thread; "
         "more wait their turn",
     ),
+    Setting(
+        "max_read_items_per_s",
+        "engine",
+        float,
+        20_000.0,
+        "while requests run, journaled tokens (Resume) and stored events (WatchEvents, SubscribeKvEvents "
+        "catch-up) sent to readers per second, shared evenly by the tenants reading; 0 = no limit",
+    ),
     # server
     Setting("host", "server", str, "0.0.0.0", "address the gRPC server binds"),
     Setting("port", "server", int, 50051, "gRPC port (0 = any free port)"),

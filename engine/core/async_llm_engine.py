@@ -48,7 +48,7 @@ from nanoserve.engine.core.engine_inbox import (
     apply_messages,
 )
 from nanoserve.engine.core.llm_engine import LLMEngine
-from nanoserve.engine.core.log_reads import LogReads
+from nanoserve.engine.core.log_reads import LogReads, ReadPacer
 from nanoserve.engine.core.outputs import AbortCause, RequestOutput
 from nanoserve.engine.core.recovered_streams import adopt_recovered
 from nanoserve.engine.core.request_intake import RequestIntake
@@ -119,8 +119,11 @@ class AsyncLLMEngine:
         self._gate = DurabilityGate(self._streams.dispatch, lambda: self._engine.event_log if self._engine else None)
         # Resume and WatchEvents catch-up read the log here, a bounded number at a time
         self.log_reads = LogReads(config.event_log.max_concurrent_log_reads)
+        # what the read paths send goes out at this pace while requests run (as of the last step)
+        generating = lambda: self._pool_status is not None and self._pool_status.num_running > 0  # noqa: E731
+        self.read_pacer = ReadPacer(config.event_log.max_read_items_per_s, generating)
         self._followers = ResumeFollowers(
-            functools.partial(read_journaled, config), self._streams.is_live, self.log_reads
+            functools.partial(read_journaled, config), self._streams.is_live, self.log_reads, self.read_pacer
         )
 
     # ---- lifecycle ---------------------------------------------------------

@@ -1,4 +1,5 @@
-"""LogReads: the threads that read the log and the journal for clients, a bounded number at a time.
+"""LogReads: the threads that read the log and the journal for clients, a bounded number at a time;
+ReadPacer: how fast what they read goes out while the engine generates.
 
 Resume and WatchEvents catch-up read the store and decode what they read.
 That work grows with the length of requests and epochs and with the number of
@@ -7,6 +8,15 @@ takes the loop and the GIL from the engine thread and generation slows down.
 Here it runs on ``num_threads`` threads of its own: a caller beyond them waits
 its turn (it is never refused), and the engine thread competes with at most
 ``num_threads`` readers for the GIL, whatever the number of callers.
+
+Reading is half the cost: turning what was read into messages and sending them runs
+on the event loop, under the same GIL, and a crowd of readers catching up at once
+took most of it from a running stream. ``ReadPacer`` spreads that work out while
+requests run: the read paths hand out at most ``max_items_per_s`` items a second
+(a Resume's journaled tokens, a catch-up's stored events), shared evenly by the
+request-id scopes (tenants) reading at the moment, first come first served within
+one; with nothing running, reads go at full speed. Live tokens and live events are
+never paced: they come at the engine's own rate.
 """
 
 from __future__ import annotations
@@ -14,10 +24,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+MAX_PACE_SLEEP_S = 0.05  # a paced reader looks again this often whether the engine went idle
 
 
 class LogReads:
@@ -53,3 +66,51 @@ class LogReads:
     def shutdown(self) -> None:
         """Stops taking reads; the ones running finish on their threads."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ReadPacer:
+    """A token bucket over the items the read paths send, per request-id scope, while ``busy()``.
+
+    Invariant: while ``busy()`` holds, the scopes that took items in the last ``window_s``
+    seconds each get ``max_items_per_s`` divided by their number; a scope's callers wait in
+    the order they asked. ``max_items_per_s`` 0 paces nothing.
+
+    busy: whether the engine has requests running (the event loop's view, read on each call).
+    """
+
+    def __init__(
+        self,
+        max_items_per_s: float,
+        busy: Callable[[], bool],
+        window_s: float = 1.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        if max_items_per_s < 0:
+            raise ValueError(f"max_read_items_per_s must be >= 0 (0: no limit), got {max_items_per_s}")
+        self.max_items_per_s = max_items_per_s
+        self._busy = busy
+        self._window_s = window_s
+        self._clock = clock  # seconds; time.monotonic
+        self._sleep = sleep
+        self._next_s: dict[str, float] = {}  # scope -> when its next items may go (time.monotonic())
+        self._last_s: dict[str, float] = {}  # scope -> when it last took items
+        self.num_paced_s = 0.0  # seconds readers waited here, in all (a figure for the benchmark)
+
+    async def take(self, scope: str, num_items: int) -> None:
+        """Waits until ``scope`` may send ``num_items`` more items (event loop only). Returns at once
+        while nothing runs, and as soon as the engine goes idle during a wait."""
+        if self.max_items_per_s <= 0 or not self._busy():
+            return
+        now = self._clock()
+        self._last_s[scope] = now
+        for other in [s for s, last in self._last_s.items() if now - last > self._window_s]:
+            del self._last_s[other]
+            self._next_s.pop(other, None)
+        share = self.max_items_per_s / len(self._last_s)
+        start = max(now, self._next_s.get(scope, now))
+        self._next_s[scope] = start + num_items / share
+        while (wait_s := start - self._clock()) > 0 and self._busy():
+            await self._sleep(min(wait_s, MAX_PACE_SLEEP_S))
+        self.num_paced_s += max(0.0, self._clock() - now)

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.engine.config import EngineConfig
-from nanoserve.engine.core.log_reads import LogReads
+from nanoserve.engine.core.log_reads import LogReads, ReadPacer
 from nanoserve.engine.core.outputs import RequestOutput
+from nanoserve.engine.core.status import scope_of
 from nanoserve.engine.errors import InvalidRequestError, RequestNotFoundError
 from nanoserve.engine.journal.records import RequestHistory
 from nanoserve.engine.journal.request_journal import ended_output, history_outputs, slice_output
@@ -77,14 +78,20 @@ class ResumeFollowers:
 
     read: the request's journaled form (blocking: LogReads runs it on a reader thread).
     is_live: a request with this id runs here now.
+    pacer: the journaled outputs go out at its pace, by their tokens, under the id's scope.
     """
 
     def __init__(
-        self, read: Callable[[str], JournaledRequest], is_live: Callable[[str], bool], reads: LogReads
+        self,
+        read: Callable[[str], JournaledRequest],
+        is_live: Callable[[str], bool],
+        reads: LogReads,
+        pacer: ReadPacer | None = None,
     ) -> None:
         self._read = read
         self._is_live = is_live
         self._reads = reads
+        self._pacer = pacer
         self._queues: dict[str, set[asyncio.Queue[RequestOutput]]] = {}  # request_id -> followers' queues
         self._finished: collections.OrderedDict[str, JournaledRequest] = collections.OrderedDict()  # LRU
         self._num_cached_tokens = 0
@@ -123,6 +130,8 @@ class ResumeFollowers:
                 _check_one_sample(request_id, journaled.history.admit)
             next_index = after_token_index
             for output in journaled.outputs_from(after_token_index):
+                if self._pacer is not None:
+                    await self._pacer.take(scope_of(request_id), max(1, len(output.delta_token_ids)))
                 yield output
                 next_index = max(next_index, len(output.token_ids))
             if journaled.finished:

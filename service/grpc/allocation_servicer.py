@@ -12,6 +12,7 @@ from nanoserve.engine import AsyncLLMEngine
 from nanoserve.service.grpc import allocation_convert
 from nanoserve.service.grpc.errors import EventLogDisabledError, SeqOutOfRangeError
 from nanoserve.service.grpc.event_follower import follow_events
+from nanoserve.service.grpc.interceptors import CALLER
 from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import allocation_pb2_grpc
 
@@ -54,7 +55,8 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
                 f"from_seq: {next_seq} is past the epoch's next event (last seq {last_seq});"
                 f" ask for at most {last_seq + 1}"
             )
-        async for event in follow_events(event_log, next_seq, self._max_queued_events, self._engine.log_reads):
+        reads, pacer, tenant = self._engine.log_reads, self._engine.read_pacer, CALLER.get().tenant
+        async for event in follow_events(event_log, next_seq, self._max_queued_events, reads, pacer, tenant):
             if event is not None:  # None: caught up with the store
                 yield apb.WatchEventsResponse(event=allocation_convert.to_event(event))
 

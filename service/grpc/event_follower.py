@@ -14,13 +14,19 @@ from typing import Any
 
 from nanoserve.allocator import EventKind
 from nanoserve.allocator.log import Event, EventLog, EventStream, EventStreamLagged, read_events
-from nanoserve.engine.core.log_reads import LogReads
+from nanoserve.engine.core.log_reads import LogReads, ReadPacer
 
 NUM_EVENTS_PER_PAGE = 1000  # stored events read per query while catching up
+NUM_EVENTS_PER_PACE = 64  # stored events sent per turn at the read pacer
 
 
 async def follow_events(
-    event_log: EventLog, from_seq: int, max_queued_events: int = 100_000, reads: LogReads | None = None
+    event_log: EventLog,
+    from_seq: int,
+    max_queued_events: int = 100_000,
+    reads: LogReads | None = None,
+    pacer: ReadPacer | None = None,
+    scope: str = "",
 ) -> AsyncIterator[Event | None]:
     """The current epoch's committed events from ``from_seq`` (1 is its first), then None
     when the stored ones are all sent, then live ones; ends after POOL_CLOSE.
@@ -32,12 +38,15 @@ async def follow_events(
     (and yields None again). Raises the log reader's errors
     (``LogUnavailableError``, ``LogDamagedError``). reads: the reader threads the stored
     pages are read and decoded on, one page per turn (None: a thread of asyncio's own).
+    pacer: the stored events go out at its pace, under ``scope`` (the caller's tenant).
     """
     next_seq = from_seq
     while True:
         live = EventStream(event_log, max_queued_events=max_queued_events)
         try:
             async for event in _stored_events(event_log, next_seq, reads):
+                if pacer is not None and (event.seq - from_seq) % NUM_EVENTS_PER_PACE == 0:
+                    await pacer.take(scope, NUM_EVENTS_PER_PACE)
                 yield event
                 next_seq = event.seq + 1
                 if event.kind == EventKind.POOL_CLOSE.value:

@@ -17,6 +17,7 @@ from nanoserve.engine import AsyncLLMEngine
 from nanoserve.service.grpc import convert
 from nanoserve.service.grpc.interceptors import CALLER
 from nanoserve.service.grpc.request_streamer import RequestStreamer
+from nanoserve.service.grpc.resume_messages import ResumeMessages
 from nanoserve.service.tenants import scoped_id
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc
@@ -34,6 +35,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._engine = engine
         self._streamer = streamer
         self._share_prefix_cache = share_prefix_cache  # tenants share prefix-cache blocks (off: salted by tenant)
+        self._resume_messages = ResumeMessages()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: GenerateContext
@@ -58,9 +60,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # another tenant's id is this tenant's unknown id: NOT_FOUND, as any unknown id
         engine_id = scoped_id(CALLER.get(), request.request_id)
         async for output in self._engine.resume(engine_id, request.after_token_index):
-            response = convert.to_resume_response(output)
-            response.request_id = request.request_id
-            yield response
+            yield self._resume_messages.message(output, request.request_id)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse]

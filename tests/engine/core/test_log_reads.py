@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from nanoserve.engine.core.log_reads import LogReads
+from nanoserve.engine.core.log_reads import LogReads, ReadPacer
 
 
 async def test_reads_beyond_the_bound_wait_their_turn_and_all_complete() -> None:
@@ -58,3 +58,89 @@ async def test_a_waiting_read_cancelled_never_runs() -> None:
 def test_a_bound_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="max_concurrent_log_reads must be >= 1, got 0"):
         LogReads(0)
+
+
+class _FakeTime:
+    """A clock that moves only when a paced reader sleeps, so waits are exact."""
+
+    def __init__(self) -> None:
+        self.now_s = 100.0
+        self.slept_s: list[float] = []
+
+    def clock(self) -> float:
+        return self.now_s
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept_s.append(seconds)
+        self.now_s += seconds
+
+
+def _pacer(rate: float, busy: list[bool], fake: _FakeTime) -> ReadPacer:
+    return ReadPacer(rate, lambda: busy[0], clock=fake.clock, sleep=fake.sleep)
+
+
+async def test_while_requests_run_one_scope_gets_the_whole_rate_first_come_first_served() -> None:
+    fake = _FakeTime()
+    pacer = _pacer(1000.0, [True], fake)
+    await pacer.take("acme", 100)  # the first items go at once
+    assert fake.now_s == 100.0
+    await pacer.take("acme", 100)  # then 100 items at 1,000 a second: 0.1 s after the first
+    assert fake.now_s == pytest.approx(100.1)
+    await pacer.take("acme", 50)
+    assert fake.now_s == pytest.approx(100.2)
+    assert pacer.num_paced_s == pytest.approx(0.2)
+
+
+async def test_two_scopes_reading_share_the_rate_evenly() -> None:
+    fake = _FakeTime()
+    pacer = _pacer(1000.0, [True], fake)
+    await pacer.take("acme", 100)  # charged at 1,000 a second: acme read alone
+    await pacer.take("blue", 100)  # blue's first items go at once too
+    assert fake.now_s == 100.0
+    await pacer.take("acme", 100)  # after acme's first 100 (0.1 s), charged at its half: 500 a second
+    assert fake.now_s == pytest.approx(100.1)
+    await pacer.take("acme", 1)  # so the next go 100 / 500 = 0.2 s later
+    assert fake.now_s == pytest.approx(100.3)
+
+
+async def test_a_scope_silent_past_the_window_no_longer_takes_a_share() -> None:
+    fake = _FakeTime()
+    pacer = _pacer(1000.0, [True], fake)
+    await pacer.take("blue", 10)
+    fake.now_s += 2.0  # blue has not read for 2 s, past the 1 s window
+    await pacer.take("acme", 100)
+    await pacer.take("acme", 100)
+    assert fake.now_s == pytest.approx(102.1)  # acme alone: the whole 1,000 a second
+
+
+async def test_nothing_is_paced_while_the_engine_is_idle_or_without_a_limit() -> None:
+    fake = _FakeTime()
+    busy = [False]
+    idle = _pacer(1000.0, busy, fake)
+    unlimited = _pacer(0.0, [True], fake)
+    for _ in range(5):
+        await idle.take("acme", 10_000)
+        await unlimited.take("acme", 10_000)
+    assert fake.slept_s == []
+
+
+async def test_a_paced_reader_goes_on_as_soon_as_the_engine_goes_idle() -> None:
+    fake = _FakeTime()
+    busy = [True]
+    pacer = _pacer(100.0, busy, fake)
+    await pacer.take("acme", 1000)
+    slept: list[float] = []
+
+    async def sleep_then_idle(seconds: float) -> None:
+        slept.append(seconds)
+        fake.now_s += seconds
+        busy[0] = False  # the last request ended during the first wait
+
+    pacer._sleep = sleep_then_idle
+    await pacer.take("acme", 1000)  # would wait 10 s at 100 a second
+    assert slept == [pytest.approx(0.05)]  # one look (MAX_PACE_SLEEP_S), then on at once
+
+
+def test_a_negative_rate_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ValueError, match="max_read_items_per_s must be >= 0"):
+        ReadPacer(-1.0, lambda: True)

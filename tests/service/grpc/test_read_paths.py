@@ -108,3 +108,34 @@ async def test_the_rate_is_per_tenant_across_its_tokens(tiny_served: Served, tmp
             assert (await abort("blue-1"))[0] is grpc.StatusCode.NOT_FOUND
     finally:
         await server.stop(0)
+
+
+async def test_callers_resuming_one_finished_request_share_its_converted_messages(
+    tiny_served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nanoserve.service.grpc import resume_messages
+
+    converted: list[int] = []
+    to_resume_response = resume_messages.convert.to_resume_response
+
+    def counting(output: object) -> pb.ResumeResponse:
+        converted.append(id(output))
+        return to_resume_response(output)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resume_messages.convert, "to_resume_response", counting)
+    stub = generation_pb2_grpc.GenerationServiceStub(tiny_served.channel)
+    sampling = pb.SamplingParameters(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    generated = [
+        r
+        async for r in stub.Generate(pb.GenerateRequest(request_id="shared-resume", prompt="a b c", sampling=sampling))
+    ]
+    token_ids = [t for r in generated for t in r.token_ids]
+    resumed = []
+    for _ in range(3):
+        resumed.append([r async for r in stub.Resume(pb.ResumeRequest(request_id="shared-resume"))])
+    assert [[t for r in messages for t in r.token_ids] for messages in resumed] == [token_ids] * 3
+    assert all(r.request_id == "shared-resume" for messages in resumed for r in messages)
+    assert [len(r.logprobs) for r in resumed[0]] == [len(r.logprobs) for r in resumed[2]]
+    # the journaled outputs are converted for the first caller only: the others get copies
+    assert len(converted) == len(resumed[0])
+    assert len(set(converted)) == len(converted)
