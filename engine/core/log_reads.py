@@ -22,6 +22,7 @@ never paced: they come at the engine's own rate.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import time
@@ -34,34 +35,69 @@ MAX_PACE_SLEEP_S = 0.05  # a paced reader looks again this often whether the eng
 
 
 class LogReads:
-    """A pool of ``num_threads`` reader threads (``max_concurrent_log_reads``).
+    """A pool of ``num_threads`` reader threads (``max_concurrent_log_reads``), taken in turns by scope.
 
-    Invariant: at most ``num_threads`` reads run at once; ``num_waiting``
-    counts the calls queued behind them (event loop only).
+    Invariant: at most ``num_threads`` reads run at once; ``num_waiting`` counts the calls
+    queued behind them (event loop only). A freed thread goes to the next request-id scope
+    (tenant) in turn that has a call waiting, round robin, and within a scope to its oldest
+    call: a tenant with a crowd of readers waits behind itself, not in front of another's one.
     """
 
     def __init__(self, num_threads: int) -> None:
         if num_threads < 1:
             raise ValueError(f"max_concurrent_log_reads must be >= 1, got {num_threads}")
         self.num_threads = num_threads
-        self.num_running = 0  # reads on a thread now
+        self.num_running = 0  # reads holding a thread now
         self.num_waiting = 0  # reads queued for a thread
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="nanoserve-log-read")
-        self._slots = asyncio.Semaphore(num_threads)
+        # scope -> its waiting calls' turns, oldest first; scopes in round-robin order, next first
+        self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = collections.OrderedDict()
 
-    async def run(self, read: Callable[..., T], *args: object) -> T:
-        """``read(*args)`` on a reader thread once one is free (blocking reads: a query, its decoding)."""
-        self.num_waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.num_waiting -= 1
-        self.num_running += 1
+    async def run(self, read: Callable[..., T], *args: object, scope: str = "") -> T:
+        """``read(*args)`` on a reader thread once ``scope``'s turn comes (blocking reads: a query, its
+        decoding)."""
+        if self.num_running < self.num_threads and not self._waiting:
+            self.num_running += 1
+        else:
+            await self._wait_turn(scope)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(read, *args))
         finally:
-            self.num_running -= 1
-            self._slots.release()
+            self._release()
+
+    async def _wait_turn(self, scope: str) -> None:
+        """Queues the call under ``scope`` until a finishing read hands it its thread."""
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(scope, collections.deque()).append(turn)
+        self.num_waiting += 1
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled():
+                self._release()  # handed the thread as it was cancelled: pass it on
+            else:
+                queue = self._waiting.get(scope)
+                if queue is not None and turn in queue:
+                    queue.remove(turn)
+                    if not queue:
+                        del self._waiting[scope]
+            raise
+        finally:
+            self.num_waiting -= 1
+
+    def _release(self) -> None:
+        """A read ended: its thread goes to the next scope in turn that waits, else it is free."""
+        while self._waiting:
+            scope, queue = next(iter(self._waiting.items()))
+            turn = queue.popleft()
+            if queue:
+                self._waiting.move_to_end(scope)
+            else:
+                del self._waiting[scope]
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.num_running -= 1
 
     def shutdown(self) -> None:
         """Stops taking reads; the ones running finish on their threads."""

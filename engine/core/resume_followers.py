@@ -156,7 +156,7 @@ class ResumeFollowers:
     async def _read_now(self, request_id: str) -> JournaledRequest:
         """A read of its own: a live request's journal grows while it runs."""
         self.num_reads += 1
-        return await self._reads.run(self._read, request_id)
+        return await self._reads.run(self._read, request_id, scope=scope_of(request_id))
 
     async def _read_shared(self, request_id: str) -> JournaledRequest:
         """The cached read of a finished request, or the one in flight, or a new one the next callers share."""

@@ -9,6 +9,7 @@ commit subscription after that.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -38,13 +39,14 @@ async def follow_events(
     (and yields None again). Raises the log reader's errors
     (``LogUnavailableError``, ``LogDamagedError``). reads: the reader threads the stored
     pages are read and decoded on, one page per turn (None: a thread of asyncio's own).
-    pacer: the stored events go out at its pace, under ``scope`` (the caller's tenant).
+    pacer: the stored events go out at its pace, and the reads take their turns, under ``scope``
+    (the caller's tenant).
     """
     next_seq = from_seq
     while True:
         live = EventStream(event_log, max_queued_events=max_queued_events)
         try:
-            async for event in _stored_events(event_log, next_seq, reads):
+            async for event in _stored_events(event_log, next_seq, reads, scope):
                 if pacer is not None and (event.seq - from_seq) % NUM_EVENTS_PER_PACE == 0:
                     await pacer.take(scope, NUM_EVENTS_PER_PACE)
                 yield event
@@ -65,9 +67,12 @@ async def follow_events(
             live.close()
 
 
-async def _stored_events(event_log: EventLog, from_seq: int, reads: LogReads | None) -> AsyncIterator[Event]:
-    """Committed events of the current epoch from ``from_seq``, a page per query (a turn on ``reads``)."""
-    run: Callable[..., Any] = reads.run if reads is not None else asyncio.to_thread
+async def _stored_events(
+    event_log: EventLog, from_seq: int, reads: LogReads | None, scope: str
+) -> AsyncIterator[Event]:
+    """Committed events of the current epoch from ``from_seq``, a page per query (a turn on ``reads``,
+    in ``scope``'s turn)."""
+    run: Callable[..., Any] = functools.partial(reads.run, scope=scope) if reads is not None else asyncio.to_thread
     while True:
         page: list[Event] = await run(
             read_events,

@@ -60,6 +60,54 @@ def test_a_bound_below_one_is_refused() -> None:
         LogReads(0)
 
 
+async def test_a_freed_thread_goes_to_the_next_tenant_in_turn_not_to_the_biggest_crowd() -> None:
+    reads = LogReads(1)
+    release = threading.Event()
+    order: list[str] = []
+
+    def read(name: str) -> str:
+        if name == "first":
+            release.wait(timeout=10)
+        order.append(name)
+        return name
+
+    first = asyncio.ensure_future(reads.run(read, "first", scope="acme"))
+    await asyncio.sleep(0.05)
+    crowd = [asyncio.ensure_future(reads.run(read, f"acme-{i}", scope="acme")) for i in range(3)]
+    await asyncio.sleep(0)
+    lone = asyncio.ensure_future(reads.run(read, "blue-0", scope="blue"))
+    await asyncio.sleep(0)
+    assert (reads.num_running, reads.num_waiting) == (1, 4)
+    release.set()
+    await asyncio.gather(first, *crowd, lone)
+    assert order == ["first", "acme-0", "blue-0", "acme-1", "acme-2"]
+    assert (reads.num_running, reads.num_waiting) == (0, 0)
+    reads.shutdown()
+
+
+async def test_a_waiting_read_cancelled_passes_its_turn_on() -> None:
+    reads = LogReads(1)
+    release = threading.Event()
+    ran: list[str] = []
+
+    def read(name: str) -> None:
+        if name == "holder":
+            release.wait(timeout=10)
+        ran.append(name)
+
+    holder = asyncio.ensure_future(reads.run(read, "holder", scope="acme"))
+    await asyncio.sleep(0.05)
+    leaving = asyncio.ensure_future(reads.run(read, "leaving", scope="blue"))
+    staying = asyncio.ensure_future(reads.run(read, "staying", scope="acme"))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    release.set()
+    await asyncio.gather(holder, staying)
+    assert ran == ["holder", "staying"]
+    assert (reads.num_running, reads.num_waiting) == (0, 0)
+    reads.shutdown()
+
+
 class _FakeTime:
     """A clock that moves only when a paced reader sleeps, so waits are exact."""
 
