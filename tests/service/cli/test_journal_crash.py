@@ -436,3 +436,46 @@ def test_generate_resumed_text_is_the_uninterrupted_text(
     assert cli.returncode == 0, err
     assert "resuming request" in err
     assert first + out == uninterrupted.stdout
+
+
+@pytest.mark.real_model
+def test_sampled_streams_of_the_real_model_resume_exactly_with_batch_invariance(tmp_path: Path) -> None:
+    """Issue 32: on the default quantized path, with ``--batch-invariant on``, a seeded sampled stream
+    resumed after SIGKILL equals an uninterrupted run. Recovery recomputes each stream's prompt and
+    tokens as one prefill where the first run decoded them one at a time, batched with the others:
+    only batch invariance keeps the logits, hence the samples, the same."""
+    clients_of = lambda prefix: [Client(f"{prefix}-{i}", i) for i in (1, 3, 5, 7)]  # noqa: E731 (seeded ones)
+
+    def command(url: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "nanoserve.service.cli.main",
+            "serve",
+            *("--host", "127.0.0.1", "--port", "0", "--metrics-port", "off", "--event-log-url", url),
+            *("--num-kv-blocks", "256", "--log-format", "json", "--grace-s", "5", "--batch-invariant", "on"),
+        ]
+
+    server = Server(command(f"sqlite:///{tmp_path / 'reference.db'}"))
+    reference = clients_of("ref")
+    try:
+        for thread in generate_all(server, reference):
+            thread.join(120)
+    finally:
+        server.stop()
+    assert all(c.finish is not None and len(c.token_ids) == MAX_TOKENS for c in reference)
+
+    crashed = command(f"sqlite:///{tmp_path / 'crashed.db'}")
+    server = Server(crashed)
+    clients = clients_of("stream")
+    generate_all(server, clients)
+    wait_for_tokens(clients, 150)
+    server.kill()
+    server = Server(crashed)
+    try:
+        for thread in resume_all(server, clients):
+            thread.join(120)
+    finally:
+        assert server.stop() == 0
+    assert [len(c.token_ids) for c in clients] == [MAX_TOKENS] * 4
+    assert [c.token_ids for c in clients] == [c.token_ids for c in reference]
