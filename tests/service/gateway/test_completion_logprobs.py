@@ -12,8 +12,6 @@ the README.
 
 from __future__ import annotations
 
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from ..conftest import Served
-from .test_gateway import _wait_for_model
+from .test_gateway import smg_in_front_of
 
 openai = pytest.importorskip("openai", reason="the openai client comes with nanoserve[dev]")
 
@@ -60,18 +58,8 @@ def _num_top_per_token(logprobs: vpb.OutputLogProbs) -> list[int]:
 async def test_completion_logprobs_are_sent_by_the_replica_and_dropped_by_smg(
     tiny_served: Served, tmp_path: Path, sent: list[vpb.GenerateResponse]
 ) -> None:
-    from nanoserve.service.gateway.replicas import free_port, smg_executable
-
-    port = free_port()
-    command = [smg_executable(), "launch", "--backend", "vllm"]
-    command += ["--worker-urls", f"grpc://127.0.0.1:{tiny_served.server.port}"]  # type: ignore[attr-defined]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
-    command += ["--shutdown-grace-period-secs", "1", "--log-json"]
-    with (tmp_path / "smg.log").open("wb") as sink:
-        smg = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        model = await _wait_for_model(client, smg, f"http://127.0.0.1:{port}")
+    worker_port = tiny_served.server.port  # type: ignore[attr-defined]
+    async with smg_in_front_of(worker_port, tmp_path) as (client, model):
         asked = {"model": model, "max_tokens": NUM_TOKENS, "temperature": 0}
 
         sent.clear()
@@ -97,6 +85,3 @@ async def test_completion_logprobs_are_sent_by_the_replica_and_dropped_by_smg(
         content = chat.choices[0].logprobs.content
         assert [len(token.top_logprobs) for token in content] == [NUM_TOP] * NUM_TOKENS  # the same, rendered
         assert [token.logprob for token in content] == pytest.approx(list(complete.output_logprobs.token_logprobs))
-    finally:
-        smg.send_signal(signal.SIGTERM)
-        smg.wait(timeout=30)

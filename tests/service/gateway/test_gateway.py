@@ -9,6 +9,7 @@ of the real SmolLM2 served in-process, where the greedy text is the point.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -402,24 +403,7 @@ def test_sigterm_to_one_replica_drains_or_fails_its_streams_clearly_and_the_othe
 @pytest.mark.real_model
 @pytest.mark.asyncio(loop_scope="module")
 async def test_greedy_text_through_smg_equals_our_grpc_apis(served: Served, tmp_path: Path) -> None:
-    from nanoserve.service.gateway.replicas import free_port, smg_executable
-
-    port = free_port()
-    command = [
-        smg_executable(),
-        "launch",
-        "--backend",
-        "vllm",
-        "--worker-urls",
-        f"grpc://127.0.0.1:{served.server.port}",
-    ]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
-    command += ["--shutdown-grace-period-secs", "1", "--log-json"]
-    with (tmp_path / "smg.log").open("wb") as sink:
-        smg = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        model = await _wait_for_model(client, smg, f"http://127.0.0.1:{port}")
+    async with smg_in_front_of(served.server.port, tmp_path) as (client, model):
         question = "What is the capital of France?"
         ours = [
             r
@@ -437,9 +421,6 @@ async def test_greedy_text_through_smg_equals_our_grpc_apis(served: Served, tmp_
         assert theirs.choices[0].message.content == "The capital of France is Paris."
         assert theirs.usage.prompt_tokens == ours[-1].finish.usage.prompt_tokens
         assert theirs.choices[0].finish_reason == "stop"
-    finally:
-        smg.send_signal(signal.SIGTERM)
-        smg.wait(timeout=30)
 
 
 async def _wait_for_model(client: Any, smg: subprocess.Popen[bytes], gateway_url: str) -> str:
@@ -460,3 +441,24 @@ async def _wait_for_model(client: Any, smg: subprocess.Popen[bytes], gateway_url
         assert smg.poll() is None, "smg exited"
         assert time.monotonic() < deadline, "smg did not register the replica"
         await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def smg_in_front_of(worker_port: int, log_dir: Path) -> AsyncIterator[tuple[Any, str]]:
+    """``smg launch`` in front of one replica (gRPC ``worker_port``), its log in ``log_dir/smg.log``:
+    yields the `openai` client of its HTTP API and the replica's model id once smg serves it; smg
+    gets SIGTERM on the way out."""
+    from nanoserve.service.gateway.replicas import free_port, smg_executable
+
+    port = free_port()
+    command = [smg_executable(), "launch", "--backend", "vllm", "--worker-urls", f"grpc://127.0.0.1:{worker_port}"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+    command += ["--shutdown-grace-period-secs", "1", "--log-json"]
+    with (log_dir / "smg.log").open("wb") as sink:
+        smg = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        yield client, await _wait_for_model(client, smg, f"http://127.0.0.1:{port}")
+    finally:
+        smg.send_signal(signal.SIGTERM)
+        smg.wait(timeout=30)

@@ -11,14 +11,12 @@ where with batch invariance off the third call's answer differs (checked when th
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from ..conftest import engine_config
-from .test_gateway import _wait_for_model
+from .test_gateway import smg_in_front_of
 
 openai = pytest.importorskip("openai", reason="the openai client comes with nanoserve[dev]")
 
@@ -37,39 +35,29 @@ MESSAGES = [
 
 async def test_three_identical_seeded_calls_through_smg_give_one_answer(tmp_path: Path) -> None:
     from nanoserve.service.config import ServerConfig
-    from nanoserve.service.gateway.replicas import free_port, smg_executable
     from nanoserve.service.grpc.server import NanoServer, start_engine
 
     engine = await start_engine(engine_config(f"sqlite:///{tmp_path / 'events.db'}", batch_invariant="on"))
     server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=None, grace_s=0.5))
     await server.start()
-    port = free_port()
-    command = [smg_executable(), "launch", "--backend", "vllm", "--worker-urls", f"grpc://127.0.0.1:{server.port}"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
-    command += ["--shutdown-grace-period-secs", "1", "--log-json"]
-    with (tmp_path / "smg.log").open("wb") as sink:
-        smg = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        model = await _wait_for_model(client, smg, f"http://127.0.0.1:{port}")
+        async with smg_in_front_of(server.port, tmp_path) as (client, model):
 
-        def seeded() -> object:
-            return client.chat.completions.create(
-                model=model, messages=MESSAGES, max_tokens=24, temperature=1.0, top_p=0.9, seed=7
-            )
+            def seeded() -> object:
+                return client.chat.completions.create(
+                    model=model, messages=MESSAGES, max_tokens=24, temperature=1.0, top_p=0.9, seed=7
+                )
 
-        first = await seeded()  # computed from scratch
-        second = await seeded()  # its prompt's full blocks from the prefix cache
-        others = [
-            client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": f"Tell me about the number {n}."}], max_tokens=24
-            )
-            for n in range(3)
-        ]
-        third, *_ = await asyncio.gather(seeded(), *others)  # batched with three others, cached too
+            first = await seeded()  # computed from scratch
+            second = await seeded()  # its prompt's full blocks from the prefix cache
+            others = [
+                client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": f"Tell me about the number {n}."}], max_tokens=24
+                )
+                for n in range(3)
+            ]
+            third, *_ = await asyncio.gather(seeded(), *others)  # batched with three others, cached too
     finally:
-        smg.send_signal(signal.SIGTERM)
-        smg.wait(timeout=30)
         await server.stop(0.5)
     answers = [call.choices[0].message.content for call in (first, second, third)]  # type: ignore[attr-defined]
     assert answers[0]

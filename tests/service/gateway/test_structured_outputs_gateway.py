@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ import jsonschema
 import pytest
 
 from ..conftest import Served
-from .test_gateway import _wait_for_model
+from .test_gateway import smg_in_front_of
 
 openai = pytest.importorskip("openai", reason="the openai client comes with nanoserve[dev]")
 
@@ -56,18 +54,8 @@ def received(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 async def test_response_format_regex_choice_and_tools_through_smg(
     tiny_served: Served, tmp_path: Path, received: list[Any]
 ) -> None:
-    from nanoserve.service.gateway.replicas import free_port, smg_executable
-
-    port = free_port()
-    command = [smg_executable(), "launch", "--backend", "vllm"]
-    command += ["--worker-urls", f"grpc://127.0.0.1:{tiny_served.server.port}"]  # type: ignore[attr-defined]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
-    command += ["--shutdown-grace-period-secs", "1", "--log-json"]
-    with (tmp_path / "smg.log").open("wb") as sink:
-        smg = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        model = await _wait_for_model(client, smg, f"http://127.0.0.1:{port}")
+    worker_port = tiny_served.server.port  # type: ignore[attr-defined]
+    async with smg_in_front_of(worker_port, tmp_path) as (client, model):
         asked: dict[str, Any] = {"model": model, "max_tokens": 64, "temperature": 0}
         messages = [{"role": "user", "content": "Name a city."}]
         received.clear()
@@ -113,6 +101,3 @@ async def test_response_format_regex_choice_and_tools_through_smg(
         # replica gets an unconstrained request. When this fails, smg forwards it: update docs/structured-outputs.md.
         await client.chat.completions.create(messages=messages, extra_body={"choice": ["north", "south"]}, **asked)
         assert kinds() == [None]
-    finally:
-        smg.send_signal(signal.SIGTERM)
-        smg.wait(timeout=30)
