@@ -61,6 +61,7 @@ FREE_REASONS: dict[str, apb.FreeReason] = {
     FreeReason.FINISHED.value: apb.FREE_REASON_FINISHED,
     FreeReason.ABORTED.value: apb.FREE_REASON_ABORTED,
     FreeReason.PREEMPTED.value: apb.FREE_REASON_PREEMPTED,
+    FreeReason.REJECTED_DRAFT.value: apb.FREE_REASON_REJECTED_DRAFT,
 }
 # the rules the allocator's replay and audit check (``Violation.rule``)
 AUDIT_RULES: dict[str, apb.AuditRule] = {

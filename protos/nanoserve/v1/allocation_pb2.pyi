@@ -35,6 +35,7 @@ class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FREE_REASON_FINISHED: _ClassVar[FreeReason]
     FREE_REASON_ABORTED: _ClassVar[FreeReason]
     FREE_REASON_PREEMPTED: _ClassVar[FreeReason]
+    FREE_REASON_REJECTED_DRAFT: _ClassVar[FreeReason]
 
 class AuditRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -87,6 +88,7 @@ FREE_REASON_UNSPECIFIED: FreeReason
 FREE_REASON_FINISHED: FreeReason
 FREE_REASON_ABORTED: FreeReason
 FREE_REASON_PREEMPTED: FreeReason
+FREE_REASON_REJECTED_DRAFT: FreeReason
 AUDIT_RULE_UNSPECIFIED: AuditRule
 AUDIT_RULE_MISSING_EVENTS: AuditRule
 AUDIT_RULE_OUT_OF_ORDER: AuditRule
