@@ -9,9 +9,14 @@ from pathlib import Path
 import pytest
 
 from nanoserve.allocator.log import audit, read_events
+from nanoserve.allocator.log.reader import connect
+from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.core.llm import LLM
+from nanoserve.engine.core.llm_engine import LLMEngine
+from nanoserve.engine.core.log_setup import build_engine
 from nanoserve.engine.core.outputs import AbortCause, RequestOutput
 from nanoserve.engine.core.scheduler import SchedulerOutput
+from nanoserve.engine.journal.store import read_request_history
 from nanoserve.engine.sampling.params import SamplingParams
 from nanoserve.engine.text.prompts import TokensPrompt
 
@@ -183,6 +188,9 @@ def test_the_log_of_a_speculating_run_flags_rolled_back_drafts_and_audits_clean(
             assert not registered & set(event.block_ids), f"seq {event.seq} frees a registered block"
     report = audit(url)
     assert report.clean, report.render()
+    with connect(url) as conn:  # the journal holds the emitted (accepted) tokens, nothing of a rejected draft
+        histories = [read_request_history(conn, "default", f"llm-{i}") for i in range(2)]
+    assert [history.token_ids if history else None for history in histories] == _tokens(got)
 
 
 def test_preemption_under_a_small_pool_changes_no_token_and_audits_clean(
@@ -215,3 +223,49 @@ def test_an_abort_while_speculating_frees_every_block(make_llm: Callable[..., LL
     [final] = engine.step()
     assert (final.finished, final.outputs[0].finish_reason) == (True, "abort")
     assert engine.allocator.num_free == 64
+
+
+def _finish_all(engine: LLMEngine) -> list[RequestOutput]:
+    finals: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        finals += [output for output in engine.step() if output.finished]
+    return finals
+
+
+def test_a_speculating_request_resumes_after_a_crash_with_its_accepted_tokens_only(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=64,
+        block_size=4,
+        num_threads=1,
+        event_log_url=url,
+        speculative="ngram",
+        num_speculative_tokens=8,
+    )
+    engine = build_engine(config)
+    runner = engine.runner
+    engine.add_request("undisturbed", COPY_PROMPT, GREEDY)
+    [undisturbed] = _finish_all(engine)
+    engine.add_request("k", COPY_PROMPT, GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert engine.pool_status().num_accepted_draft_tokens > 0
+    log = engine.event_log
+    assert log is not None
+    assert log.flush(10)
+    log._writer.abandon()  # SIGKILL: the epoch stays open, the request unfinished in the journal
+    log._release()
+    recovered = build_engine(config, runner=runner)
+    [request] = recovered.recovered_requests
+    assert 0 < request.num_output_tokens < 40  # the tokens released before the crash, nothing of a draft
+    assert request.output_token_ids == undisturbed.outputs[0].token_ids[: request.num_output_tokens]
+    [final] = _finish_all(recovered)
+    recovered.shutdown()
+    assert final.outputs[0].token_ids == undisturbed.outputs[0].token_ids
+    report = audit(url)
+    assert report.clean, report.render()
