@@ -50,10 +50,12 @@ from nanoserve.engine.speculative import Proposer
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether ``request`` may decode speculatively: not a sample of a parallel request (n, best_of), not
-    constrained (structured outputs) and not asking for prompt logprobs."""
+    """Whether ``request`` may decode speculatively: not a parallel request (n, best_of: the parent forks at
+    its prompt's last chunk, which may be one token long after a prefix-cache hit) nor one of its samples,
+    not constrained (structured outputs) and not asking for prompt logprobs."""
     return (
         request.group is None
+        and request.sampling_params.num_samples == 1
         and request.matcher is None
         and request.sampling_params.constraint is None
         and request.prompt_logprobs is None

@@ -269,3 +269,20 @@ def test_a_speculating_request_resumes_after_a_crash_with_its_accepted_tokens_on
     assert final.outputs[0].token_ids == undisturbed.outputs[0].token_ids
     report = audit(url)
     assert report.clean, report.render()
+
+
+def test_a_parallel_request_whose_prompt_is_cached_but_one_token_does_not_speculate(
+    make_llm: Callable[..., LLM], plain: LLM
+) -> None:
+    prompt = TokensPrompt([5, 17, 300, 42] * 2 + [5])  # 2 full blocks cached, then a 1-token chunk that could draft
+    params = dataclasses.replace(GREEDY, n=2, max_tokens=8)
+    expected = plain.generate(prompt, params)
+    llm = make_llm(speculative="ngram", num_speculative_tokens=4)
+    llm.generate(prompt, GREEDY)  # caches the prompt's full blocks
+    llm.engine.add_request("parallel", prompt, params)
+    finals = []
+    for _ in range(20):  # bounded: a parent that drafted instead of forking never finished
+        finals += [output for output in llm.engine.step() if output.finished]
+    [got] = finals
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected[0].outputs]
+    assert llm.engine.allocator.num_free == 64
