@@ -424,7 +424,8 @@ class LLMEngine:
         targets: the token sampled at each of the chunk's k + 1 positions, and its logprob.
         """
         request = chunk.request
-        assert request.group is None and request.sampling_params.num_samples == 1, "a parallel request drafted"
+        assert request.sampling_params.num_samples == 1, f"parallel request {request.request_id!r} drafted"
+        assert request.group is None, f"sample {request.request_id!r} of a parallel request drafted"
         drafts = chunk.draft_token_ids
         tokens = accepted_tokens(drafts, targets.token_ids)
         num_appended = 0
