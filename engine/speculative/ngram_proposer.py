@@ -43,11 +43,11 @@ class NgramProposer:
             windows = sliding_window_view(tokens[:-1], n)
             starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if starts.size:
-                return _copy_after(list(token_ids), int(starts[-1]) + n, num_tokens)
+                return _copy_after(token_ids, int(starts[-1]) + n, num_tokens)
         return []
 
 
-def _copy_after(token_ids: list[int], start: int, num_tokens: int) -> list[int]:
+def _copy_after(token_ids: Sequence[int], start: int, num_tokens: int) -> list[int]:
     """``num_tokens`` tokens read from ``start`` on, the read running on into what it wrote."""
     assert 0 <= start < len(token_ids), f"start {start} outside the {len(token_ids)} tokens"
     drafts: list[int] = []
