@@ -167,7 +167,8 @@ class Scheduler:
 
     def _add_drafts(self, budget: int, chunks: dict[int, ScheduledChunk]) -> None:
         """Extends this step's decodes that may speculate by their proposer's drafts, oldest first,
-        while ``budget`` tokens and free blocks are left (a draft never makes another request wait).
+        while ``budget`` tokens and never-cached free blocks are left (a draft never makes another
+        request wait, nor evicts a cached prefix).
 
         A request drafts at most the tokens it may still generate minus one (the verify pass
         emits one more than it accepts), so no draft passes max_tokens or max_model_len.
@@ -185,11 +186,12 @@ class Scheduler:
             drafts = self.proposer.propose(request.token_ids, num_drafts)
             if not drafts:
                 continue
-            assert request.block_table is not None
-            try:
-                request.block_table.append_tokens(len(drafts))  # all or nothing
-            except KVCacheExhausted:
+            table = request.block_table
+            assert table is not None
+            # only never-cached free blocks: a draft evicts no prefix-cache entry
+            if table.blocks_needed(len(drafts)) > self.allocator.num_free - self.allocator.num_cached_free:
                 continue
+            table.append_tokens(len(drafts))
             chunks[key] = ScheduledChunk(request, chunk.start, 1, tuple(drafts))
             budget -= len(drafts)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nanoserve.allocator import BlockAllocator
+from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.engine.config import SchedulerConfig
 from nanoserve.engine.core.request import Request
 from nanoserve.engine.core.scheduler import Scheduler, SchedulerOutput
@@ -29,10 +29,10 @@ class CharDecoder:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def _request(request_id: str, max_tokens: int = 100, **params: object) -> Request:
+def _request(request_id: str, max_tokens: int = 100, prompt: tuple[int, ...] = (1, 2, 3), **params: object) -> Request:
     return Request(
         request_id,
-        [1, 2, 3],
+        list(prompt),
         SamplingParams(temperature=0.0, max_tokens=max_tokens, **params),  # type: ignore[arg-type]
         max_tokens=max_tokens,
         eos_token_ids=[],
@@ -109,3 +109,20 @@ def test_requests_asking_for_prompt_logprobs_do_not_speculate() -> None:
     _prefill(scheduler, _request("a", prompt_logprobs=1))
     assert _chunks(scheduler.schedule()) == [("a", 3, 1, ())]
     assert proposer.calls == []
+
+
+def test_drafts_evict_no_cached_free_block() -> None:
+    proposer = FixedProposer()
+    allocator = BlockAllocator(6, block_size=2)
+    scheduler = Scheduler(
+        SchedulerConfig(), allocator, enable_prefix_caching=True, proposer=proposer, num_speculative_tokens=3
+    )
+    cached = _request("cached")
+    _prefill(scheduler, cached)
+    scheduler.register_computed(cached, 3)  # block 0 (tokens 1, 2) is registered
+    scheduler.finish(cached, FreeReason.FINISHED)  # block 0 cached-free, block 1 back on the free stack
+    a, b = _request("a", prompt=(9, 8, 7)), _request("b", prompt=(6, 5, 4))  # prompts that miss the cache
+    _prefill(scheduler, a, b)  # blocks 1, 2 and 3, 4: block 5 never cached, block 0 cached-free
+    assert (allocator.num_free, allocator.num_cached_free) == (2, 1)
+    assert _chunks(scheduler.schedule()) == [("a", 3, 1, ()), ("b", 3, 1, ())]  # 3 drafts need 2 blocks: 1 left
+    assert allocator.num_cached_free == 1
