@@ -418,6 +418,8 @@ def to_pool_status(status: PoolStatus) -> apb.GetPoolStatusResponse:
         ],
         num_forked_blocks=status.num_forked_blocks,
         num_copied_blocks=status.num_copied_blocks,
+        num_draft_tokens=status.num_draft_tokens,
+        num_accepted_draft_tokens=status.num_accepted_draft_tokens,
     )
 
 
