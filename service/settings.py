@@ -213,7 +213,8 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "off",
         "speculative decoding: ngram proposes draft tokens by looking the request's last tokens up in its own "
-        "prompt and output, and one forward pass verifies them; the output is the same as without it",
+        "prompt and output, and one forward pass verifies them, keeping the tokens plain decoding samples "
+        "(docs/speculative-decoding.md)",
         choices=("off", "ngram"),
     ),
     Setting(
