@@ -148,6 +148,26 @@ class BlockTable:
         self._num_tokens += num_tokens
         return new_block_ids
 
+    def truncate(self, num_tokens: int, reason: FreeReason | None = None) -> list[int]:
+        """Shrink the table to its first ``num_tokens`` tokens; returns the block ids it let go of.
+
+        The blocks past ``ceil(num_tokens / block_size)`` are released (one
+        FREE_ALL with ``reason`` for blocks only this table held and never
+        registered), so the table again holds exactly the blocks its tokens
+        need. Speculative decoding rolls back a verify pass's rejected draft
+        slots with it. ValueError when ``num_tokens`` is outside [0, num_tokens].
+        """
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"num_tokens must be in [0, {self._num_tokens}], got {num_tokens}")
+        num_kept = cdiv(num_tokens, self._block_size)
+        dropped = self._block_ids[num_kept:]
+        if dropped:
+            self._allocator.release(self.owner, dropped, reason)
+            del self._block_ids[num_kept:]
+            self._num_registered = min(self._num_registered, num_kept)
+        self._num_tokens = num_tokens
+        return dropped
+
     def _must_copy_last(self) -> bool:
         """The last block is partly filled and held by another owner too: writing it needs a copy."""
         return self._num_tokens % self._block_size != 0 and self._allocator.ref_count(self._block_ids[-1]) > 1

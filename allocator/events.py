@@ -43,6 +43,7 @@ class FreeReason(str, enum.Enum):
     FINISHED = "finished"
     ABORTED = "aborted"
     PREEMPTED = "preempted"
+    REJECTED_DRAFT = "rejected_draft"  # speculative decoding: blocks only the rejected draft tokens needed
 
 
 class BlockEvent(NamedTuple):

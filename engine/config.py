@@ -252,6 +252,44 @@ class StructuredOutputConfig:
         _check_positive("max_cached_grammars", self.max_cached_grammars)
 
 
+SPECULATIVE_METHODS = ("off", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (``nanoserve.engine.speculative``; docs/speculative-decoding.md).
+
+    speculative: "off", or "ngram": drafts copied from the request's own prompt and output.
+    num_speculative_tokens: draft tokens proposed per request per step (k), 1..MAX_SPECULATIVE_TOKENS.
+    speculative_ngram_min / speculative_ngram_max: the n-gram sizes looked up, longest first (>= 1,
+        min <= max).
+    """
+
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+        _check_positive("speculative_ngram_min", self.speculative_ngram_min)
+        _check_positive("speculative_ngram_max", self.speculative_ngram_max)
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(
+                f"speculative_ngram_min ({self.speculative_ngram_min}) must be <= speculative_ngram_max "
+                f"({self.speculative_ngram_max})"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative != "off"
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, one dataclass per layer."""
@@ -262,6 +300,7 @@ class EngineConfig:
     stream: StreamConfig = field(default_factory=StreamConfig)
     event_log: EventLogConfig = field(default_factory=EventLogConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -276,6 +315,7 @@ class EngineConfig:
             "stream": StreamConfig,
             "event_log": EventLogConfig,
             "structured_output": StructuredOutputConfig,
+            "speculative": SpeculativeConfig,
         }
         per_layer: dict[str, dict[str, Any]] = {name: {} for name in layers}
         owner = {f.name: name for name, klass in layers.items() for f in fields(klass)}

@@ -157,6 +157,38 @@ SETTINGS: tuple[Setting, ...] = (
         16,
         "most samples one request may ask for (n, best_of); more: INVALID_ARGUMENT",
     ),
+    # engine: speculative decoding
+    Setting(
+        "speculative",
+        "engine",
+        str,
+        "off",
+        "speculative decoding: ngram proposes draft tokens by looking the request's last tokens up in its own "
+        "prompt and output, and one forward pass verifies them, keeping the tokens plain decoding samples "
+        "(docs/speculative-decoding.md)",
+        choices=("off", "ngram"),
+    ),
+    Setting(
+        "num_speculative_tokens",
+        "engine",
+        int,
+        4,
+        "draft tokens proposed per request per step under --speculative (1 to 16)",
+    ),
+    Setting(
+        "speculative_ngram_min",
+        "engine",
+        int,
+        1,
+        "shortest n-gram --speculative ngram looks up (>= 1, at most --speculative-ngram-max)",
+    ),
+    Setting(
+        "speculative_ngram_max",
+        "engine",
+        int,
+        4,
+        "longest n-gram --speculative ngram looks up, tried first",
+    ),
     # engine: streams
     Setting(
         "max_stream_buffer_messages",

@@ -10,6 +10,8 @@ One step::
     runner.forward(ForwardBatch)        logits for the chunks that end a sequence
     structured.token_mask(sampled)      structured outputs: each constrained row's allowed tokens
     sampler(logits, token_mask)         one token per such sequence, batched
+    _verify_drafts(verified)            speculative decodes: each verified position sampled, the
+                                        accepted prefix appended, rejected draft slots rolled back
     request.advance_grammar()           the constrained rows' matchers take their tokens
     request.append_token()              stop / length checks, detokenize
     scheduler.finish()                  free the blocks of finished requests
@@ -23,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
+import torch
 
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.engine.config import EngineConfig
@@ -41,7 +44,8 @@ from nanoserve.engine.journal.request_journal import admit_record, journal_final
 from nanoserve.engine.model.forward_batch import ForwardBatch, SeqSlice
 from nanoserve.engine.model.model_runner import ModelRunner
 from nanoserve.engine.sampling.params import SamplingParams
-from nanoserve.engine.sampling.sampler import Sampler
+from nanoserve.engine.sampling.sampler import Sampler, SamplerOutput
+from nanoserve.engine.speculative import accepted_tokens, draft_rows, make_proposer
 from nanoserve.engine.structured.structured_outputs import StructuredOutputs
 from nanoserve.engine.text.input_processor import InputProcessor
 from nanoserve.engine.text.prompts import Prompt
@@ -99,8 +103,15 @@ class LLMEngine:
         self.event_log = event_log
         self.allocator = BlockAllocator(self.num_blocks, self.block_size)
         self.scheduler = Scheduler(
-            config.scheduler, self.allocator, enable_prefix_caching=config.cache.enable_prefix_caching
+            config.scheduler,
+            self.allocator,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            proposer=make_proposer(config.speculative),
+            num_speculative_tokens=config.speculative.num_speculative_tokens,
         )
+        # speculative decoding, over the engine's life: draft tokens verified, and those accepted
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         self.sampler = Sampler()
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, config.structured_output)
         self.grammars = self.structured.grammars
@@ -251,6 +262,7 @@ class LLMEngine:
         sampled: list[Request] = []  # requests whose chunk yields logits, in sampling-row order
         sample_rows: list[int] = []  # the logits row of each of ``sampled``
         prompt_rows: list[tuple[Request, int, int]] = []  # (request, first logits row, chunk start): prompt logprobs
+        verifying: list[tuple[ScheduledChunk, int]] = []  # (decode with drafts, its first logits row)
         num_rows = 0
         for chunk in chunks:
             request = chunk.request
@@ -258,6 +270,12 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             end = chunk.start + chunk.num_new_tokens
+            if chunk.draft_token_ids:  # a verify pass: [last token, drafts], the logits of every position
+                tokens = request.token_ids[chunk.start : end] + list(chunk.draft_token_ids)
+                slices.append(SeqSlice(tokens, chunk.start, request.block_table.block_ids, True, True))
+                verifying.append((chunk, num_rows))
+                num_rows += len(tokens)
+                continue
             all_logits = request.wants_prompt_logprobs(chunk.start, end)
             slices.append(
                 SeqSlice(
@@ -283,22 +301,26 @@ class LLMEngine:
             self.runner.copy_blocks(copies)  # forked blocks copied on write: their K/V rows before the writes
         batch = ForwardBatch.build(slices, self.block_size, self.runner.device)
         logits = self.runner.forward(batch)  # [num_rows, vocab_size] float32
-        if prompt_rows:
-            for request, first_row, start in prompt_rows:
-                request.add_prompt_logprobs(start, logits[first_row:])
+        for request, first_row, start in prompt_rows:
+            request.add_prompt_logprobs(start, logits[first_row:])
+        # [k + 1, vocab_size] per verify pass
+        verified = [(chunk, logits[first : first + len(chunk.draft_token_ids) + 1]) for chunk, first in verifying]
+        if num_rows != len(sample_rows):
             logits = logits[sample_rows]  # [len(sampled), vocab_size]
         for chunk in chunks:
+            if chunk.draft_token_ids:
+                continue  # computed up to what its verification accepts (_accept_drafts)
             chunk.request.num_computed_tokens += chunk.num_new_tokens
             self.scheduler.register_computed(chunk.request, chunk.num_new_tokens)  # only now is the chunk's KV written
+        outputs = self._verify_drafts(verified) if verified else []
         if not sampled:
-            return []
+            return outputs
         rows, row_logits = fork_prefilled(sampled, self.scheduler, self._serials)
         if len(rows) != len(sampled):
             logits = logits[row_logits]  # [len(rows), vocab_size]: a parent's row once per sample
         result = self.sampler(logits, rows, self.structured.token_mask(rows))
         add_cumulative_logprobs(logits, rows, result.token_ids)
         now = time.monotonic()
-        outputs = []
         for request, token_id, logprob in zip(rows, result.token_ids, result.logprobs, strict=True):
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
@@ -328,6 +350,63 @@ class LLMEngine:
                     if self.journaling and group is None:
                         self._journal.append(output_record(output))
         return outputs
+
+    def _verify_drafts(self, verified: list[tuple[ScheduledChunk, torch.Tensor]]) -> list[RequestOutput]:
+        """Samples every verified position of this step's speculative decodes in one sampler call
+        and appends each request's accepted tokens (``engine/speculative/verification.py``).
+
+        verified: (chunk, its logits [k + 1, vocab_size]), row i the position after draft i - 1.
+        """
+        rows = [row for chunk, _ in verified for row in draft_rows(chunk.request, chunk.draft_token_ids)]
+        result = self.sampler(torch.cat([chunk_logits for _, chunk_logits in verified]), rows)
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        first = 0
+        for chunk, chunk_logits in verified:
+            last = first + chunk_logits.shape[0]
+            part = SamplerOutput(result.token_ids[first:last], result.logprobs[first:last])
+            outputs.extend(self._accept_drafts(chunk, part, now))
+            first = last
+        return outputs
+
+    def _accept_drafts(self, chunk: ScheduledChunk, targets: SamplerOutput, now: float) -> list[RequestOutput]:
+        """Appends the tokens a verify pass emits one by one through the request's finish checks,
+        stopping at the first that ends it; then the table drops the rejected drafts' slots (blocks
+        only they needed are freed, reason REJECTED_DRAFT) and the accepted blocks are registered.
+
+        targets: the token sampled at each of the chunk's k + 1 positions, and its logprob.
+        """
+        request = chunk.request
+        assert request.sampling_params.num_samples == 1, f"parallel request {request.request_id!r} drafted"
+        assert request.group is None, f"sample {request.request_id!r} of a parallel request drafted"
+        drafts = chunk.draft_token_ids
+        tokens = accepted_tokens(drafts, targets.token_ids)
+        num_appended = 0
+        for token_id, logprob in zip(tokens, targets.logprobs, strict=False):  # row i sampled tokens[i]
+            request.append_token(token_id, logprob)
+            num_appended += 1
+            if request.finish_reason is not None:
+                break
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_draft_tokens += min(num_appended, len(tokens) - 1)
+        # the last token and the drafts accepted have their KV now; the newest token has not
+        request.num_computed_tokens += num_appended
+        assert request.block_table is not None
+        request.block_table.truncate(request.num_computed_tokens, FreeReason.REJECTED_DRAFT)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if request.finish_reason is not None:
+            ended = self._finish(request, FreeReason.FINISHED, now)
+            if self.journaling:
+                self._journal.append(output_record(ended[-1]))
+            return ended
+        self.scheduler.register_computed(request, num_appended)
+        output = request.make_output(final=False)
+        if output is None:
+            return []
+        if self.journaling:
+            self._journal.append(output_record(output))
+        return [output]
 
     def _finish(self, request: Request, reason: FreeReason, now: float) -> list[RequestOutput]:
         """Ends ``request`` (a sample: its group too once it was the last); its outputs, the final one last."""
@@ -409,7 +488,9 @@ class LLMEngine:
 
     def pool_status(self) -> PoolStatus:
         """The pool, the queues and the log's progress now (engine thread; ``status.pool_status_of``)."""
-        return pool_status_of(self.config.event_log.pool_id, self.allocator, self.scheduler, self.event_log)
+        pool_id = self.config.event_log.pool_id
+        drafts = (self.num_draft_tokens, self.num_accepted_draft_tokens)
+        return pool_status_of(pool_id, self.allocator, self.scheduler, self.event_log, *drafts)
 
     def shutdown(self, log_close_timeout_s: float | None = None) -> None:
         """Aborts what is left and closes the event log (POOL_CLOSE). Idempotent.

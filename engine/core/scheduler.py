@@ -26,6 +26,12 @@ prompt's blocks by reference (``engine/core/sample_group.py``). A preempted
 sample is admitted again by forking its parent's prompt table once more and
 recomputing only its own tokens.
 
+With speculative decoding on (``engine/speculative/``), what is left of the
+budget and the pool after all of that goes to draft tokens: a decode of a
+request that may speculate grows by up to ``num_speculative_tokens`` drafts
+that its proposer guessed, verified by the same forward pass. Drafts never
+preempt, delay or keep out another request.
+
 When a running request needs a block and the pool raises KVCacheExhausted,
 the most recently admitted running request is preempted: its blocks are
 freed (reason PREEMPTED) and it goes to the front of the waiting queue. No
@@ -40,6 +46,20 @@ from dataclasses import dataclass
 from nanoserve.allocator import BlockAllocator, BlockKey, BlockTable, FreeReason, KVCacheExhausted, cdiv
 from nanoserve.engine.config import SchedulerConfig
 from nanoserve.engine.core.request import Request, RequestStatus
+from nanoserve.engine.speculative import Proposer
+
+
+def may_speculate(request: Request) -> bool:
+    """Whether ``request`` may decode speculatively: not a parallel request (n, best_of: the parent forks at
+    its prompt's last chunk, which may be one token long after a prefix-cache hit) nor one of its samples,
+    not constrained (structured outputs) and not asking for prompt logprobs."""
+    return (
+        request.group is None
+        and request.sampling_params.num_samples == 1
+        and request.matcher is None
+        and request.sampling_params.constraint is None
+        and request.prompt_logprobs is None
+    )
 
 
 def _forked_parent(request: Request) -> Request | None:
@@ -52,11 +72,13 @@ def _forked_parent(request: Request) -> Request | None:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_new_tokens`` tokens of ``request`` to compute this step, from ``start``."""
+    """``num_new_tokens`` tokens of ``request`` to compute this step, from ``start``; a decode
+    that speculates also computes ``draft_token_ids`` after them (its table holds their slots)."""
 
     request: Request
     start: int  # position of the first token of the chunk (== num_computed_tokens)
     num_new_tokens: int
+    draft_token_ids: tuple[int, ...] = ()  # speculative decoding: guessed tokens to verify this step
 
     @property
     def needs_logits(self) -> bool:
@@ -83,11 +105,19 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, allocator: BlockAllocator, *, enable_prefix_caching: bool = False
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        *,
+        enable_prefix_caching: bool = False,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.enable_prefix_caching = enable_prefix_caching
+        self.proposer = proposer  # speculative decoding's draft tokens (None: off)
+        self.num_speculative_tokens = num_speculative_tokens  # drafts per request per step, at most
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # prompt tokens looked up at first admissions, and those found cached (vLLM's
@@ -131,7 +161,39 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - sum(c.num_new_tokens for c in chunks.values())
         if not preempted:
             budget = self._admit(budget, chunks)
+        if self.proposer is not None:
+            self._add_drafts(budget, chunks)
         return SchedulerOutput(list(chunks.values()), preempted)
+
+    def _add_drafts(self, budget: int, chunks: dict[int, ScheduledChunk]) -> None:
+        """Extends this step's decodes that may speculate by their proposer's drafts, oldest first,
+        while ``budget`` tokens and never-cached free blocks are left (a draft never makes another
+        request wait, nor evicts a cached prefix).
+
+        A request drafts at most the tokens it may still generate minus one (the verify pass
+        emits one more than it accepts), so no draft passes max_tokens or max_model_len.
+        """
+        assert self.proposer is not None
+        for key, chunk in list(chunks.items()):
+            if budget <= 0:
+                return
+            request = chunk.request
+            if chunk.num_new_tokens != 1 or not chunk.needs_logits or not may_speculate(request):
+                continue
+            num_drafts = min(self.num_speculative_tokens, budget, request.max_tokens - request.num_output_tokens - 1)
+            if num_drafts <= 0:
+                continue
+            drafts = self.proposer.propose(request.token_ids, num_drafts)
+            if not drafts:
+                continue
+            table = request.block_table
+            assert table is not None
+            # only never-cached free blocks: a draft evicts no prefix-cache entry
+            if table.blocks_needed(len(drafts)) > self.allocator.num_free - self.allocator.num_cached_free:
+                continue
+            table.append_tokens(len(drafts))
+            chunks[key] = ScheduledChunk(request, chunk.start, 1, tuple(drafts))
+            budget -= len(drafts)
 
     def _grow(
         self, request: Request, num_new: int, chunks: dict[int, ScheduledChunk], preempted: list[Request]

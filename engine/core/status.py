@@ -78,6 +78,8 @@ class PoolStatus:
         scope (``ScopeUsage``), sorted by scope; as of the last step.
     num_forked_blocks / num_copied_blocks: block references parallel sampling's
     forks took, and blocks copied on write, since the engine started.
+    num_draft_tokens / num_accepted_draft_tokens: speculative decoding's draft tokens
+    verified, and those accepted, since the engine started (acceptance rate = their ratio).
     """
 
     pool_id: str
@@ -101,6 +103,8 @@ class PoolStatus:
     scopes: tuple[ScopeUsage, ...] = ()
     num_forked_blocks: int = 0
     num_copied_blocks: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 SCOPE_SEPARATOR = "/"

@@ -130,6 +130,14 @@ class ServerMetrics:
         self.kv_blocks_copied = Counter(
             "nanoserve_kv_blocks_copied", "Forked blocks copied on write by parallel samples", registry=r
         )
+        self.speculative_draft_tokens = Counter(
+            "nanoserve_speculative_draft_tokens", "Draft tokens speculative decoding verified", registry=r
+        )
+        self.speculative_accepted_tokens = Counter(
+            "nanoserve_speculative_accepted_tokens",
+            "Draft tokens speculative decoding accepted (acceptance rate: accepted / draft)",
+            registry=r,
+        )
         self.tenant_requests = Counter(
             "nanoserve_tenant_requests",
             "Finished requests by tenant and finish reason",
@@ -212,6 +220,11 @@ class ServerMetrics:
         """The fork counters advanced to the engine's running totals."""
         self._advance_to(self.kv_blocks_forked, num_forked)
         self._advance_to(self.kv_blocks_copied, num_copied)
+
+    def observe_speculation(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """The speculative decoding counters advanced to the engine's running totals."""
+        self._advance_to(self.speculative_draft_tokens, num_draft_tokens)
+        self._advance_to(self.speculative_accepted_tokens, num_accepted_tokens)
 
     def _advance_to(self, counter: Counter, total: int, **labels: str) -> None:
         """Advances ``counter`` (its ``labels`` child) to the engine's running ``total``: by what the

@@ -252,6 +252,7 @@ class NanoServer:
             )
             self.metrics.observe_tenants(status.scopes)
             self.metrics.observe_forks(status.num_forked_blocks, status.num_copied_blocks)
+            self.metrics.observe_speculation(status.num_draft_tokens, status.num_accepted_draft_tokens)
             structured = self.engine.structured_output_stats()
             self.metrics.observe_structured_outputs(
                 structured.num_requests_by_kind, structured.compile_times_s, structured.mask_times_s

@@ -87,3 +87,33 @@ def test_release_frees_all_blocks_and_empties_table(pool: BlockAllocator) -> Non
     table.release(FreeReason.FINISHED)
     assert (table.block_ids, table.num_tokens, pool.num_free) == ([], 0, 6)
     assert pool.allocate("B") == 2
+
+
+def test_truncate_frees_the_blocks_past_the_kept_tokens_with_the_reason(pool: BlockAllocator) -> None:
+    table = BlockTable(pool, "A")
+    table.append_tokens(30)  # blocks 0, 1
+    table.append_tokens(20)  # speculative room: blocks 2, 3 (50 tokens)
+    pool.take_events()
+    assert table.truncate(17, FreeReason.REJECTED_DRAFT) == [2, 3]
+    assert (table.block_ids, table.num_tokens) == ([0, 1], 17)
+    [event] = pool.take_events()
+    assert (event.kind, event.block_ids, event.owner, event.reason) == ("free_all", (2, 3), "A", "rejected_draft")
+    assert pool.num_free == 4
+    assert table.append_tokens(15) == []  # the kept block's free slots are reused first
+    assert table.append_tokens(1) == [3]  # LIFO: the last block freed comes back first
+
+
+def test_truncate_within_the_last_block_frees_nothing(pool: BlockAllocator) -> None:
+    table = BlockTable(pool, "A")
+    table.append_tokens(20)
+    pool.take_events()
+    assert table.truncate(17, FreeReason.REJECTED_DRAFT) == []
+    assert (table.block_ids, table.num_tokens) == ([0, 1], 17)
+    assert pool.take_events() == []
+
+
+def test_truncate_beyond_the_table_is_refused(pool: BlockAllocator) -> None:
+    table = BlockTable(pool, "A")
+    table.append_tokens(5)
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 5\], got 6"):
+        table.truncate(6)

@@ -35,6 +35,7 @@ class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FREE_REASON_FINISHED: _ClassVar[FreeReason]
     FREE_REASON_ABORTED: _ClassVar[FreeReason]
     FREE_REASON_PREEMPTED: _ClassVar[FreeReason]
+    FREE_REASON_REJECTED_DRAFT: _ClassVar[FreeReason]
 
 class AuditRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -87,6 +88,7 @@ FREE_REASON_UNSPECIFIED: FreeReason
 FREE_REASON_FINISHED: FreeReason
 FREE_REASON_ABORTED: FreeReason
 FREE_REASON_PREEMPTED: FreeReason
+FREE_REASON_REJECTED_DRAFT: FreeReason
 AUDIT_RULE_UNSPECIFIED: AuditRule
 AUDIT_RULE_MISSING_EVENTS: AuditRule
 AUDIT_RULE_OUT_OF_ORDER: AuditRule
@@ -133,7 +135,7 @@ class GetPoolStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPoolStatusResponse(_message.Message):
-    __slots__ = ("pool_id", "epoch", "num_blocks", "block_size", "num_free", "num_allocated", "num_running", "num_waiting", "last_seq", "durable_seq", "num_cached", "num_cached_free", "num_shared", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "tenants", "num_forked_blocks", "num_copied_blocks")
+    __slots__ = ("pool_id", "epoch", "num_blocks", "block_size", "num_free", "num_allocated", "num_running", "num_waiting", "last_seq", "durable_seq", "num_cached", "num_cached_free", "num_shared", "prefix_cache_queries", "prefix_cache_hits", "enable_prefix_caching", "tenants", "num_forked_blocks", "num_copied_blocks", "num_draft_tokens", "num_accepted_draft_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +155,8 @@ class GetPoolStatusResponse(_message.Message):
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FORKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_COPIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     epoch: int
     num_blocks: int
@@ -172,7 +176,9 @@ class GetPoolStatusResponse(_message.Message):
     tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
     num_forked_blocks: int
     num_copied_blocks: int
-    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free: _Optional[int] = ..., num_allocated: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_seq: _Optional[int] = ..., durable_seq: _Optional[int] = ..., num_cached: _Optional[int] = ..., num_cached_free: _Optional[int] = ..., num_shared: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., num_forked_blocks: _Optional[int] = ..., num_copied_blocks: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free: _Optional[int] = ..., num_allocated: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., last_seq: _Optional[int] = ..., durable_seq: _Optional[int] = ..., num_cached: _Optional[int] = ..., num_cached_free: _Optional[int] = ..., num_shared: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., num_forked_blocks: _Optional[int] = ..., num_copied_blocks: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
     __slots__ = ("tenant", "num_running", "num_waiting", "num_blocks_held")

@@ -175,3 +175,42 @@ def test_structured_output_settings_reach_the_engine_config_and_are_checked() ->
     )
     with pytest.raises(ValueError, match=r"^structured_output_compile_timeout_s must be in \(0, 600\], got 0\.0$"):
         build_configs(_parse("--structured-output-compile-timeout-s", "0"), environ={})
+
+
+def test_speculative_settings_reach_the_engine_config() -> None:
+    _, engine = build_configs(_parse(), environ={})
+    assert engine.speculative.speculative == "off"
+    _, engine = build_configs(
+        _parse("--speculative", "ngram", "--num-speculative-tokens", "8", "--speculative-ngram-min", "2"),
+        environ={"NANOSERVE_SPECULATIVE_NGRAM_MAX": "3"},
+    )
+    spec = engine.speculative
+    assert (spec.speculative, spec.num_speculative_tokens, spec.speculative_ngram_min, spec.speculative_ngram_max) == (
+        "ngram",
+        8,
+        2,
+        3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--num-speculative-tokens", "17"), r"^num_speculative_tokens must be in \[1, 16\], got 17$"),
+        (("--num-speculative-tokens", "0"), r"^num_speculative_tokens must be in \[1, 16\], got 0$"),
+        (("--speculative-ngram-min", "0"), r"^speculative_ngram_min must be >= 1, got 0$"),
+        (("--speculative-ngram-max", "0"), r"^speculative_ngram_max must be >= 1, got 0$"),
+        (
+            ("--speculative-ngram-min", "5"),
+            r"^speculative_ngram_min \(5\) must be <= speculative_ngram_max \(4\)$",
+        ),
+    ],
+)
+def test_bad_speculative_settings_are_refused_naming_the_setting(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_configs(_parse("--speculative", "ngram", *argv), environ={})
+
+
+def test_an_unknown_speculative_method_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"NANOSERVE_SPECULATIVE must be one of \('off', 'ngram'\)"):
+        build_configs(_parse(), environ={"NANOSERVE_SPECULATIVE": "eagle"})

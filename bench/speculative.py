@@ -1,0 +1,71 @@
+"""Speculative decoding by prompt lookup: one greedy stream, tok/s with it on against off, same process.
+
+Two chat prompts, each answered greedily by the default model (SmolLM2-135M-Instruct GGUF):
+
+* ``copy-heavy``: "Repeat this text exactly: ..." (the answer quotes the prompt);
+* ``plain chat``: a question whose answer repeats nothing of the prompt.
+
+For each: output tokens per second with ``--speculative off`` (the peer) and ``ngram``
+(``--k`` drafts), their ratio, the drafts' acceptance rate, and whether the tokens are equal.
+
+    .venv/bin/python -m bench.speculative
+    .venv/bin/python -m bench.speculative --max-tokens 64 --k 8 --quantization none
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from nanoserve.engine import LLM, ChatPrompt, SamplingParams
+
+COPY_TEXT = (
+    "Invoice 2041: 3 boxes of blue pens at 4.50 each, 2 reams of A4 paper at 6.20 each, 1 stapler at 12.00, "
+    "5 folders at 1.10 each, 4 boxes of blue pens at 4.50 each, 2 reams of A4 paper at 6.20 each."
+)
+PROMPTS = {
+    "copy-heavy": ChatPrompt([{"role": "user", "content": f"Repeat this text exactly: {COPY_TEXT}"}]),
+    "plain chat": ChatPrompt([{"role": "user", "content": "Write a short story about a robot learning to paint."}]),
+}
+
+
+def run(llm: LLM, prompt: ChatPrompt, max_tokens: int) -> tuple[list[int], float]:
+    """(output tokens, seconds) of one greedy request."""
+    start = time.perf_counter()
+    [output] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return output.outputs[0].token_ids, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--threads", type=int, default=None, help="--num-threads (default: the engine's choice)")
+    parser.add_argument("--quantization", default="auto", help="--quantization (none: the dequantized float32 model)")
+    args = parser.parse_args()
+    settings = {"num_threads": args.threads, "quantization": args.quantization}
+    off = LLM(**settings)
+    on = LLM(**settings, speculative="ngram", num_speculative_tokens=args.k)
+    for llm in (off, on):
+        run(llm, PROMPTS["plain chat"], 4)  # warm-up
+    print(f"one greedy stream, max_tokens {args.max_tokens}, k {args.k}, quantization {args.quantization}")
+    print("| prompt | tokens | off tok/s | ngram tok/s | x off | accepted / drafted | tokens equal |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, prompt in PROMPTS.items():
+        before = on.engine.pool_status()
+        tokens_off, seconds_off = run(off, prompt, args.max_tokens)
+        tokens_on, seconds_on = run(on, prompt, args.max_tokens)
+        after = on.engine.pool_status()
+        drafted = after.num_draft_tokens - before.num_draft_tokens
+        accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+        rate_off, rate_on = len(tokens_off) / seconds_off, len(tokens_on) / seconds_on
+        print(
+            f"| {name} | {len(tokens_on)} | {rate_off:.1f} | {rate_on:.1f} | {rate_on / rate_off:.2f} | "
+            f"{accepted} / {drafted} | {tokens_on == tokens_off} |"
+        )
+    off.shutdown()
+    on.shutdown()
+
+
+if __name__ == "__main__":
+    main()
