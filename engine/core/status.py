@@ -165,8 +165,16 @@ def model_info_of(runner: ModelRunner) -> ModelInfo:
     )
 
 
-def pool_status_of(pool_id: str, allocator: BlockAllocator, scheduler: Scheduler, log: EventLog | None) -> PoolStatus:
-    """The pool, the queues and the log's progress as of now (the engine thread's view)."""
+def pool_status_of(
+    pool_id: str,
+    allocator: BlockAllocator,
+    scheduler: Scheduler,
+    log: EventLog | None,
+    num_draft_tokens: int = 0,
+    num_accepted_draft_tokens: int = 0,
+) -> PoolStatus:
+    """The pool, the queues and the log's progress as of now (the engine thread's view), with the
+    engine's speculative draft tokens verified and accepted so far."""
     return PoolStatus(
         pool_id=pool_id,
         epoch=log.epoch if log is not None else None,
@@ -187,6 +195,8 @@ def pool_status_of(pool_id: str, allocator: BlockAllocator, scheduler: Scheduler
         scopes=scope_usage(scheduler.running, scheduler.waiting),
         num_forked_blocks=allocator.num_forked_blocks,
         num_copied_blocks=allocator.num_copied_blocks,
+        num_draft_tokens=num_draft_tokens,
+        num_accepted_draft_tokens=num_accepted_draft_tokens,
     )
 
 

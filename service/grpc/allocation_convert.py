@@ -41,6 +41,7 @@ FREE_REASONS: dict[str, apb.FreeReason] = {
     FreeReason.FINISHED.value: apb.FREE_REASON_FINISHED,
     FreeReason.ABORTED.value: apb.FREE_REASON_ABORTED,
     FreeReason.PREEMPTED.value: apb.FREE_REASON_PREEMPTED,
+    FreeReason.REJECTED_DRAFT.value: apb.FREE_REASON_REJECTED_DRAFT,
 }
 # the rules the allocator's replay and audit check (``Violation.rule``)
 AUDIT_RULES: dict[str, apb.AuditRule] = {
@@ -127,6 +128,8 @@ def to_pool_status(status: PoolStatus) -> apb.GetPoolStatusResponse:
         ],
         num_forked_blocks=status.num_forked_blocks,
         num_copied_blocks=status.num_copied_blocks,
+        num_draft_tokens=status.num_draft_tokens,
+        num_accepted_draft_tokens=status.num_accepted_draft_tokens,
     )
 
 
