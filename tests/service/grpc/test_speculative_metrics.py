@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nanoserve.engine.core.status import PoolStatus
-from nanoserve.service.grpc import convert
+from nanoserve.service.grpc import allocation_convert
 from nanoserve.service.grpc.metrics import ServerMetrics
 
 
@@ -32,5 +32,5 @@ def test_pool_status_carries_the_draft_counts_on_the_wire() -> None:
         num_draft_tokens=40,
         num_accepted_draft_tokens=31,
     )
-    response = convert.to_pool_status(status)
+    response = allocation_convert.to_pool_status(status)
     assert (response.num_draft_tokens, response.num_accepted_draft_tokens) == (40, 31)
