@@ -34,18 +34,18 @@ from nanoserve.engine.core.request import Request
 from nanoserve.engine.core.sample_group import add_cumulative_logprobs, fork_prefilled
 from nanoserve.engine.core.scheduler import ScheduledChunk, Scheduler
 from nanoserve.engine.core.status import PoolStatus, model_info_of, pool_status_of
+from nanoserve.engine.core.step_rows import build_step_rows
 from nanoserve.engine.errors import (
     DuplicateRequestError,
     PrefixCacheResetRefusedError,
-    QueueFullError,
     RequestNotFoundError,
 )
 from nanoserve.engine.journal.request_journal import admit_record, journal_final, output_record, rebuild_requests
-from nanoserve.engine.model.forward_batch import ForwardBatch, SeqSlice
+from nanoserve.engine.model.forward_batch import ForwardBatch
 from nanoserve.engine.model.model_runner import ModelRunner
 from nanoserve.engine.sampling.params import SamplingParams
 from nanoserve.engine.sampling.sampler import Sampler, SamplerOutput
-from nanoserve.engine.speculative import accepted_tokens, draft_rows, make_proposer
+from nanoserve.engine.speculative import append_accepted, make_proposer, sample_verified
 from nanoserve.engine.structured.structured_outputs import StructuredOutputs
 from nanoserve.engine.text.input_processor import InputProcessor
 from nanoserve.engine.text.prompts import Prompt
@@ -194,15 +194,7 @@ class LLMEngine:
         """Queues a request made by ``process_request``; engine thread only."""
         if request.request_id in self._requests:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already live")
-        # a waiting request that a free running slot will take at the next step is not queued: the
-        # engine holds at most max_num_seqs + max_num_waiting requests, whatever step they arrive between
-        sched = self.config.scheduler
-        num_held = self.scheduler.num_running + self.scheduler.num_waiting
-        if num_held >= sched.max_num_seqs + sched.max_num_waiting:
-            raise QueueFullError(
-                f"{self.scheduler.num_running} requests are running and {self.scheduler.num_waiting} waiting"
-                f" (max_num_seqs {sched.max_num_seqs} + max_num_waiting {sched.max_num_waiting})"
-            )
+        self.scheduler.check_room()
         self._requests[request.request_id] = request
         self.scheduler.add(request)
         self.structured.admitted(request.sampling_params.constraint)
@@ -257,156 +249,92 @@ class LLMEngine:
             self.event_log.append_batch(step, events, self.allocator.snapshot, journal)
 
     def _execute(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
-        now = time.monotonic()
-        slices = []
-        sampled: list[Request] = []  # requests whose chunk yields logits, in sampling-row order
-        sample_rows: list[int] = []  # the logits row of each of ``sampled``
-        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first logits row, chunk start): prompt logprobs
-        verifying: list[tuple[ScheduledChunk, int]] = []  # (decode with drafts, its first logits row)
-        num_rows = 0
-        for chunk in chunks:
-            request = chunk.request
-            assert request.block_table is not None
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-            end = chunk.start + chunk.num_new_tokens
-            if chunk.draft_token_ids:  # a verify pass: [last token, drafts], the logits of every position
-                tokens = request.token_ids[chunk.start : end] + list(chunk.draft_token_ids)
-                slices.append(SeqSlice(tokens, chunk.start, request.block_table.block_ids, True, True))
-                verifying.append((chunk, num_rows))
-                num_rows += len(tokens)
-                continue
-            all_logits = request.wants_prompt_logprobs(chunk.start, end)
-            slices.append(
-                SeqSlice(
-                    request.token_ids[chunk.start : end],
-                    chunk.start,
-                    request.block_table.block_ids,
-                    chunk.needs_logits,
-                    all_logits,
-                )
-            )
-            if all_logits:
-                prompt_rows.append((request, num_rows, chunk.start))
-                num_rows += chunk.num_new_tokens
-            elif chunk.needs_logits:
-                num_rows += 1
-            if chunk.needs_logits:
-                sampled.append(request)
-                sample_rows.append(num_rows - 1)
-        copies = [
-            pair for chunk in chunks if chunk.request.block_table for pair in chunk.request.block_table.take_copies()
-        ]
-        if copies:
-            self.runner.copy_blocks(copies)  # forked blocks copied on write: their K/V rows before the writes
-        batch = ForwardBatch.build(slices, self.block_size, self.runner.device)
+        step = build_step_rows(chunks, time.monotonic())
+        if step.copies:
+            self.runner.copy_blocks(step.copies)  # forked blocks copied on write: their K/V rows before the writes
+        batch = ForwardBatch.build(step.slices, self.block_size, self.runner.device)
         logits = self.runner.forward(batch)  # [num_rows, vocab_size] float32
-        for request, first_row, start in prompt_rows:
+        for request, first_row, start in step.prompt_rows:
             request.add_prompt_logprobs(start, logits[first_row:])
         # [k + 1, vocab_size] per verify pass
-        verified = [(chunk, logits[first : first + len(chunk.draft_token_ids) + 1]) for chunk, first in verifying]
-        if num_rows != len(sample_rows):
-            logits = logits[sample_rows]  # [len(sampled), vocab_size]
+        verified = [(c, logits[first : first + len(c.draft_token_ids) + 1]) for c, first in step.verifying]
+        if step.num_rows != len(step.sample_rows):
+            logits = logits[step.sample_rows]  # [len(sampled), vocab_size]
         for chunk in chunks:
             if chunk.draft_token_ids:
                 continue  # computed up to what its verification accepts (_accept_drafts)
             chunk.request.num_computed_tokens += chunk.num_new_tokens
             self.scheduler.register_computed(chunk.request, chunk.num_new_tokens)  # only now is the chunk's KV written
         outputs = self._verify_drafts(verified) if verified else []
-        if not sampled:
+        if not step.sampled:
             return outputs
-        rows, row_logits = fork_prefilled(sampled, self.scheduler, self._serials)
-        if len(rows) != len(sampled):
+        rows, row_logits = fork_prefilled(step.sampled, self.scheduler, self._serials)
+        if len(rows) != len(step.sampled):
             logits = logits[row_logits]  # [len(rows), vocab_size]: a parent's row once per sample
         result = self.sampler(logits, rows, self.structured.token_mask(rows))
         add_cumulative_logprobs(logits, rows, result.token_ids)
         now = time.monotonic()
         for request, token_id, logprob in zip(rows, result.token_ids, result.logprobs, strict=True):
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            group = request.group
-            if group is not None and group.parent.metrics.first_token_time is None:
-                group.parent.metrics.first_token_time = now
+            request.note_first_token(now)
             if not request.advance_grammar(token_id):  # the grammar allowed nothing: the token is discarded
                 _log.info("grammar_dead_end", request_id=request.request_id, error=_matcher_error(request))
                 request.abort(AbortCause.GRAMMAR)
-                ended = self._finish(request, FreeReason.ABORTED, now)
-                outputs.extend(ended)
-                if self.journaling and ended and ended[-1].finished:
-                    self._journal.append(output_record(ended[-1] if group is None else journal_final(ended[-1])))
+                outputs.extend(self._end(request, FreeReason.ABORTED, now))
                 continue
             request.append_token(token_id, logprob)
-            if request.finish_reason is not None:
-                ended = self._finish(request, FreeReason.FINISHED, now)
-                outputs.extend(ended)
-                if self.journaling and ended and ended[-1].finished:
-                    self._journal.append(output_record(ended[-1] if group is None else journal_final(ended[-1])))
-            else:
-                output = request.make_output(final=False)
-                if group is not None:
-                    output = group.child_output(request, output)
-                if output is not None:
-                    outputs.append(output)
-                    if self.journaling and group is None:
-                        self._journal.append(output_record(output))
+            outputs.extend(self._emit(request, now))
         return outputs
+
+    def _emit(self, request: Request, now: float) -> list[RequestOutput]:
+        """What ``request``'s newest tokens make, journaled: its ending when a finish check ended it,
+        else its delta (a sample's as its group shows it; None of a best_of sample until the end)."""
+        if request.finish_reason is not None:
+            return self._end(request, FreeReason.FINISHED, now)
+        group = request.group
+        output = request.make_output(final=False)
+        if group is not None:
+            output = group.child_output(request, output)
+        if output is None:
+            return []
+        if self.journaling and group is None:
+            self._journal.append(output_record(output))
+        return [output]
+
+    def _end(self, request: Request, reason: FreeReason, now: float) -> list[RequestOutput]:
+        """``_finish``, and the final output journaled (a sample's once its group has ended)."""
+        ended = self._finish(request, reason, now)
+        if self.journaling and ended and ended[-1].finished:
+            self._journal.append(output_record(ended[-1] if request.group is None else journal_final(ended[-1])))
+        return ended
 
     def _verify_drafts(self, verified: list[tuple[ScheduledChunk, torch.Tensor]]) -> list[RequestOutput]:
         """Samples every verified position of this step's speculative decodes in one sampler call
-        and appends each request's accepted tokens (``engine/speculative/verification.py``).
+        (``sample_verified``) and appends each request's accepted tokens.
 
         verified: (chunk, its logits [k + 1, vocab_size]), row i the position after draft i - 1.
         """
-        rows = [row for chunk, _ in verified for row in draft_rows(chunk.request, chunk.draft_token_ids)]
-        result = self.sampler(torch.cat([chunk_logits for _, chunk_logits in verified]), rows)
+        targets = sample_verified(self.sampler, [(c.request, c.draft_token_ids, rows) for c, rows in verified])
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        first = 0
-        for chunk, chunk_logits in verified:
-            last = first + chunk_logits.shape[0]
-            part = SamplerOutput(result.token_ids[first:last], result.logprobs[first:last])
-            outputs.extend(self._accept_drafts(chunk, part, now))
-            first = last
-        return outputs
+        return [
+            out for (c, _), part in zip(verified, targets, strict=True) for out in self._accept_drafts(c, part, now)
+        ]
 
     def _accept_drafts(self, chunk: ScheduledChunk, targets: SamplerOutput, now: float) -> list[RequestOutput]:
-        """Appends the tokens a verify pass emits one by one through the request's finish checks,
-        stopping at the first that ends it; then the table drops the rejected drafts' slots (blocks
-        only they needed are freed, reason REJECTED_DRAFT) and the accepted blocks are registered.
+        """Appends the tokens a verify pass emits (``append_accepted``: through the request's finish
+        checks, the rejected drafts' slots dropped, blocks only they needed freed as REJECTED_DRAFT),
+        then registers the accepted blocks and emits the request's output.
 
         targets: the token sampled at each of the chunk's k + 1 positions, and its logprob.
         """
         request = chunk.request
-        assert request.sampling_params.num_samples == 1, f"parallel request {request.request_id!r} drafted"
         assert request.group is None, f"sample {request.request_id!r} of a parallel request drafted"
-        drafts = chunk.draft_token_ids
-        tokens = accepted_tokens(drafts, targets.token_ids)
-        num_appended = 0
-        for token_id, logprob in zip(tokens, targets.logprobs, strict=False):  # row i sampled tokens[i]
-            request.append_token(token_id, logprob)
-            num_appended += 1
-            if request.finish_reason is not None:
-                break
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_draft_tokens += min(num_appended, len(tokens) - 1)
-        # the last token and the drafts accepted have their KV now; the newest token has not
-        request.num_computed_tokens += num_appended
-        assert request.block_table is not None
-        request.block_table.truncate(request.num_computed_tokens, FreeReason.REJECTED_DRAFT)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        if request.finish_reason is not None:
-            ended = self._finish(request, FreeReason.FINISHED, now)
-            if self.journaling:
-                self._journal.append(output_record(ended[-1]))
-            return ended
-        self.scheduler.register_computed(request, num_appended)
-        output = request.make_output(final=False)
-        if output is None:
-            return []
-        if self.journaling:
-            self._journal.append(output_record(output))
-        return [output]
+        num_appended, num_accepted = append_accepted(request, chunk.draft_token_ids, targets)
+        self.num_draft_tokens += len(chunk.draft_token_ids)
+        self.num_accepted_draft_tokens += num_accepted
+        request.note_first_token(now)
+        if request.finish_reason is None:
+            self.scheduler.register_computed(request, num_appended)
+        return self._emit(request, now)
 
     def _finish(self, request: Request, reason: FreeReason, now: float) -> list[RequestOutput]:
         """Ends ``request`` (a sample: its group too once it was the last); its outputs, the final one last."""
@@ -447,17 +375,12 @@ class LLMEngine:
         step = self._begin_step()
         try:
             now = time.monotonic()
-            if request.group is None:
-                outputs = self._finish(request, FreeReason.ABORTED, now)
-            else:  # every sample still running ends with it; the last one's ending ends the group
-                for child in request.group.live_children:
-                    child.abort(cause)
-                    outputs = self._finish(child, FreeReason.ABORTED, now)
-            final = outputs[-1]
-            assert final.finished, "an aborted request's last output is its final one"
-            self._pending_outputs.append(final)
-            if self.journaling:
-                self._journal.append(output_record(final if request.group is None else journal_final(final)))
+            # every sample still running ends with it; the last one's ending ends the group
+            for target in [request] if request.group is None else request.group.live_children:
+                target.abort(cause)
+                outputs = self._end(target, FreeReason.ABORTED, now)
+            assert outputs[-1].finished, "an aborted request's last output is its final one"
+            self._pending_outputs.append(outputs[-1])
         finally:
             self._persist_events(step)
 

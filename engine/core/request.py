@@ -209,6 +209,12 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
+    def note_first_token(self, now: float) -> None:
+        """Stamps ``now`` (``time.monotonic()``) as the first token's time, its group's parent's too, once."""
+        for metrics in (self.metrics, self.group.parent.metrics) if self.group is not None else (self.metrics,):
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+
     def abort(self, cause: AbortCause) -> None:
         """Ends the request with finish_reason "abort" and its cause (the caller frees its blocks)."""
         self.finish_reason = "abort"

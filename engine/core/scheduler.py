@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from nanoserve.allocator import BlockAllocator, BlockKey, BlockTable, FreeReason, KVCacheExhausted, cdiv
 from nanoserve.engine.config import SchedulerConfig
 from nanoserve.engine.core.request import Request, RequestStatus
+from nanoserve.engine.errors import QueueFullError
 from nanoserve.engine.speculative import Proposer
 
 
@@ -135,6 +136,17 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def check_room(self) -> None:
+        """Raises QueueFullError when running + waiting requests already number ``max_num_seqs +
+        max_num_waiting``: a waiting request that a free running slot will take at the next step is
+        not queued, so the engine holds at most that many, whatever step they arrive between."""
+        config = self.config
+        if self.num_running + self.num_waiting >= config.max_num_seqs + config.max_num_waiting:
+            raise QueueFullError(
+                f"{self.num_running} requests are running and {self.num_waiting} waiting"
+                f" (max_num_seqs {config.max_num_seqs} + max_num_waiting {config.max_num_waiting})"
+            )
 
     def add(self, request: Request) -> None:
         assert request.status is RequestStatus.WAITING

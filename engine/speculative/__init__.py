@@ -7,6 +7,21 @@ accepted prefix). See docs/speculative-decoding.md.
 
 from nanoserve.engine.speculative.ngram_proposer import NgramProposer
 from nanoserve.engine.speculative.proposer import Proposer, make_proposer
-from nanoserve.engine.speculative.verification import DraftRow, accepted_tokens, draft_rows
+from nanoserve.engine.speculative.verification import (
+    DraftRow,
+    accepted_tokens,
+    append_accepted,
+    draft_rows,
+    sample_verified,
+)
 
-__all__ = ["DraftRow", "NgramProposer", "Proposer", "accepted_tokens", "draft_rows", "make_proposer"]
+__all__ = [
+    "DraftRow",
+    "NgramProposer",
+    "Proposer",
+    "accepted_tokens",
+    "append_accepted",
+    "draft_rows",
+    "make_proposer",
+    "sample_verified",
+]

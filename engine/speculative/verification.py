@@ -24,9 +24,16 @@ and greedy rows (t_i = argmax) accept exactly the drafts that equal the argmax.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import torch
+
+from nanoserve.allocator import FreeReason
 from nanoserve.engine.sampling.params import SamplingParams
-from nanoserve.engine.sampling.sampler import SamplingRow
+from nanoserve.engine.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+
+if TYPE_CHECKING:
+    from nanoserve.engine.core.request import Request
 
 
 class DraftRow:
@@ -87,3 +94,44 @@ def accepted_tokens(drafts: Sequence[int], targets: Sequence[int]) -> list[int]:
             return tokens
     tokens.append(targets[len(drafts)])
     return tokens
+
+
+def sample_verified(
+    sampler: Sampler, verified: Sequence[tuple[SamplingRow, Sequence[int], torch.Tensor]]
+) -> list[SamplerOutput]:
+    """Each verify pass's k + 1 targets, drawn in one sampler call over every verified position.
+
+    verified: (the request, its k drafts, its logits ``[k + 1, vocab_size]``) per verify pass.
+    """
+    rows = [row for request, drafts, _ in verified for row in draft_rows(request, drafts)]
+    result = sampler(torch.cat([logits for _, _, logits in verified]), rows)
+    targets: list[SamplerOutput] = []
+    first = 0
+    for _, drafts, _ in verified:
+        last = first + len(drafts) + 1
+        targets.append(SamplerOutput(result.token_ids[first:last], result.logprobs[first:last]))
+        first = last
+    return targets
+
+
+def append_accepted(request: Request, drafts: Sequence[int], targets: SamplerOutput) -> tuple[int, int]:
+    """Appends the tokens a verify pass over ``drafts`` emits (``accepted_tokens``) to ``request`` one
+    by one through its finish checks, stopping at the first that ends it; then its block table
+    drops the slots past what is computed (blocks only rejected drafts needed are freed, reason
+    REJECTED_DRAFT). Returns (tokens appended, drafts accepted).
+
+    targets: the token sampled at each of the k + 1 verified positions, and its logprob.
+    """
+    assert request.sampling_params.num_samples == 1, f"parallel request {request.request_id!r} drafted"
+    tokens = accepted_tokens(drafts, targets.token_ids)
+    num_appended = 0
+    for token_id, logprob in zip(tokens, targets.logprobs, strict=False):  # row i sampled tokens[i]
+        request.append_token(token_id, logprob)
+        num_appended += 1
+        if request.finish_reason is not None:
+            break
+    # the last token and the drafts accepted have their KV now; the newest token has not
+    request.num_computed_tokens += num_appended
+    assert request.block_table is not None
+    request.block_table.truncate(request.num_computed_tokens, FreeReason.REJECTED_DRAFT)
+    return num_appended, min(num_appended, len(tokens) - 1)
