@@ -10,6 +10,7 @@ For each: output tokens per second with ``--speculative off`` (the peer) and ``n
 
     .venv/bin/python -m bench.speculative
     .venv/bin/python -m bench.speculative --max-tokens 64 --k 8 --quantization none
+    .venv/bin/python -m bench.speculative --batch-invariant on    # verify passes on the int16 panels
 """
 
 from __future__ import annotations
@@ -42,13 +43,19 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     parser.add_argument("--threads", type=int, default=None, help="--num-threads (default: the engine's choice)")
     parser.add_argument("--quantization", default="auto", help="--quantization (none: the dequantized float32 model)")
+    parser.add_argument("--ngram-min", type=int, default=None, help="--speculative-ngram-min (default: the engine's)")
+    parser.add_argument("--batch-invariant", default="off", choices=("on", "auto", "off"), help="--batch-invariant")
     args = parser.parse_args()
-    settings = {"num_threads": args.threads, "quantization": args.quantization}
+    settings = {"num_threads": args.threads, "quantization": args.quantization, "batch_invariant": args.batch_invariant}
     off = LLM(**settings)
-    on = LLM(**settings, speculative="ngram", num_speculative_tokens=args.k)
+    ngram = {} if args.ngram_min is None else {"speculative_ngram_min": args.ngram_min}
+    on = LLM(**settings, speculative="ngram", num_speculative_tokens=args.k, **ngram)
     for llm in (off, on):
         run(llm, PROMPTS["plain chat"], 4)  # warm-up
-    print(f"one greedy stream, max_tokens {args.max_tokens}, k {args.k}, quantization {args.quantization}")
+    print(
+        f"one greedy stream, max_tokens {args.max_tokens}, k {args.k}, quantization {args.quantization}, "
+        f"batch invariant {args.batch_invariant}"
+    )
     print("| prompt | tokens | off tok/s | ngram tok/s | x off | accepted / drafted | tokens equal |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, prompt in PROMPTS.items():

@@ -268,7 +268,7 @@ class SpeculativeConfig:
 
     speculative: str = "off"
     num_speculative_tokens: int = 4
-    speculative_ngram_min: int = 1
+    speculative_ngram_min: int = 3  # 1 or 2 match by chance: drafts mostly rejected (bench.speculative)
     speculative_ngram_max: int = 4
 
     def __post_init__(self) -> None:

@@ -165,8 +165,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "speculative_ngram_min",
         "engine",
         int,
-        1,
-        "shortest n-gram --speculative ngram looks up (>= 1, at most --speculative-ngram-max)",
+        3,
+        "shortest n-gram --speculative ngram looks up (>= 1, at most --speculative-ngram-max); shorter "
+        "suffixes match by chance and their drafts are mostly rejected",
     ),
     Setting(
         "speculative_ngram_max",
