@@ -207,7 +207,7 @@ def main() -> None:
         "--max-read-calls-per-s", type=float, default=1000.0, help="the server's setting (the load is one peer)"
     )
     parser.add_argument(
-        "--max-read-items-per-s", type=float, default=20_000.0, help="the server's setting (0: read paths not paced)"
+        "--max-read-items-per-s", type=float, default=0.0, help="the server's setting (0: read paths not paced)"
     )
     parser.add_argument("--load-nice", type=int, default=10, help="niceness of the load process")
     parser.add_argument("--dtype", default="auto")

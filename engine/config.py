@@ -192,7 +192,7 @@ class EventLogConfig:
     stream_before_durable: bool = False
     journal_retention_s: float = 3600.0
     max_concurrent_log_reads: int = 4
-    max_read_items_per_s: float = 20_000.0
+    max_read_items_per_s: float = 0.0
 
     @property
     def journal_enabled(self) -> bool:
