@@ -47,7 +47,7 @@ def build_step_rows(chunks: list[ScheduledChunk], now: float) -> StepRows:
         block_ids = request.block_table.block_ids
         if chunk.draft_token_ids:  # a verify pass: [last token, drafts], the logits of every position
             tokens = request.token_ids[chunk.start : end] + list(chunk.draft_token_ids)
-            rows.slices.append(SeqSlice(tokens, chunk.start, block_ids, True, True))
+            rows.slices.append(SeqSlice(tokens, chunk.start, block_ids, True, True, as_decodes=True))
             rows.verifying.append((chunk, rows.num_rows))
             rows.num_rows += len(tokens)
             continue

@@ -64,14 +64,24 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             return metadata
         token_starts = first_rows(batch.query_lens)
         self._prepare_prefills(batch, block_size, token_starts, metadata)
-        decode_rows = [i for i, q in enumerate(batch.query_lens) if q == 1]
-        if decode_rows:
-            seq_index = torch.tensor(decode_rows, dtype=torch.int64)
+        if any(batch.as_decodes):  # verify passes: every row a decode at its own position, not SDPA
+            flagged = {token_starts[i] for i, as_decodes in enumerate(batch.as_decodes) if as_decodes}
+            metadata.prefills = [p for p in metadata.prefills if p.token_start not in flagged]
+        # (sequence, first row, query rows) of every row the kernel attends as a decode
+        decode_seqs = [
+            (i, token_starts[i], q)
+            for i, q in enumerate(batch.query_lens)
+            if q == 1 or batch.as_decodes[i : i + 1] == [True]
+        ]
+        if decode_seqs:
+            rows = [start + j for _, start, q in decode_seqs for j in range(q)]
+            seq_of_row = torch.tensor([i for i, _, q in decode_seqs for _ in range(q)], dtype=torch.int64)
             metadata.kernel_decodes = KernelDecodes(
-                token_indices=torch.tensor([token_starts[i] for i in decode_rows], dtype=torch.int64),
-                block_tables=batch.block_tables.index_select(0, seq_index).to(torch.int32),
-                context_lens=torch.tensor([batch.context_lens[i] for i in decode_rows], dtype=torch.int32),
-                in_order=len(decode_rows) == batch.num_tokens,
+                token_indices=torch.tensor(rows, dtype=torch.int64),
+                block_tables=batch.block_tables.index_select(0, seq_of_row).to(torch.int32),
+                # a row sees the keys up to its own position
+                context_lens=(batch.positions[rows] + 1).to(torch.int32),
+                in_order=len(rows) == batch.num_tokens,
             )
         return metadata
 

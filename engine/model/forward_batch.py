@@ -10,7 +10,7 @@ attention reads the whole context back through the sequence's block table.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ class SeqSlice:
     all_logits: the logits of every new token are wanted, in order (prompt
         logprobs); the last one's row is then also the sampling row when
         ``needs_logits``.
+    as_decodes: each new token attends as a decode at its own position would, where the
+        attention backend has a decode path of its own (the float32 CPU kernel): a speculative
+        verify pass then gets the logits plain decoding gets, not a prefill's.
     """
 
     token_ids: list[int]
@@ -38,6 +41,7 @@ class SeqSlice:
     block_ids: list[int]
     needs_logits: bool = True
     all_logits: bool = False
+    as_decodes: bool = False
 
 
 @dataclass
@@ -56,6 +60,7 @@ class ForwardBatch:
         are returned (the last token of each sequence with ``needs_logits``;
         every token of one with ``all_logits``).
     start_positions: [num_seqs], ``context_lens - query_lens``.
+    as_decodes: [num_seqs], ``SeqSlice.as_decodes`` (empty: none).
 
     input_ids, positions, slot_mapping and logits_indices are views of one int64
     array, made in one conversion from Python ints (and one copy to a device)
@@ -71,6 +76,7 @@ class ForwardBatch:
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
     start_positions: list[int]
+    as_decodes: list[bool] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -145,6 +151,7 @@ class ForwardBatch:
             block_tables=torch.from_numpy(table).to(device, non_blocking=True),
             logits_indices=logits_rows,
             start_positions=start_positions,
+            as_decodes=[seq.as_decodes for seq in seqs],
         )
 
 

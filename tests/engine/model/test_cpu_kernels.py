@@ -204,6 +204,26 @@ def test_kernel_backend_sends_decodes_to_the_kernel_and_prefills_to_sdpa():
     assert metadata.decode_buckets == []
 
 
+def test_a_verify_pass_attends_each_row_as_a_decode_at_its_own_position():
+    # a prefill chunk by SDPA, a decode, and a 4-token verify pass at positions 6..9 (SeqSlice.as_decodes)
+    batch = ForwardBatch.build(
+        [
+            SeqSlice([1, 2, 3], 4, [5, 6]),
+            SeqSlice([7], 9, [1, 2, 3]),
+            SeqSlice([8, 9, 10, 11], 6, [7, 8, 9], as_decodes=True),
+        ],
+        block_size=4,
+    )
+    metadata = CpuPagedAttentionBackend().prepare(batch, block_size=4)
+    decodes = metadata.kernel_decodes
+    assert decodes is not None
+    assert decodes.token_indices.tolist() == [3, 4, 5, 6, 7]
+    assert decodes.context_lens.tolist() == [10, 7, 8, 9, 10]  # each row sees the keys up to itself
+    assert decodes.block_tables[:, :1].tolist() == [[1], [7], [7], [7], [7]]
+    assert [(p.token_start, p.token_end, p.context_len) for p in metadata.prefills] == [(0, 3, 7)]
+    assert not decodes.in_order
+
+
 def test_add_rms_norm_equals_torchs_add_then_rms_norm():
     gen = torch.Generator().manual_seed(0)
     hidden, delta = torch.randn(7, 576, generator=gen), torch.randn(7, 576, generator=gen)
