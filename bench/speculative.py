@@ -40,7 +40,7 @@ def run(llm: LLM, prompt: ChatPrompt, max_tokens: int) -> tuple[list[int], float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--k", type=int, default=3, help="--num-speculative-tokens")
     parser.add_argument("--threads", type=int, default=None, help="--num-threads (default: the engine's choice)")
     parser.add_argument("--quantization", default="auto", help="--quantization (none: the dequantized float32 model)")
     parser.add_argument("--ngram-min", type=int, default=None, help="--speculative-ngram-min (default: the engine's)")

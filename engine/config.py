@@ -267,7 +267,7 @@ class SpeculativeConfig:
     """
 
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 3  # a 4-row verify pass takes the GGUF decode arithmetic: exact, and cheapest
     speculative_ngram_min: int = 3  # 1 or 2 match by chance: drafts mostly rejected (bench.speculative)
     speculative_ngram_max: int = 4
 
