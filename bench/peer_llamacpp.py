@@ -66,7 +66,11 @@ from nanoserve.engine.model.weights import default_model_path  # noqa: E402
 class LlamaCpp:
     """llama.cpp's server engine in this process: ``n_parallel`` slots, ``num_threads`` threads."""
 
-    def __init__(self, model_path: str, n_parallel: int, slot_tokens: int, num_threads: int) -> None:
+    def __init__(
+        self, model_path: str, n_parallel: int, slot_tokens: int, num_threads: int, speculative: str = "none"
+    ) -> None:
+        """speculative: "none", or "ngram": llama.cpp's own n-gram speculation (``ngram-simple`` at its
+        defaults), for bench.speculative."""
         import xllamacpp
 
         params = xllamacpp.CommonParams()
@@ -75,6 +79,8 @@ class LlamaCpp:
         params.n_ctx = n_parallel * slot_tokens
         params.cpuparams.n_threads = num_threads
         params.cpuparams_batch.n_threads = num_threads
+        if speculative == "ngram":
+            params.speculative.types = [xllamacpp.common_speculative_type.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
         self.server = xllamacpp.Server(params)
 
     def complete(self, prompt_token_ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -105,12 +111,18 @@ class LlamaCpp:
 
 
 def _serve_llamacpp(
-    conn: Connection, environ: dict[str, str], model_path: str, n_parallel: int, slot_tokens: int, num_threads: int
+    conn: Connection,
+    environ: dict[str, str],
+    model_path: str,
+    n_parallel: int,
+    slot_tokens: int,
+    num_threads: int,
+    speculative: str = "none",
 ) -> None:
     """The child process: one ``LlamaCpp``, running each (method, args) the parent sends, until None."""
     os.environ.clear()  # before xllamacpp loads its OpenMP runtime, which reads the environment once
     os.environ.update(environ)
-    peer = LlamaCpp(model_path, n_parallel, slot_tokens, num_threads)
+    peer = LlamaCpp(model_path, n_parallel, slot_tokens, num_threads, speculative)
     conn.send("ready")
     while (call := conn.recv()) is not None:
         method, args = call
@@ -120,12 +132,14 @@ def _serve_llamacpp(
 class LlamaCppProcess:
     """``LlamaCpp`` in a child process (spawned: no torch pool inherited), driven over a pipe."""
 
-    def __init__(self, model_path: str, n_parallel: int, slot_tokens: int, num_threads: int) -> None:
+    def __init__(
+        self, model_path: str, n_parallel: int, slot_tokens: int, num_threads: int, speculative: str = "none"
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=_serve_llamacpp,
-            args=(child_conn, PEER_ENVIRON, model_path, n_parallel, slot_tokens, num_threads),
+            args=(child_conn, PEER_ENVIRON, model_path, n_parallel, slot_tokens, num_threads, speculative),
             daemon=True,
         )
         self._process.start()

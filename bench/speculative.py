@@ -7,6 +7,10 @@ Two chat prompts, each answered greedily by the default model (SmolLM2-135M-Inst
 
 For each: output tokens per second with ``--speculative off`` (the peer) and ``ngram``
 (``--k`` drafts), their ratio, the drafts' acceptance rate, and whether the tokens are equal.
+With the ``bench`` extra (``xllamacpp``), llama.cpp's server engine runs the same prompt token
+ids greedily for as many tokens, with and without its own n-gram speculation (``ngram-simple``
+at its defaults), in child processes; its rate is its ``predicted_per_second`` (generation
+only), ours counts the prefill too, which favours llama.cpp slightly.
 
     .venv/bin/python -m bench.speculative
     .venv/bin/python -m bench.speculative --max-tokens 64 --k 8 --quantization none
@@ -44,6 +48,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="--num-threads (default: the engine's choice)")
     parser.add_argument("--quantization", default="auto", help="--quantization (none: the dequantized float32 model)")
     parser.add_argument("--ngram-min", type=int, default=None, help="--speculative-ngram-min (default: the engine's)")
+    parser.add_argument("--skip-peer", action="store_true", help="no llama.cpp runs (without the bench extra)")
     parser.add_argument("--batch-invariant", default="off", choices=("on", "auto", "off"), help="--batch-invariant")
     args = parser.parse_args()
     settings = {"num_threads": args.threads, "quantization": args.quantization, "batch_invariant": args.batch_invariant}
@@ -72,6 +77,29 @@ def main() -> None:
         )
     off.shutdown()
     on.shutdown()
+    if not args.skip_peer:
+        _peer(off.engine.tokenizer, args.max_tokens, args.threads or 1)
+
+
+def _peer(tokenizer: object, max_tokens: int, num_threads: int) -> None:
+    """llama.cpp's rates on the same prompts, without and with its n-gram speculation, and ours against them."""
+    from bench.peer_llamacpp import LlamaCppProcess
+    from bench.workload import WorkloadRequest
+    from nanoserve.engine.model.weights import default_model_path
+
+    print(f"llama.cpp's server engine (xllamacpp), {num_threads} thread(s), the same prompt ids, {max_tokens} tokens")
+    print("| prompt | llama.cpp tok/s | llama.cpp ngram tok/s | x its off |")
+    print("| --- | --- | --- | --- |")
+    peers = {spec: LlamaCppProcess(str(default_model_path()), 1, 2048, num_threads, spec) for spec in ("none", "ngram")}
+    try:
+        for name, prompt in PROMPTS.items():
+            ids = tokenizer.apply_chat_template(prompt.messages)  # type: ignore[attr-defined]
+            request = WorkloadRequest(prompt.messages, ids, max_tokens)
+            rates = {spec: peer.single_stream(request, max_tokens) for spec, peer in peers.items()}
+            print(f"| {name} | {rates['none']:.1f} | {rates['ngram']:.1f} | {rates['ngram'] / rates['none']:.2f} |")
+    finally:
+        for peer in peers.values():
+            peer.close()
 
 
 if __name__ == "__main__":
