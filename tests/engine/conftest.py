@@ -85,3 +85,22 @@ def greedy_generate(runner, prompts: list[list[int]], max_new_tokens: int) -> tu
         for out, token in zip(outputs, logits.argmax(-1).tolist(), strict=True):
             out.append(token)
     return outputs, prefill_logits
+
+
+@pytest.fixture(scope="module")
+def make_tiny_llm(tiny_model_dir):  # -> Iterator[Callable[..., LLM]]
+    """``make(**kwargs) -> LLM`` on the tiny random model (float32, CPU, 64 blocks of 4; kwargs override);
+    every LLM made is shut down after the module."""
+    from nanoserve.engine.core.llm import LLM
+
+    made: list[LLM] = []
+
+    def make(**kwargs: object) -> LLM:
+        settings: dict[str, object] = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "block_size": 4}
+        llm = LLM(model=str(tiny_model_dir), **{**settings, **kwargs})
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.engine.shutdown()

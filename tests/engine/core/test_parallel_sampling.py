@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,19 +28,8 @@ SAMPLED = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def make_llm(tiny_model_dir: Path) -> Iterator[Callable[..., LLM]]:
-    made: list[LLM] = []
-
-    def make(**kwargs: object) -> LLM:
-        settings: dict[str, object] = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "block_size": 4}
-        settings.update(kwargs)
-        llm = LLM(model=str(tiny_model_dir), **settings)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.engine.shutdown()
+def make_llm(make_tiny_llm: Callable[..., LLM]) -> Callable[..., LLM]:
+    return make_tiny_llm
 
 
 @pytest.fixture(scope="module")

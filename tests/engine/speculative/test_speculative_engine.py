@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,25 +29,9 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=3, seed=11, max_tokens=40, ignor
 
 
 @pytest.fixture(scope="module")
-def make_llm(tiny_model_dir: Path) -> Iterator[Callable[..., LLM]]:
-    made: list[LLM] = []
-
-    def make(**kwargs: object) -> LLM:
-        settings: dict[str, object] = {
-            "dtype": "float32",
-            "device": "cpu",
-            "num_kv_blocks": 64,
-            "block_size": 4,
-            "num_threads": 1,
-        }
-        settings.update(kwargs)
-        llm = LLM(model=str(tiny_model_dir), **settings)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.engine.shutdown()
+def make_llm(make_tiny_llm: Callable[..., LLM]) -> Callable[..., LLM]:
+    """The tiny model's LLMs, on one thread."""
+    return functools.partial(make_tiny_llm, num_threads=1)
 
 
 @pytest.fixture(scope="module")
