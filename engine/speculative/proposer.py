@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import structlog
+
 from nanoserve.engine.config import SpeculativeConfig
 from nanoserve.engine.speculative.ngram_proposer import NgramProposer
+
+_log = structlog.get_logger(__name__)
 
 
 class Proposer(Protocol):
@@ -24,8 +28,15 @@ class Proposer(Protocol):
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer | None:
-    """The proposer ``config.speculative`` names; None when speculation is off."""
+    """The proposer ``config.speculative`` names (logged once, ``speculative_decoding``); None when off."""
     if config.speculative == "ngram":
+        _log.info(
+            "speculative_decoding",
+            method=config.speculative,
+            num_speculative_tokens=config.num_speculative_tokens,
+            ngram_min=config.speculative_ngram_min,
+            ngram_max=config.speculative_ngram_max,
+        )
         return NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
     assert config.speculative == "off", f"no proposer for speculative={config.speculative!r}"
     return None
