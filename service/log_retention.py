@@ -2,12 +2,15 @@
 
 Every ``interval_s`` it runs ``archive_due`` on the server's log and pool: the
 epochs ``--event-log-retention-s`` / ``--event-log-retention-bytes`` no longer
-keep move into ``--event-log-archive-dir`` (``nanoserve.allocator.log.archive``).
-It runs on a thread of its own, never on the engine's, and through its own
-connections; the open epoch is never touched (a pool's newest epoch is never
-archived), so the engine's writes and the archiver's meet only as two writers
-of the same database. A failed pass is logged and retried at the next interval;
-it never stops the server.
+keep move into ``--event-log-archive-dir`` (``nanoserve.allocator.log.archive``);
+then ``archive_due_segment``: the open epoch's rows before a verified checkpoint,
+once they outgrow the same bounds, move into a segment file
+(``nanoserve.allocator.log.segment_archive``), so a server that never restarts
+keeps its live log flat. It runs on a thread of its own, never on the engine's,
+and through its own connections; it deletes only rows before a durable
+checkpoint, never a row the engine's writer still writes, so the two meet only
+as two writers of the same database. A failed pass is logged and retried at
+the next interval; it never stops the server.
 
 Invariant: at most one pass runs at a time; ``stop`` waits for the pass in flight.
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 import structlog
 
 from nanoserve.allocator.log.archive import ManifestEntry, RetentionPolicy, archive_due
+from nanoserve.allocator.log.segment_archive import LiveSize, SegmentEntry, archive_due_segment
 
 log = structlog.get_logger("nanoserve.service")
 
@@ -43,7 +47,8 @@ def default_archive_dir(url: str) -> Path:
 class LogArchiver:
     """Archives ``pool_id``'s epochs of the log at ``url`` that ``policy`` no longer keeps, every ``interval_s``.
 
-    passes: passes finished so far; archived: every epoch archived so far, in order.
+    passes: passes finished so far; archived: every epoch archived so far, in order;
+    segments: every segment of the open epoch archived so far, in order.
     """
 
     def __init__(
@@ -63,6 +68,8 @@ class LogArchiver:
         self.interval_s = interval_s
         self.passes = 0
         self.archived: list[ManifestEntry] = []
+        self.segments: list[SegmentEntry] = []
+        self._live_size = LiveSize()  # the open epoch's bytes since its cut, measured a range at a time
         self._sizes: dict[tuple[str, int], int] = {}  # finished epochs' bytes, measured once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nanoserve-log-archiver", daemon=True)
@@ -77,7 +84,8 @@ class LogArchiver:
             self._thread.join(timeout_s)
 
     def run_once(self) -> list[ManifestEntry]:
-        """One pass: archives what is due and returns it (also what the thread runs)."""
+        """One pass: archives the epochs due and returns them, then the open epoch's due segment (appended to
+        ``segments``); also what the thread runs."""
         from nanoserve.migrations import upgrade
 
         entries = archive_due(self.url, self.dest_dir, self.policy, upgrade, pool_id=self.pool_id, sizes=self._sizes)
@@ -92,6 +100,19 @@ class LogArchiver:
                 sha256=entry.sha256,
             )
         self.archived.extend(entries)
+        segments = archive_due_segment(self.url, self.dest_dir, self.policy, upgrade, self.pool_id, self._live_size)
+        for segment in segments:
+            log.info(
+                "event_log_segment_archived",
+                pool_id=segment.pool_id,
+                epoch=segment.epoch,
+                first_seq=segment.first_seq,
+                last_seq=segment.last_seq,
+                num_bytes=segment.num_bytes,
+                path=segment.path,
+                sha256=segment.sha256,
+            )
+        self.segments.extend(segments)
         self.passes += 1
         return entries
 

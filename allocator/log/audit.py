@@ -29,7 +29,7 @@ from nanoserve.allocator.log.reader import (
     to_event,
 )
 from nanoserve.allocator.log.replay import checkpoint_start, replay_epoch
-from nanoserve.allocator.log.replay_state import Replayer
+from nanoserve.allocator.log.segment import cut_start
 from nanoserve.allocator.pool_state import PoolState, Violation
 
 
@@ -53,6 +53,7 @@ class AuditReport:
     violations: list[Violation] = field(default_factory=list)
     leaked: dict[int, str] = field(default_factory=dict)
     from_seq: int = 1  # the first seq read: 1 for a full audit, a checkpoint's seq for a tail audit
+    num_archived: int = 0  # seqs 1..num_archived are archived as segments (a full audit starts after them)
 
     @property
     def clean(self) -> bool:
@@ -73,6 +74,11 @@ class AuditReport:
         head = f"pool {self.pool_id!r} epoch {self.epoch}: {self.num_events} events, last seq {self.last_seq}, "
         head += "closed" if self.closed else open_status
         lines = [head]
+        if self.num_archived:
+            lines.append(
+                f"  seqs 1..{self.num_archived} archived (audited from seq {self.from_seq}, chained to the manifest's "
+                "head hash; `log audit --archive FILE` audits each segment file)"
+            )
         if self.clean:
             lines.append("  clean")
         else:
@@ -94,9 +100,10 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
     recovery does before serving, in constant time. The report's
     ``from_seq`` is then the checkpoint's seq and ``num_events`` counts the
     rows from there; the full audit (the default, and ``log audit``) reads
-    the epoch from genesis.
+    the epoch from genesis, or from its cut when its older part is archived
+    (``segment.cut_start``: the first stored row chained to the manifest's head hash).
     """
-    start = (lambda: checkpoint_start(conn, info)) if from_checkpoint else (lambda: Replayer(info))
+    start = (lambda: checkpoint_start(conn, info)) if from_checkpoint else (lambda: cut_start(conn, info))
     replayer = replay_epoch(conn, info, None, start)
     replayer.finish()
     closed_seq = replayer.closed_seq
@@ -118,6 +125,7 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
         violations=_with_plot_ranges(conn, info, violations, replayer.last_seq),
         leaked=leaked,
         from_seq=replayer.start_seq,
+        num_archived=0 if from_checkpoint else replayer.start_seq - 1,
     )
 
 

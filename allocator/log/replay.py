@@ -15,7 +15,7 @@ from collections.abc import Callable
 import sqlalchemy as sa
 
 from nanoserve.allocator.log import hash_chain_verifier as chain_verifier
-from nanoserve.allocator.log.errors import LogReadError, is_store_unavailable
+from nanoserve.allocator.log.errors import LogNotFoundError, LogReadError, is_store_unavailable
 from nanoserve.allocator.log.hash_chain import genesis_hash
 from nanoserve.allocator.log.reader import (
     EVENT_COLUMNS,
@@ -33,6 +33,7 @@ from nanoserve.allocator.log.reader import (
 from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
 from nanoserve.allocator.log.replay_state import Replayer
 from nanoserve.allocator.log.schema import allocator_events
+from nanoserve.allocator.log.segment import Cut, cut_start, epoch_cut
 from nanoserve.allocator.pool_state import PoolState
 
 __all__ = ["checkpoint_start", "replay", "replay_epoch"]
@@ -67,11 +68,19 @@ def replay(
     before ``until_seq``, once the hash chain of every record before it is
     verified (``verify_chain``; off: they are trusted unread); a snapshot
     behind a broken chain is not started from, and the replay from genesis
-    names the break. Broken rules are in ``PoolState.violations``.
-    Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch.
+    names the break. An epoch whose older part is archived (``segment``)
+    starts at its cut at the earliest. Broken rules are in ``PoolState.violations``.
+    Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch,
+    and for an ``until_seq`` before the cut (replay the archive file instead).
     """
     with connect(url) as conn:
         info = resolve_epoch(conn, pool_id, epoch)
+        cut = epoch_cut(conn, info.pool_id, info.epoch)
+        if cut is not None and until_seq is not None and until_seq < cut.first_seq:
+            raise LogNotFoundError(
+                f"seqs 1..{cut.num_archived} of pool {info.pool_id!r} epoch {info.epoch} are archived "
+                f"(the manifest table archived_segments names their files): replay that file for seq {until_seq}"
+            )
         replayer = replay_epoch(
             conn, info, until_seq, lambda: _start(conn, info, until_seq, from_snapshot, verify_chain)
         )
@@ -186,14 +195,15 @@ def _start(
     begins at genesis, which names what is wrong when it gets there.
     """
     if not from_snapshot:
-        return Replayer(info)
+        return cut_start(conn, info)
     snapshot_seq = _or_none_if_damaged(lambda: latest_snapshot_seq(conn, info.pool_id, info.epoch, until_seq))
     if snapshot_seq is None:
-        return Replayer(info)
-    if verify_chain and not _chain_intact(conn, info, snapshot_seq - 1):
-        return Replayer(info)
+        return cut_start(conn, info)
+    cut = epoch_cut(conn, info.pool_id, info.epoch)
+    if verify_chain and not _chain_intact(conn, info, snapshot_seq - 1, cut):
+        return cut_start(conn, info)
     try:
-        previous = stored_hash(conn, info.pool_id, info.epoch, snapshot_seq - 1)
+        previous = _hash_before(conn, info, snapshot_seq, cut)
         rows = [
             row for chunk in event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq) for row in chunk
         ]
@@ -203,7 +213,7 @@ def _start(
         replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous or b"")
         replayer.load_snapshot(fields[-1])
     except (ValueError, TypeError, IndexError):  # LogReadError is a ValueError
-        return Replayer(info)
+        return cut_start(conn, info)
     replayer.apply_rows(rows)
     return replayer
 
@@ -221,36 +231,48 @@ def checkpoint_start(conn: sa.Connection, info: EpochInfo) -> Replayer:
     ``head_hash``. So what recovery reads is the snapshot and the tail since
     it (at most ``num_events_per_snapshot`` rows and one batch), whatever the
     epoch's length. Without a checkpoint that links and loads, replay starts
-    at genesis (an epoch shorter than one snapshot interval, or a damaged one).
+    at genesis (an epoch shorter than one snapshot interval, or a damaged one),
+    or at its cut (``segment.cut_start``) when its older part is archived; a
+    checkpoint at the cut links to the manifest's head hash.
     """
     snapshot_seq = _or_none_if_damaged(lambda: latest_snapshot_seq(conn, info.pool_id, info.epoch, None))
     if snapshot_seq is None or snapshot_seq < 2:
-        return Replayer(info)
+        return cut_start(conn, info)
     try:
-        previous = stored_hash(conn, info.pool_id, info.epoch, snapshot_seq - 1)
+        previous = _hash_before(conn, info, snapshot_seq, epoch_cut(conn, info.pool_id, info.epoch))
         rows = [
             row for chunk in event_rows(conn, info.pool_id, info.epoch, snapshot_seq, snapshot_seq) for row in chunk
         ]
         if previous is None or len(rows) != 1 or type(rows[0][3]) is not str or type(rows[0][4]) is not bytes:
-            return Replayer(info)
+            return cut_start(conn, info)
         if hashlib.sha256(previous + rows[0][3].encode()).digest() != rows[0][4]:
-            return Replayer(info)  # the checkpoint's own link is broken: trust nothing, replay it all
+            return cut_start(conn, info)  # the checkpoint's own link is broken: trust nothing, replay it all
         fields = split_record(rows[0][3])
         if len(fields) != NUM_FIELDS:
-            return Replayer(info)
+            return cut_start(conn, info)
         replayer = Replayer(info, start_seq=snapshot_seq, previous_hash=previous)
         replayer.load_snapshot(fields[-1])
     except (ValueError, TypeError, IndexError):  # LogReadError is a ValueError
-        return Replayer(info)
+        return cut_start(conn, info)
     replayer.apply_rows(rows)
     return replayer
 
 
-def _chain_intact(conn: sa.Connection, info: EpochInfo, last_seq: int) -> bool:
-    """Whether seqs 1..last_seq are all stored, in line, as text, and hash-chained from the epoch's genesis."""
-    previous = genesis_hash(info.pool_id, info.epoch)
-    expected = 1
-    rows = event_rows(conn, info.pool_id, info.epoch, 1, last_seq, columns=_SEQ_RECORD_HASH)
+def _hash_before(conn: sa.Connection, info: EpochInfo, seq: int, cut: Cut | None) -> bytes | None:
+    """The hash ``seq``'s record chains from: the stored one of ``seq - 1``, or the manifest's at the cut."""
+    if cut is not None and seq == cut.first_seq:
+        return cut.previous_hash
+    return stored_hash(conn, info.pool_id, info.epoch, seq - 1)
+
+
+def _chain_intact(conn: sa.Connection, info: EpochInfo, last_seq: int, cut: Cut | None = None) -> bool:
+    """Whether the seqs from the epoch's start as stored (1, or the cut) to last_seq are all stored, in line,
+    as text, and hash-chained from the epoch's genesis (or the manifest's head hash at the cut)."""
+    previous = genesis_hash(info.pool_id, info.epoch) if cut is None else cut.previous_hash
+    expected = 1 if cut is None else cut.first_seq
+    if last_seq < expected:
+        return last_seq == expected - 1
+    rows = event_rows(conn, info.pool_id, info.epoch, expected, last_seq, columns=_SEQ_RECORD_HASH)
     try:
         for chunk in rows:
             if list(map(_seq_of, chunk)) != list(range(expected, expected + len(chunk))):

@@ -114,3 +114,34 @@ class ArchivedEpoch(Base):
 
 
 archived_epochs = Base.metadata.tables[ArchivedEpoch.__tablename__]
+
+
+class ArchivedSegment(Base):
+    """The older part of an epoch moved out of the live log while the epoch stays open (``segment_archive``).
+
+    Seqs ``first_seq..last_seq`` (the epoch's rows before a verified SNAPSHOT
+    checkpoint at ``last_seq + 1``) are in the SQLite file at ``path``, which
+    also holds the checkpoint row itself; they are gone from the live log,
+    whose first kept row is that checkpoint. ``head_hash`` is the stored hash
+    at ``last_seq``: the live log's audit starts at ``last_seq + 1`` chained
+    from it, and the file's audit ends with it, so the two together verify
+    the whole chain. ``sha256`` is the file's hex digest as written,
+    ``num_bytes`` its size. Written in the transaction that deletes the rows
+    (migration 0007). An epoch archived later whole carries these rows into
+    its own file, so that file's audit starts at the same cut.
+    """
+
+    __tablename__ = "archived_segments"
+
+    pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    head_hash: Mapped[bytes] = mapped_column(LargeBinary(32))
+    path: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    num_bytes: Mapped[int] = mapped_column(BigInteger)
+    archived_wall_ns: Mapped[int] = mapped_column(BigInteger)
+
+
+archived_segments = Base.metadata.tables[ArchivedSegment.__tablename__]

@@ -54,7 +54,8 @@ def register(subparsers: Any) -> None:
     audit = actions.add_parser(
         "audit",
         help="check every rule of the log; report leaks and open epochs",
-        description="Replay every epoch (or --epoch N) from its genesis and check every rule of the log: "
+        description="Replay every epoch (or --epoch N) from its genesis (or, for an epoch whose older part is archived "
+        "as segments, from its cut, chained to the manifest's head hash) and check every rule of the log: "
         "exit 0 clean, 1 violations (with the first bad seq), 2 unusable input. "
         "For an open epoch (running, or crashed) it prints who held which blocks at the last durable event.",
     )
@@ -62,8 +63,9 @@ def register(subparsers: Any) -> None:
     audit.add_argument(
         "--archive",
         metavar="FILE",
-        help="audit this archive file (from `log archive`) instead; with --url, also check its sha256 and head "
-        "hash against the live log's manifest (exit 1 when they differ)",
+        help="audit this archive file (an epoch's from `log archive`, or a segment of an open epoch from the "
+        "server's archiver) instead; with --url, also check its sha256 and head hash against the live log's "
+        "manifest (exit 1 when they differ)",
     )
     audit.set_defaults(func=run_audit)
 

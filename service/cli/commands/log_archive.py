@@ -5,7 +5,9 @@
 newest, or those a retention bound no longer keeps, or one ``--epoch``.
 ``log audit --archive FILE`` replays the file's epochs (hash chain and rules,
 like any log) and, with the live log (``--url``), checks the file's sha256 and
-head hash against the manifest row that names it.
+head hash against the manifest row that names it: ``archived_epochs`` for an
+epoch's file, ``archived_segments`` for a segment of an open epoch (its head
+hash is the file's stored hash at the segment's last seq).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def run_audit_archive(args: argparse.Namespace, live_url: str | None) -> tuple[b
     """
     from nanoserve.allocator.log import audit_all
     from nanoserve.allocator.log.archive import file_sha256, manifest
-    from nanoserve.allocator.log.reader import connect, list_epochs
+    from nanoserve.allocator.log.reader import connect, list_epochs, stored_hash
+    from nanoserve.allocator.log.segment_archive import segment_manifest
 
     path = Path(args.archive)
     if not path.is_file():
@@ -93,21 +96,41 @@ def run_audit_archive(args: argparse.Namespace, live_url: str | None) -> tuple[b
         return True, reports
     with connect(archive_url) as conn:
         infos = list_epochs(conn, args.pool_id)
+        starts = {(info.pool_id, info.epoch): _first_seq(conn, info.pool_id, info.epoch) for info in infos}
+        segment_heads = {
+            entry.first_seq: stored_hash(conn, entry.pool_id, entry.epoch, entry.last_seq)
+            for entry in segment_manifest(live_url)
+            if starts.get((entry.pool_id, entry.epoch)) == entry.first_seq
+        }
     named = {(e.pool_id, e.epoch): e for e in manifest(live_url)}
+    segments = {(e.pool_id, e.epoch, e.first_seq): e for e in segment_manifest(live_url)}
     digest = file_sha256(path)
     matches = True
     for info in infos:
-        entry = named.get((info.pool_id, info.epoch))
+        segment = segments.get((info.pool_id, info.epoch, starts[(info.pool_id, info.epoch)]))
+        entry = segment or named.get((info.pool_id, info.epoch))
         if entry is None:
             raise ValueError(f"the live log's manifest names no archive of pool {info.pool_id} epoch {info.epoch}")
+        head = segment_heads.get(segment.first_seq) if segment is not None else info.head_hash
+        what = f"seqs {entry.first_seq}..{entry.last_seq} of " if segment is not None else ""
         if entry.sha256 != digest:
             print(f"{path}: sha256 {digest} differs from the manifest's {entry.sha256} (the file changed)")
             matches = False
-        elif entry.head_hash != info.head_hash:
-            print(f"{path}: head hash {info.head_hash.hex()} differs from the manifest's {entry.head_hash.hex()}")
+        elif head != entry.head_hash:
+            shown = "none" if head is None else head.hex()
+            print(f"{path}: head hash {shown} differs from the manifest's {entry.head_hash.hex()}")
             matches = False
         else:
             print(
-                f"{path}: sha256 {digest} and head hash match the manifest (pool {entry.pool_id} epoch {entry.epoch})"
+                f"{path}: sha256 {digest} and head hash match the manifest "
+                f"({what}pool {entry.pool_id} epoch {entry.epoch})"
             )
     return matches, reports
+
+
+def _first_seq(conn: Any, pool_id: str, epoch: int) -> int:
+    """Where the epoch's rows begin in a file: 1, or its cut when it holds a later segment."""
+    from nanoserve.allocator.log.segment import epoch_cut
+
+    cut = epoch_cut(conn, pool_id, epoch)
+    return 1 if cut is None else cut.first_seq
