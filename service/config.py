@@ -54,7 +54,8 @@ class ServerConfig:
         the longest prompt ``max_model_len`` allows plus ``REQUEST_OVERHEAD_BYTES``.
     event_log_retention_s / event_log_retention_bytes: finished epochs of the
         server's pool that ended longer ago / that lie beyond this many bytes
-        of newer epochs are archived by a background thread (``log_retention``);
+        of newer epochs are archived by a background thread (``log_retention``),
+        and so is the open epoch's older part, in segments cut at checkpoints;
         0 turns a bound off, both 0 archive nothing.
     event_log_archive_dir: the archive files' folder; None: ``<log file>.archive``
         beside a SQLite log, ``./nanoserve-log-archive`` otherwise.

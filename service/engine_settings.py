@@ -288,9 +288,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "server",
         float,
         86_400.0,
-        "finished epochs of this pool that ended more than this many seconds ago are moved from the live log "
-        "into --event-log-archive-dir by a background thread (0 = no age bound; with --event-log-retention-bytes "
-        "0 too, nothing is ever archived)",
+        "finished epochs of this pool that ended more than this many seconds ago, and the open epoch's rows "
+        "before its newest checkpoint older than this, are moved from the live log into --event-log-archive-dir "
+        "by a background thread (0 = no age bound; with --event-log-retention-bytes 0 too, nothing is ever "
+        "archived)",
     ),
     Setting(
         "event_log_retention_bytes",
@@ -298,15 +299,16 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         int,
         4 << 30,
         "the live log keeps this pool's newest epochs while they hold at most this many bytes; older finished "
-        "epochs are archived (0 = no size bound; the open epoch is never archived); 4294967296 is 4 GiB",
+        "epochs are archived, and the open epoch, once its events outgrow this, sheds its rows before its newest "
+        "checkpoint as a segment file (0 = no size bound); 4294967296 is 4 GiB",
     ),
     Setting(
         "event_log_archive_dir",
         "server",
         str,
         None,
-        "folder of the archive files (one SQLite file per epoch, 0600, verifiable with `nanoserve log audit "
-        "--archive`); keep it (or copy it away) to keep the whole history",
+        "folder of the archive files (one SQLite file per epoch or per segment of the open epoch, 0600, "
+        "verifiable with `nanoserve log audit --archive`); keep it (or copy it away) to keep the whole history",
         default_help="<log file>.archive beside a SQLite log, ./nanoserve-log-archive otherwise",
     ),
     Setting(

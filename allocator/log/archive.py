@@ -61,9 +61,10 @@ class RetentionPolicy:
         this many seconds is archived.
     retention_bytes: the newest finished epochs are kept while their stored
         bytes (record text plus ROW_OVERHEAD_BYTES a row) add up to at most
-        this; the older ones are archived. The open epoch does not count (it
-        is never archived: a server that never restarts grows its one epoch).
-    Either bound archives an epoch; a pool's newest epoch is always kept.
+        this; the older ones are archived. The open epoch does not count here
+        (it is never archived whole; ``segment_archive`` cuts it by the same
+        bounds, so a server that never restarts stays within them too).
+    Either bound archives an epoch; a pool's newest epoch is always kept whole.
     """
 
     retention_s: float = 0.0

@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from nanoserve.allocator import BlockAllocator
-from nanoserve.allocator.log import EventLog
+from nanoserve.allocator.log import EventLog, audit, audit_all
 from nanoserve.allocator.log.archive import RetentionPolicy, manifest
 from nanoserve.allocator.log.reader import connect, list_epochs
 from nanoserve.migrations import upgrade
@@ -65,6 +66,15 @@ def test_a_failed_pass_is_retried_not_fatal(tmp_path: Path) -> None:
     assert archiver.archived == []
 
 
+def _count_allocations(url: str) -> int:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text("SELECT count(*) FROM allocator_events WHERE kind = 'allocate'")).scalar())
+    finally:
+        engine.dispose()
+
+
 def test_the_default_archive_folder() -> None:
     assert default_archive_dir("sqlite:////var/lib/nanoserve/log.db") == Path("/var/lib/nanoserve/log.db.archive")
     assert default_archive_dir("postgresql+psycopg://u@h/db") == Path("nanoserve-log-archive")
@@ -73,3 +83,41 @@ def test_the_default_archive_folder() -> None:
 def test_an_interval_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="interval_s must be > 0 seconds, got 0"):
         LogArchiver("sqlite:///x.db", "p", tmp_path, RetentionPolicy(retention_s=1), interval_s=0)
+
+
+def test_the_open_epoch_sheds_segments_while_it_is_written(tmp_path: Path) -> None:
+    """The archiver's thread cuts the epoch the writer is appending to; nothing is lost on either side."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    log = EventLog.open(url, pool_id="p", num_blocks=4, block_size=16, num_events_per_snapshot=10)
+    pool = BlockAllocator(4, 16)
+    archiver = LogArchiver(url, "p", tmp_path / "arch", RetentionPolicy(retention_bytes=2_000), interval_s=0.01)
+    archiver.start()
+    deadline = time.monotonic() + 60
+    num_steps = 0
+    while (len(archiver.segments) < 3 or num_steps < 300) and time.monotonic() < deadline:
+        block = pool.allocate(f"r{num_steps}")
+        log.append_batch(num_steps, pool.take_events(), pool.snapshot)
+        pool.free(block)
+        log.append_batch(num_steps, pool.take_events(), pool.snapshot)
+        num_steps += 1
+        if num_steps % 50 == 0:
+            log.flush()
+    log.close(final_state=pool.snapshot())
+    archiver.stop(timeout_s=30)
+
+    segments = archiver.segments
+    assert len(segments) >= 3
+    assert [s.first_seq for s in segments[1:]] == [s.last_seq + 1 for s in segments[:-1]]  # back to back from 1
+    assert segments[0].first_seq == 1
+    report = audit(url, "p")
+    assert (report.clean, report.closed, report.from_seq) == (True, True, segments[-1].last_seq + 1)
+    files = [url] + [f"sqlite:///{segment.path}" for segment in segments]  # they share only snapshot rows
+    assert sum(_count_allocations(file) for file in files) == num_steps  # every allocation, once
+    for segment in segments:
+        [file_report] = audit_all(f"sqlite:///{segment.path}")
+        assert (file_report.clean, file_report.from_seq, file_report.last_seq) == (
+            True,
+            segment.first_seq,
+            segment.last_seq + 1,
+        )

@@ -6,9 +6,12 @@ import stat
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.allocator.log import EventLog
+from nanoserve.allocator.log.archive import RetentionPolicy
+from nanoserve.allocator.log.segment_archive import LiveSize, archive_due_segment
 from nanoserve.migrations import upgrade
 from nanoserve.service.cli.main import main
 
@@ -93,3 +96,47 @@ def test_archiving_one_epoch_needs_its_pool(archived: tuple[str, Path], capsys: 
     assert capsys.readouterr().err == "nanoserve log archive: --epoch needs --pool\n"
     assert main(["log", "archive", "--url", url, "--dest", str(path.parent), "--pool", "p", "--epoch", "3"]) == 2
     assert "epoch 3 is the newest of pool 'p': it is never archived" in capsys.readouterr().err
+
+
+def test_log_audit_archive_checks_a_segment_file_and_names_a_planted_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    log = EventLog.open(url, pool_id="p", num_blocks=4, block_size=16, num_events_per_snapshot=10)
+    pool = BlockAllocator(4, 16)
+    for step in range(10):  # seqs 2..23, SNAPSHOTs at 12 and 23: the cut at 23
+        block = pool.allocate(f"r{step}")
+        log.append_batch(step, pool.take_events(), pool.snapshot)
+        pool.free(block)
+        log.append_batch(step, pool.take_events(), pool.snapshot)
+    log.flush()
+    [segment] = archive_due_segment(
+        url, tmp_path / "arch", RetentionPolicy(retention_bytes=1), upgrade, "p", LiveSize()
+    )
+    capsys.readouterr()
+
+    assert main(["log", "audit", "--archive", segment.path, "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"sha256 {segment.sha256} and head hash match the manifest (seqs 1..{segment.last_seq} of pool p epoch 1)"
+        in out
+    )
+    assert main(["log", "audit", "--url", url]) == 0
+    assert f"seqs 1..{segment.last_seq} archived" in capsys.readouterr().out
+
+    archive = sa.create_engine(f"sqlite:///{segment.path}")
+    try:
+        with archive.begin() as conn:  # r3 'allocates' another block; the stored hash stays
+            conn.execute(
+                sa.text(
+                    "UPDATE allocator_events SET record = replace(record, '|allocate|0|', '|allocate|1|') WHERE seq = 8"
+                )
+            )
+    finally:
+        archive.dispose()
+    assert main(["log", "audit", "--archive", segment.path, "--url", url]) == 1
+    out = capsys.readouterr().out
+    assert f"differs from the manifest's {segment.sha256} (the file changed)" in out
+    assert "seq 8 owner 'r3': hash_mismatch: stored hash does not match the record and the previous hash" in out
+    log.close(final_state=pool.snapshot())
