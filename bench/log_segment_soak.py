@@ -127,10 +127,8 @@ def main() -> int:
         archiver.run_once()
         pass_s = time.monotonic() - pass_started
         sizes.append(db.stat().st_size)
-        last_seq = driver.log.durable_seq
-        print(
-            f"{number:>5} {sizes[-1]:>12} {live_events(url):>8} {last_seq:>9} {len(archiver.segments):>8} {pass_s:>7.2f}"
-        )
+        last_seq, num_segments = driver.log.durable_seq, len(archiver.segments)
+        print(f"{number:>5} {sizes[-1]:>12} {live_events(url):>8} {last_seq:>9} {num_segments:>8} {pass_s:>7.2f}")
     driver.close()
     half = sizes[len(sizes) // 2 :]
     print(
