@@ -24,6 +24,7 @@ import structlog
 
 from nanoserve.allocator.log.archive import ManifestEntry, RetentionPolicy, archive_due
 from nanoserve.allocator.log.segment_archive import LiveSize, SegmentEntry, archive_due_segment
+from nanoserve.engine.journal.journal_segment import JournalSegments
 
 log = structlog.get_logger("nanoserve.service")
 
@@ -70,6 +71,7 @@ class LogArchiver:
         self.archived: list[ManifestEntry] = []
         self.segments: list[SegmentEntry] = []
         self._live_size = LiveSize()  # the open epoch's bytes since its cut, measured a range at a time
+        self._journal = JournalSegments()  # the open epoch's journal rows scanned so far
         self._sizes: dict[tuple[str, int], int] = {}  # finished epochs' bytes, measured once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nanoserve-log-archiver", daemon=True)
@@ -100,7 +102,9 @@ class LogArchiver:
                 sha256=entry.sha256,
             )
         self.archived.extend(entries)
-        segments = archive_due_segment(self.url, self.dest_dir, self.policy, upgrade, self.pool_id, self._live_size)
+        segments = archive_due_segment(
+            self.url, self.dest_dir, self.policy, upgrade, self.pool_id, self._live_size, companion=self._journal
+        )
         for segment in segments:
             log.info(
                 "event_log_segment_archived",

@@ -19,7 +19,7 @@ recognise itself by the guard: it meets its own rows' unique key, and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import sqlalchemy as sa
 
@@ -69,3 +69,27 @@ def seal_companions(
     for seq, record in enumerate(records, first_seq):
         assert record.table is table, f"companion seq {seq} names another table than seq {first_seq}"
     return table, table.rows(records, pool_id, epoch, first_seq, step, wall_ns)
+
+
+class CompanionSegment(NamedTuple):
+    """The companion rows that move with an archived segment of an open epoch (``segment_archive``).
+
+    Every row of ``tables`` (each with the column holding its companion seq)
+    of the epoch whose seq is below ``end_seq`` moves; the kept rows' chain
+    starts at ``end_seq`` from ``head_hash`` (the chain's hash at
+    ``end_seq - 1``, 32 bytes); ``first_seq`` is the first seq that moves.
+    """
+
+    first_seq: int
+    end_seq: int
+    head_hash: bytes
+    tables: tuple[tuple[str, str], ...]  # (table name, its companion seq column)
+
+
+class SegmentCompanion(Protocol):
+    """The companion's owner deciding which of its rows may leave the live log with a segment."""
+
+    def segment(self, conn: sa.Connection, pool_id: str, epoch: int) -> CompanionSegment | None:
+        """The rows of ``(pool_id, epoch)`` that no reader of the live log needs any more (None: none);
+        called on ``conn`` just before the segment's rows are copied."""
+        ...

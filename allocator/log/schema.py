@@ -129,6 +129,12 @@ class ArchivedSegment(Base):
     ``num_bytes`` its size. Written in the transaction that deletes the rows
     (migration 0007). An epoch archived later whole carries these rows into
     its own file, so that file's audit starts at the same cut.
+
+    The companion columns name the companion rows (the request journal's)
+    that moved in the same transaction: companion seqs
+    ``companion_first_seq..companion_last_seq`` and the companion chain's hash
+    at ``companion_last_seq``, where the kept companion rows' chain starts
+    (all NULL: none moved).
     """
 
     __tablename__ = "archived_segments"
@@ -142,6 +148,9 @@ class ArchivedSegment(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     num_bytes: Mapped[int] = mapped_column(BigInteger)
     archived_wall_ns: Mapped[int] = mapped_column(BigInteger)
+    companion_first_seq: Mapped[int | None] = mapped_column(BigInteger)
+    companion_last_seq: Mapped[int | None] = mapped_column(BigInteger)
+    companion_head_hash: Mapped[bytes | None] = mapped_column(LargeBinary(32))
 
 
 archived_segments = Base.metadata.tables[ArchivedSegment.__tablename__]

@@ -69,6 +69,23 @@ def epoch_cut(conn: sa.Connection, pool_id: str, epoch: int) -> Cut | None:
     return Cut(first_seq=int(row.last_seq) + 1, previous_hash=bytes(row.head_hash))
 
 
+def companion_cut(conn: sa.Connection, pool_id: str, epoch: int) -> Cut | None:
+    """Where the epoch's kept companion rows (its request journal) begin: the companion seq after the
+    newest segment that moved some, chained from its companion head hash; None when none moved."""
+    if not has_segments_table(conn):
+        return None
+    table = archived_segments
+    row = conn.execute(
+        sa.select(table.c.companion_last_seq, table.c.companion_head_hash)
+        .where(table.c.pool_id == pool_id, table.c.epoch == epoch, table.c.companion_last_seq.is_not(None))
+        .order_by(table.c.companion_last_seq.desc())
+        .limit(1)
+    ).first()
+    if row is None or row.companion_head_hash is None:
+        return None
+    return Cut(first_seq=int(row.companion_last_seq) + 1, previous_hash=bytes(row.companion_head_hash))
+
+
 def cut_start(conn: sa.Connection, info: EpochInfo) -> Replayer:
     """A replayer at the epoch's start as stored: its genesis, or its cut with the checkpoint loaded.
 

@@ -48,6 +48,7 @@ from nanoserve.allocator.log.archive import (
     archive_path,
     file_sha256,
 )
+from nanoserve.allocator.log.companion import CompanionSegment, SegmentCompanion
 from nanoserve.allocator.log.hash_chain import genesis_hash
 from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
 from nanoserve.allocator.log.row_scan import latest_snapshot_seq, stored_hash
@@ -62,7 +63,7 @@ _WALL_FIELD = 6  # a record's wall_time_ns field (``record_codec``)
 @dataclass(frozen=True)
 class SegmentEntry:
     """One archived segment as the manifest names it (``schema.ArchivedSegment``); ``num_row_bytes``:
-    the live bytes it removed (records plus ROW_OVERHEAD_BYTES a row), not stored."""
+    the live event bytes it removed (records plus ROW_OVERHEAD_BYTES a row), not stored."""
 
     pool_id: str
     epoch: int
@@ -73,6 +74,9 @@ class SegmentEntry:
     sha256: str
     num_bytes: int
     archived_wall_ns: int
+    companion_first_seq: int | None = None
+    companion_last_seq: int | None = None
+    companion_head_hash: bytes | None = None
     num_row_bytes: int = 0
 
     def manifest_row(self) -> dict[str, Any]:
@@ -138,9 +142,16 @@ def due_cut(
 
 
 def archive_segment(
-    live: sa.Engine, pool_id: str, epoch: int, cut_seq: int, dest_dir: Path, prepare_archive: PrepareArchive
+    live: sa.Engine,
+    pool_id: str,
+    epoch: int,
+    cut_seq: int,
+    dest_dir: Path,
+    prepare_archive: PrepareArchive,
+    companion: SegmentCompanion | None = None,
 ) -> SegmentEntry:
-    """Moves seqs (current start)..cut_seq - 1 of ``epoch`` into a segment file (steps 1-3 of the module doc).
+    """Moves seqs (current start)..cut_seq - 1 of ``epoch`` into a segment file (steps 1-3 of the module doc),
+    with the companion rows ``companion`` lets go (``CompanionSegment``), copied and deleted beside them.
 
     Raises ArchiveError when ``cut_seq`` is no verified checkpoint after the
     epoch's current start, or when the rows to move do not hash-chain.
@@ -170,6 +181,9 @@ def archive_segment(
                 )
             )
         ]
+        moved = None if companion is None else companion.segment(conn, pool_id, epoch)
+        if moved is not None and moved.end_seq <= moved.first_seq:
+            moved = None
 
     dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = archive_path(dest_dir, pool_id, epoch).with_suffix(f".seq-{first_seq:012d}.db")
@@ -179,6 +193,8 @@ def archive_segment(
     url = f"sqlite:///{partial}"
     prepare_archive(url)
     num_row_bytes = _copy_segment(live, url, epoch_row, earlier, first_seq, cut_seq, previous)
+    if moved is not None:
+        _copy_companions(live, url, pool_id, epoch, moved)
     digest = file_sha256(partial)
     num_bytes = partial.stat().st_size
     os.replace(partial, final)
@@ -193,6 +209,9 @@ def archive_segment(
         sha256=digest,
         num_bytes=num_bytes,
         archived_wall_ns=time.time_ns(),
+        companion_first_seq=None if moved is None else moved.first_seq,
+        companion_last_seq=None if moved is None else moved.end_seq - 1,
+        companion_head_hash=None if moved is None else moved.head_hash,
         num_row_bytes=num_row_bytes,
     )
     events = allocator_events
@@ -201,6 +220,10 @@ def archive_segment(
         conn.execute(
             sa.delete(events).where(events.c.pool_id == pool_id, events.c.epoch == epoch, events.c.seq < cut_seq)
         )
+        if moved is not None:
+            for table, column in _companion_tables(conn, moved):
+                in_epoch = (table.c.pool_id == pool_id, table.c.epoch == epoch)
+                conn.execute(sa.delete(table).where(*in_epoch, table.c[column] < moved.end_seq))
     return entry
 
 
@@ -212,12 +235,14 @@ def archive_due_segment(
     pool_id: str,
     size: LiveSize,
     *,
+    companion: SegmentCompanion | None = None,
     now_ns: int | None = None,
 ) -> list[SegmentEntry]:
     """Archives the segment of ``pool_id``'s newest epoch that ``policy`` no longer keeps: [] or [entry].
 
     size: the newest epoch's measured bytes, kept by a caller that runs this
-    repeatedly (the archiver) so each row is measured once.
+    repeatedly (the archiver) so each row is measured once. companion: what of
+    the companion rows (the request journal) moves with it (None: none).
     """
     if not policy.enabled:
         return []
@@ -235,7 +260,7 @@ def archive_due_segment(
             cut = due_cut(conn, pool_id, epoch, policy, now, size)
         if cut is None:
             return []
-        entry = archive_segment(live, pool_id, epoch, cut, dest_dir, prepare_archive)
+        entry = archive_segment(live, pool_id, epoch, cut, dest_dir, prepare_archive, companion)
         size.num_bytes -= entry.num_row_bytes
         return [entry]
     finally:
@@ -348,6 +373,32 @@ def _copy_segment(
     finally:
         archive.dispose()
     return num_row_bytes
+
+
+def _companion_tables(conn: sa.Connection, moved: CompanionSegment) -> list[tuple[sa.Table, str]]:
+    """The companion's tables as the live log holds them (reflected: the log does not import their owner)."""
+    metadata = sa.MetaData()
+    return [(sa.Table(name, metadata, autoload_with=conn), column) for name, column in moved.tables]
+
+
+def _copy_companions(live: sa.Engine, archive_url: str, pool_id: str, epoch: int, moved: CompanionSegment) -> None:
+    """Copies the companion rows below ``moved.end_seq`` into the archive, as stored."""
+    archive = sa.create_engine(archive_url)
+    try:
+        with live.connect() as conn, archive.begin() as out:
+            target = sa.MetaData()
+            target.reflect(out)
+            for table, column in _companion_tables(conn, moved):
+                if table.name not in target.tables:
+                    raise ArchiveError(f"the archive's schema has no table {table.name!r} (migrate nanoserve)")
+                query = sa.select(table).where(
+                    table.c.pool_id == pool_id, table.c.epoch == epoch, table.c[column] < moved.end_seq
+                )
+                result = conn.execution_options(stream_results=True).execute(query)
+                while rows := result.fetchmany(COPY_CHUNK_ROWS):
+                    out.execute(sa.insert(target.tables[table.name]), [dict(row._mapping) for row in rows])
+    finally:
+        archive.dispose()
 
 
 def _event_chunks(

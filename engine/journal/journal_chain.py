@@ -14,7 +14,7 @@ elsewhere.)
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 __all__ = ["JournalDamage", "journal_genesis", "step_hash", "verify_journal_chain"]
@@ -58,14 +58,20 @@ class JournalDamage(NamedTuple):
 
 
 def verify_journal_chain(
-    pool_id: str, rows: Iterable[StepRow], previous: bytes | None = None, first_seq: int = 1
+    pool_id: str,
+    rows: Iterable[StepRow],
+    previous: bytes | None = None,
+    first_seq: int = 1,
+    starts: Mapping[int, tuple[bytes, int]] | None = None,
 ) -> list[JournalDamage]:
     """The first damage of each epoch among ``rows`` (ordered by epoch, first_seq); [] for a clean journal.
 
     ``previous``/``first_seq``: where the first epoch's rows start, for a check of
-    part of an epoch (default: its genesis and seq 1). An epoch's check stops at
+    part of an epoch (default: its genesis and seq 1). ``starts``: epoch ->
+    (hash, first seq) where that epoch's kept rows start (its rows before are
+    archived as segments, ``segment.companion_cut``). An epoch's check stops at
     its first damage (every row after an altered one would fail too); the next
-    epoch is checked from its own genesis."""
+    epoch is checked from its own genesis (or start)."""
     damages: list[JournalDamage] = []
     epoch: int | None = None
     next_seq = first_seq
@@ -73,7 +79,8 @@ def verify_journal_chain(
     for row in rows:
         if row.epoch != epoch:
             if epoch is not None or previous is None:
-                previous, next_seq = journal_genesis(pool_id, row.epoch), 1
+                start = None if starts is None else starts.get(row.epoch)
+                previous, next_seq = start if start is not None else (journal_genesis(pool_id, row.epoch), 1)
             epoch, damaged = row.epoch, False
         if damaged:
             continue

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 
 from nanoserve.allocator.log.companion import CompanionRow
 from nanoserve.allocator.log.errors import LogNotFoundError, safe_url
+from nanoserve.allocator.log.segment import companion_cut
 from nanoserve.allocator.log.store import create_log_engine, insert_through_driver
 from nanoserve.engine.errors import JournalGapError
 from nanoserve.engine.journal.journal_chain import (
@@ -168,10 +169,19 @@ def read_step_rows(conn: sa.Connection, pool_id: str, epoch: int | None = None) 
 
 
 def audit_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[JournalDamage]:
-    """The first damaged or missing step row of each epoch (None: every epoch) of ``pool_id``; [] when clean."""
+    """The first damaged or missing step row of each epoch (None: every epoch) of ``pool_id``; [] when clean.
+
+    An epoch whose older rows are archived as segments is checked from its cut,
+    chained from the manifest's companion head hash."""
     if not _has_steps(conn):
         return []
-    return verify_journal_chain(pool_id, read_step_rows(conn, pool_id, epoch))
+    rows = read_step_rows(conn, pool_id, epoch)
+    starts = {}
+    for row_epoch in sorted({row.epoch for row in rows}):
+        cut = companion_cut(conn, pool_id, row_epoch)
+        if cut is not None:
+            starts[row_epoch] = (cut.previous_hash, cut.first_seq)
+    return verify_journal_chain(pool_id, rows, starts=starts)
 
 
 def _step_columns() -> list[sa.ColumnElement[Any]]:
@@ -234,9 +244,11 @@ def _epoch_request_records(
         .order_by(table.c.first_seq.desc())
         .limit(1)
     ).first()
-    previous, next_seq = (
-        (before.hash, before.last_seq + 1) if before is not None else (journal_genesis(pool_id, epoch), 1)
-    )
+    if before is not None:
+        previous, next_seq = before.hash, before.last_seq + 1
+    else:  # the epoch's first kept row: after its genesis, or after its archived segments
+        cut = companion_cut(conn, pool_id, epoch)
+        previous, next_seq = (journal_genesis(pool_id, epoch), 1) if cut is None else (cut.previous_hash, cut.first_seq)
     rows = conn.execute(
         sa.select(*_step_columns()).where(*in_epoch, table.c.last_seq >= first).order_by(table.c.first_seq)
     )

@@ -1,4 +1,5 @@
-"""Segment manifest: archived_segments (one row per older part of an open epoch moved into an archive file).
+"""Segment manifest: archived_segments (one row per older part of an open epoch moved into an archive file,
+with the companion (request journal) rows moved beside it).
 
 Self-contained: one new table, nothing of the existing tables changes, so logs
 written before it still replay; an older nanoserve ignores the table (and would
@@ -34,6 +35,9 @@ def upgrade() -> None:
         sa.Column("sha256", sa.String(length=64), nullable=False),
         sa.Column("num_bytes", sa.BigInteger(), nullable=False),
         sa.Column("archived_wall_ns", sa.BigInteger(), nullable=False),
+        sa.Column("companion_first_seq", sa.BigInteger(), nullable=True),
+        sa.Column("companion_last_seq", sa.BigInteger(), nullable=True),
+        sa.Column("companion_head_hash", sa.LargeBinary(length=32), nullable=True),
         sa.PrimaryKeyConstraint("pool_id", "epoch", "first_seq", name=op.f("pk_archived_segments")),
     )
 

@@ -189,7 +189,12 @@ def run_audit(args: argparse.Namespace) -> int:
         matches, reports = log_archive.run_audit_archive(args, args.url)
         for report in reports:
             print(report.render(open_status=OPEN_STATUS))
-        return EXIT_CLEAN if matches and all(report.clean for report in reports) else EXIT_VIOLATIONS
+        archive_url = f"sqlite:///{args.archive}"
+        damage = log_requests.journal_damage_lines(archive_url, [(report.pool_id, report.epoch) for report in reports])
+        for line in damage:
+            print(f"request journal damaged: {line}")
+        clean = matches and all(report.clean for report in reports) and not damage
+        return EXIT_CLEAN if clean else EXIT_VIOLATIONS
     url = _url(args)
     if args.epoch is None and args.pool_id is None:
         with connect(url) as conn:
