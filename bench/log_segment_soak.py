@@ -1,13 +1,15 @@
 """Soak: a busy pool that never restarts, with retention set; the open epoch's live log stays flat.
 
-A synthetic allocator driver (no model, no request journal): one epoch runs
-``--rounds`` rounds of ``--steps`` scheduler steps, requests taking blocks and
-finishing (one logged batch a step, a SNAPSHOT checkpoint every
-``--snapshot-every`` events). After each round the server's archiver
+A synthetic engine (no model): one epoch runs ``--rounds`` rounds of
+``--steps`` scheduler steps, requests taking blocks and finishing (one logged
+batch a step, a SNAPSHOT checkpoint every ``--snapshot-every`` events), each
+step journaling what the engine journals (an ADMIT per new request, an OUTPUT
+of one token per running request, a FINISH per ending) beside its events. After each round the server's archiver
 (``LogArchiver.run_once`` with ``--retention-bytes``) cuts the open epoch at its
 newest checkpoint once its live events outgrow the bound, moving the older rows
-into a segment file. Printed after each round: the live SQLite file's size (its
-freed pages are reused), the live event rows, the epoch's last seq, the
+into a segment file, with the journal rows before the oldest running request's
+ADMIT. Printed after each round: the live SQLite file's size with its WAL (its
+freed pages are reused), the live event and journal step rows, the epoch's last seq, the
 segments so far and the pass's seconds. At the end the live epoch is audited
 from its cut and every segment file alone (hash chain and rules), each checked
 against the segment manifest (sha256, head hash): together they verify the
@@ -34,6 +36,8 @@ from nanoserve.allocator.log import EventLog, audit, audit_all
 from nanoserve.allocator.log.archive import RetentionPolicy, file_sha256
 from nanoserve.allocator.log.reader import connect, stored_hash
 from nanoserve.allocator.log.segment_archive import segment_manifest
+from nanoserve.engine.journal.records import JournalKind
+from nanoserve.engine.journal.store import JournalRecord, audit_journal
 from nanoserve.migrations import upgrade
 from nanoserve.service.log_retention import LogArchiver
 
@@ -52,21 +56,32 @@ class Driver:
         )
         self.pool = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE)
         self.rng = rng
-        self.running: dict[str, list[int]] = {}
+        self.running: dict[str, list[int]] = {}  # request id -> its blocks
+        self.tokens: dict[str, int] = {}  # request id -> tokens journaled
         self.step = 0
         self.next_id = 0
 
     def run(self, steps: int) -> None:
         for _ in range(steps):
             self.step += 1
+            journal: list[JournalRecord] = []
             while len(self.running) < MAX_RUNNING and self.pool.num_free > 8:
                 owner = f"req-{self.next_id}"
                 self.next_id += 1
                 self.running[owner] = self.pool.allocate_for(self.rng.randint(16, 100), owner)
+                self.tokens[owner] = 0
+                journal.append(JournalRecord(JournalKind.ADMIT, owner, {"prompt_token_ids": [1, 2, 3]}))
             for owner in list(self.running):
+                start = self.tokens[owner]
+                token = {"start": start, "token_ids": [self.rng.randint(0, 49151)], "text": "x"}
+                journal.append(JournalRecord(JournalKind.OUTPUT, owner, token))
+                self.tokens[owner] = start + 1
                 if self.rng.random() < 0.08:
                     self.pool.free_all(self.running.pop(owner), FreeReason.FINISHED)
-            self.log.append_batch(self.step, self.pool.take_events(), self.pool.snapshot)
+                    ending = {"start": start + 1, "token_ids": [], "text": "", "finish_reason": "length"}
+                    journal.append(JournalRecord(JournalKind.FINISH, owner, ending))
+                    del self.tokens[owner]
+            self.log.append_batch(self.step, self.pool.take_events(), self.pool.snapshot, journal=journal)
         self.log.flush()
 
     def close(self) -> None:
@@ -76,11 +91,14 @@ class Driver:
         self.log.close(final_state=self.pool.snapshot())
 
 
-def live_events(url: str) -> int:
+def live_rows(url: str) -> tuple[int, int]:
+    """(event rows, journal step rows) in the live log."""
     engine = sa.create_engine(url)
     try:
         with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM allocator_events")).scalar_one())
+            events = conn.execute(sa.text("SELECT count(*) FROM allocator_events")).scalar_one()
+            journal = conn.execute(sa.text("SELECT count(*) FROM journal_steps")).scalar_one()
+            return int(events), int(journal)
     finally:
         engine.dispose()
 
@@ -93,7 +111,8 @@ def check_segments(url: str) -> int:
         [report] = audit_all(f"sqlite:///{path}", POOL_ID)
         with connect(f"sqlite:///{path}") as conn:
             head = stored_hash(conn, POOL_ID, entry.epoch, entry.last_seq)
-        ok = report.clean and file_sha256(path) == entry.sha256 and head == entry.head_hash
+            journal_clean = not audit_journal(conn, POOL_ID)
+        ok = report.clean and journal_clean and file_sha256(path) == entry.sha256 and head == entry.head_hash
         ok = ok and report.from_seq == entry.first_seq and report.last_seq == entry.last_seq + 1
         bad += not ok
     return bad
@@ -118,7 +137,7 @@ def main() -> int:
     archiver = LogArchiver(url, POOL_ID, work / "archive", RetentionPolicy(retention_bytes=args.retention_bytes))
     driver = Driver(url, args.snapshot_every, random.Random(7))
     print(f"live log {db}, segments in {archiver.dest_dir}, retention {args.retention_bytes} bytes of the open epoch")
-    print(f"{'round':>5} {'live file B':>12} {'events':>8} {'last seq':>9} {'segments':>8} {'pass s':>7}")
+    print(f"{'round':>5} {'live+wal B':>12} {'events':>8} {'journal':>8} {'last seq':>9} {'segments':>8} {'pass s':>7}")
     started = time.monotonic()
     sizes: list[int] = []
     for number in range(1, args.rounds + 1):
@@ -126,9 +145,9 @@ def main() -> int:
         pass_started = time.monotonic()
         archiver.run_once()
         pass_s = time.monotonic() - pass_started
-        sizes.append(db.stat().st_size)
-        last_seq, num_segments = driver.log.durable_seq, len(archiver.segments)
-        print(f"{number:>5} {sizes[-1]:>12} {live_events(url):>8} {last_seq:>9} {num_segments:>8} {pass_s:>7.2f}")
+        sizes.append(sum(path.stat().st_size for path in (db, db.with_name(db.name + "-wal")) if path.exists()))
+        (events, journal), last_seq, num_segments = live_rows(url), driver.log.durable_seq, len(archiver.segments)
+        print(f"{number:>5} {sizes[-1]:>12} {events:>8} {journal:>8} {last_seq:>9} {num_segments:>8} {pass_s:>7.2f}")
     driver.close()
     half = sizes[len(sizes) // 2 :]
     print(
@@ -136,18 +155,22 @@ def main() -> int:
         f"(flat: max/min {max(half) / min(half):.2f})"
     )
     report = audit(url, POOL_ID)
+    with connect(url) as conn:
+        live_journal_clean = not audit_journal(conn, POOL_ID)
     bad = check_segments(url)
     archived_bytes = sum(entry.num_bytes for entry in archiver.segments)
     print(
         f"the epoch's {report.last_seq} events: {report.last_seq - report.from_seq + 1} live, the rest in "
         f"{len(archiver.segments)} segment files of {archived_bytes} B together"
     )
+    clean = report.clean and live_journal_clean
     print(
-        f"live epoch: {'clean' if report.clean else 'VIOLATIONS'}, closed, audited from seq {report.from_seq} "
-        f"to {report.last_seq}; segments: {len(archiver.segments)} audited, {len(archiver.segments) - bad} clean "
-        f"and matching the manifest; {time.monotonic() - started:.1f} s"
+        f"live epoch: {'clean' if clean else 'VIOLATIONS'} (events and journal), closed, audited from seq "
+        f"{report.from_seq} to {report.last_seq}; segments: {len(archiver.segments)} audited, "
+        f"{len(archiver.segments) - bad} clean (events and journal) and matching the manifest; "
+        f"{time.monotonic() - started:.1f} s"
     )
-    return 0 if bad == 0 and report.clean else 1
+    return 0 if bad == 0 and clean else 1
 
 
 if __name__ == "__main__":
