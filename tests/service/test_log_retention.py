@@ -121,3 +121,44 @@ def test_the_open_epoch_sheds_segments_while_it_is_written(tmp_path: Path) -> No
             segment.first_seq,
             segment.last_seq + 1,
         )
+
+
+def test_a_serving_engine_sheds_events_and_journal_while_requests_stream(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An engine that never restarts: its epoch is cut between and during batches; both halves audit clean."""
+    from nanoserve.engine import LLM, SamplingParams, TokensPrompt
+    from nanoserve.engine.journal.store import audit_journal, read_request_history
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=32,
+        block_size=4,
+        event_log_url=url,
+        num_events_per_snapshot=8,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    archiver = LogArchiver(url, "default", tmp_path / "arch", RetentionPolicy(retention_bytes=1), interval_s=0.01)
+    try:
+        first = llm.generate([TokensPrompt([5 + i, 6, 7, 8, 9]) for i in range(4)], params)
+        archiver.run_once()  # everyone in the first batch finished: their events and journal rows leave
+        [segment] = archiver.segments
+        assert (segment.first_seq, segment.companion_first_seq) == (1, 1)
+        archiver.start()  # from here on it cuts while the second batch streams
+        second = llm.generate([TokensPrompt([15 + i, 6, 7, 8, 9]) for i in range(6)], params)
+    finally:
+        archiver.stop(timeout_s=30)
+        llm.shutdown()
+
+    assert [len(output.outputs[0].token_ids) for output in first + second] == [12] * 10
+    report = audit(url, "default")
+    assert (report.clean, report.closed, report.num_archived) == (True, True, archiver.segments[-1].last_seq)
+    with connect(url) as conn:
+        assert audit_journal(conn, "default") == []
+        assert read_request_history(conn, "default", first[0].request_id) is None  # archived: NOT_FOUND
+    for entry in archiver.segments:
+        [file_report] = audit_all(f"sqlite:///{entry.path}")
+        assert (file_report.clean, file_report.last_seq) == (True, entry.last_seq + 1)
+        with connect(f"sqlite:///{entry.path}") as conn:
+            assert audit_journal(conn, "default") == []
