@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from nanoserve.allocator.events import EventKind
-from nanoserve.allocator.log.reader import EpochInfo, event_rows
+from nanoserve.allocator.log.reader import EpochInfo, connect, event_rows
 from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
 from nanoserve.allocator.log.replay_state import Replayer
 from nanoserve.allocator.log.schema import archived_segments
@@ -67,6 +67,16 @@ def epoch_cut(conn: sa.Connection, pool_id: str, epoch: int) -> Cut | None:
     if row is None:
         return None
     return Cut(first_seq=int(row.last_seq) + 1, previous_hash=bytes(row.head_hash))
+
+
+def archived_through(url: str, pool_id: str, epoch: int) -> int:
+    """The last seq of ``epoch`` moved into a segment file (0: none; its stored rows then start at seq 1).
+
+    Raises LogNotFoundError / LogUnavailableError as ``reader.connect`` does.
+    """
+    with connect(url) as conn:
+        cut = epoch_cut(conn, pool_id, epoch)
+    return 0 if cut is None else cut.num_archived
 
 
 def companion_cut(conn: sa.Connection, pool_id: str, epoch: int) -> Cut | None:

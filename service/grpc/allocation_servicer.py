@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from nanoserve.allocator.log import EventLog, audit
+from nanoserve.allocator.log.segment import archived_through
 from nanoserve.engine import AsyncLLMEngine
 from nanoserve.service.grpc import allocation_convert
 from nanoserve.service.grpc.errors import EventLogDisabledError, SeqOutOfRangeError
@@ -46,7 +47,8 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
     ) -> AsyncIterator[apb.WatchEventsResponse]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate
         (``follow_events``); the stream ends after POOL_CLOSE. SeqOutOfRangeError when
-        ``from_seq`` is past ``last_seq + 1``, the seq of the epoch's next event."""
+        ``from_seq`` is past ``last_seq + 1``, the seq of the epoch's next event, or in the epoch's
+        archived part (``segment.archived_through``: 1 and 0 start at the checkpoint after it)."""
         event_log = self._event_log()
         next_seq = allocation_convert.to_from_seq(request)
         last_seq = event_log.last_seq
@@ -54,6 +56,13 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
             raise SeqOutOfRangeError(
                 f"from_seq: {next_seq} is past the epoch's next event (last seq {last_seq});"
                 f" ask for at most {last_seq + 1}"
+            )
+        archived = await asyncio.to_thread(archived_through, event_log.url, event_log.pool_id, event_log.epoch)
+        if 1 < next_seq <= archived:
+            raise SeqOutOfRangeError(
+                f"from_seq: {next_seq} is archived (seqs 1..{archived} of epoch {event_log.epoch} moved to segment "
+                f"files in --event-log-archive-dir, read by `nanoserve log show --url sqlite:///FILE`); ask for 1 "
+                f"(from the checkpoint at {archived + 1}) or at least {archived + 1}"
             )
         reads, pacer, tenant = self._engine.log_reads, self._engine.read_pacer, CALLER.get().tenant
         async for event in follow_events(event_log, next_seq, self._max_queued_events, reads, pacer, tenant):

@@ -109,6 +109,10 @@ class AllocationServiceServicer:
         without a word. The message names `from_seq` and the
         last seq. After a restart (a new epoch, seqs from 1
         again) a seq kept from the old epoch can get this.
+        Also: `from_seq` is in 2..N where seqs 1..N of the
+        epoch were archived (moved into segment files by
+        --event-log-retention-*); the message names N and the
+        seqs to ask for.
         FAILED_PRECONDITION the server keeps no event log (--event-log-url none).
         UNAVAILABLE         also: the event log's store cannot be reached or read
         now (down, locked); the message names the store.
