@@ -125,7 +125,10 @@ class ResumeFollowers:
             live = self._is_live(request_id)
             journaled = await (self._read_now(request_id) if live else self._read_shared(request_id))
             if journaled.history is None and not live:
-                raise RequestNotFoundError(f"request_id: no request {request_id!r} in the journal or running")
+                raise RequestNotFoundError(
+                    f"request_id: no request {request_id!r} running or in the live journal (never seen, or its "
+                    "history was archived: read it from its archive file with `nanoserve log requests --url`)"
+                )
             if journaled.history is not None:
                 _check_one_sample(request_id, journaled.history.admit)
             next_index = after_token_index

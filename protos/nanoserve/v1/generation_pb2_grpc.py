@@ -200,8 +200,10 @@ class GenerationServiceServicer:
         newest request of that id; the older ones cannot be resumed.
 
         Status codes:
-        NOT_FOUND           the journal holds no request with this `request_id`
-        and none is running.
+        NOT_FOUND           the live journal holds no request with this `request_id`
+        and none is running (never seen, or its history was
+        archived with its epoch or segment: the archive file
+        holds it).
         FAILED_PRECONDITION the server keeps no request journal (--event-log-url
         none, or --no-journal).
         INVALID_ARGUMENT    `after_token_index` is negative.

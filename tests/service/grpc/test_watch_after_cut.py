@@ -52,6 +52,7 @@ async def _cut(served: Served, archive_dir: Path) -> int:
         request = pb.GenerateRequest(
             prompt_token_ids=pb.TokenIds(ids=[100 + i, 7, 8, 9, 10]),
             sampling=pb.SamplingParameters(max_tokens=8, temperature=0.0, ignore_eos=True),
+            request_id=f"cut-{i}",
         )
         assert len([r async for r in stub.Generate(request)]) > 1
     await wait_pool_free(served)
@@ -87,3 +88,11 @@ async def test_watch_from_an_archived_seq_is_out_of_range_and_from_one_starts_at
         first = (await call.read()).event
         call.cancel()
         assert (first.seq, first.kind) == (archived + 1, apb.EVENT_KIND_SNAPSHOT)
+
+    # the first request's history went with the segment: Resume says where it may be, NOT_FOUND
+    generation = generation_pb2_grpc.GenerationServiceStub(cut_served.channel)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in generation.Resume(pb.ResumeRequest(request_id="cut-0"), timeout=10.0):
+            pass
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "running or in the live journal (never seen, or its history was archived" in (info.value.details() or "")
