@@ -174,6 +174,8 @@ def _status_line(timeline: PoolTimeline, damaged_seq: int | None) -> str:
     """``pool 'p' · epoch 1 · 24 blocks of 4 tokens · closed at seq 107, no block held then``."""
     pool = f"pool {timeline.pool_id!r} · epoch {timeline.epoch} · "
     pool += f"{timeline.num_blocks:,} blocks of {timeline.block_size} tokens"
+    if timeline.seqs and timeline.seqs[0] > 1:  # the epoch's older part is in segment files
+        pool += f" · seqs 1–{timeline.seqs[0] - 1:,} archived: drawn from the checkpoint at {timeline.seqs[0]:,}"
     held = held_then(timeline)
     if damaged_seq is not None:
         status = f"log damaged from seq {damaged_seq:,}: drawn up to seq {timeline.seqs[-1]:,} ({held} held then)"
@@ -194,6 +196,8 @@ def _window_line(timeline: PoolTimeline, view: TimelineView, x: str, damaged: bo
         text += f" of {timeline.seqs[0]:,}–{timeline.seqs[-1]:,} (the window chosen with --from/--to)"
     elif damaged:
         text += " (all before the damage)"
+    elif timeline.seqs[0] > 1:
+        text += " (all the live log holds)"
     else:
         text += " (the whole epoch)"
     steps = [step for step in timeline.step_column[view.first : view.last + 1] if step >= 0]

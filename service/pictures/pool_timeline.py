@@ -17,6 +17,7 @@ audit's "seq range to plot" is ``nanoserve.allocator.log.plot_range``.)
 from __future__ import annotations
 
 import gc
+import json
 from array import array
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -24,8 +25,10 @@ from dataclasses import dataclass
 
 from nanoserve.allocator import PoolState
 from nanoserve.allocator.events import BlockEvent, EventKind
-from nanoserve.allocator.log.reader import read_events
+from nanoserve.allocator.log.reader import EpochInfo, connect, read_events, resolve_epoch
 from nanoserve.allocator.log.record_codec import BLOCK_KINDS, block_event_of
+from nanoserve.allocator.log.segment import epoch_cut
+from nanoserve.allocator.log.snapshot_codec import decode_snapshot
 from nanoserve.allocator.log.stored_event import Event
 from nanoserve.allocator.transition import Observe, apply, ignore
 
@@ -124,6 +127,7 @@ class PoolTimeline:
         self._num_held_by: dict[int, int] = {}  # owner index -> blocks it holds now (> 0)
         self._index = 0  # the index of the event being applied, for the observer
         self._reason_code = 0  # the reason code of the event being applied, for the observer
+        self._checkpoint: EpochInfo | None = None  # set when the epoch's stored part starts at a cut
 
     @property
     def sharers(self) -> dict[int, list[str]]:
@@ -171,7 +175,17 @@ class PoolTimeline:
         observe = self._observer()
         for event in events:
             if not seqs and event.kind != _INIT:
-                raise ValueError(f"seq {event.seq}: the epoch starts with {event.kind!r}, not pool_init")
+                if event.kind != _SNAPSHOT or self._checkpoint is None:
+                    raise ValueError(f"seq {event.seq}: the epoch starts with {event.kind!r}, not pool_init")
+                seqs.append(event.seq)
+                steps.append(NO_STEP if event.step is None else event.step)
+                wall_ns.append(event.wall_time_ns)
+                self._start_at_checkpoint(event, self._checkpoint, observe)
+                num_allocated.append(len(self.pool.owners) if self.pool is not None else 0)
+                num_cached_free.append(len(self.pool.cached_free) if self.pool is not None else 0)
+                num_shared.append(len(self.pool.sharers) if self.pool is not None else 0)
+                num_holding.append(len(held_by))
+                continue
             seqs.append(event.seq)
             steps.append(NO_STEP if event.step is None else event.step)
             wall_ns.append(event.wall_time_ns)
@@ -201,6 +215,24 @@ class PoolTimeline:
                 num_cached_free.append(len(pool.cached_free))
                 num_shared.append(len(pool.sharers))
             num_holding.append(len(held_by))
+
+    def start_at_checkpoint(self, info: EpochInfo) -> None:
+        """The epoch's seqs before a cut are archived (``segment``): its first stored event is the
+        checkpoint SNAPSHOT ``apply`` then starts from, the pool of ``info``'s shape as it holds.
+        Every block held there opens an interval at that SNAPSHOT, in block id order (a request's
+        block table order before the cut is not in the live log)."""
+        self._checkpoint = info
+
+    def _start_at_checkpoint(self, event: Event, info: EpochInfo, observe: Observe) -> None:
+        """ValueError when the SNAPSHOT's data is not a pool of ``info``'s shape."""
+        self.pool_id, self.epoch = info.pool_id, info.epoch
+        self.num_blocks, self.block_size = info.num_blocks, info.block_size
+        self.held.extend([None] * self.num_blocks)
+        pool = decode_snapshot(json.dumps(event.data), info.num_blocks, info.block_size)
+        self._index, self._reason_code = 0, 0
+        for block_id in sorted(pool.owners):
+            observe(block_id, None, pool.owners[block_id])
+        self.pool = pool
 
     def _init(self, event: Event) -> None:
         if self.seqs[0] != event.seq:
@@ -327,7 +359,8 @@ def read_timeline(
     *,
     num_events_per_page: int = NUM_EVENTS_PER_PAGE,
 ) -> PoolTimeline:
-    """The timeline of ``(pool_id, epoch)`` from its first event to ``until_seq`` (default: the last stored).
+    """The timeline of ``(pool_id, epoch)`` from its first stored event to ``until_seq`` (default: the last
+    stored): seq 1, or the checkpoint at the epoch's cut when its older part is archived (``segment``).
 
     ``pool_id`` None means the log's only pool, ``epoch`` None its newest
     epoch (as ``read_events``). Reads ``num_events_per_page`` events per query.
@@ -340,7 +373,14 @@ def read_timeline(
     request) cost a third of the time on a million events.
     """
     timeline = PoolTimeline()
+    with connect(url) as conn:
+        info = resolve_epoch(conn, pool_id, epoch)
+        cut = epoch_cut(conn, info.pool_id, info.epoch)
+    pool_id, epoch = info.pool_id, info.epoch
     from_seq = 1
+    if cut is not None:  # seqs before it are archived: the live part starts at its checkpoint
+        timeline.start_at_checkpoint(info)
+        from_seq = cut.first_seq
     with _collector_paused():
         while until_seq is None or from_seq <= until_seq:
             last = from_seq + num_events_per_page - 1

@@ -715,3 +715,22 @@ def test_a_preemption_that_frees_and_releases_is_one_mark(url: str, tmp_path: Pa
     marks = {key: text for key, (_, text) in titled(out).items() if key.startswith("preempted-")}
     assert marks == {"preempted-0": "A preempted at seq 4 (step 1): blocks 0, 1, 2 freed for recompute"}
     assert any("preempted (its blocks freed for recompute): 1 time, 1 request" in text for text in svg_texts(out))
+
+
+def test_a_cut_epoch_is_drawn_from_its_checkpoint_and_says_what_is_archived(url: str, tmp_path: Path) -> None:
+    """Issue 30: seqs 1..44 went into a segment file; the blocks held at the checkpoint (45) are bars from 45."""
+    from nanoserve.allocator.log.archive import RetentionPolicy
+    from nanoserve.allocator.log.segment_archive import LiveSize, archive_due_segment
+    from tests.allocator.test_segment_archive import Busy
+
+    busy = Busy(url, "default")
+    busy.run(20)
+    archive_due_segment(url, tmp_path / "arch", RetentionPolicy(retention_bytes=1_000), upgrade, "default", LiveSize())
+    busy.run(1)
+    busy.close()
+    out = tmp_path / "cut.svg"
+    assert main(["log", "plot", "--url", url, "-o", str(out)]) == 0
+    assert bars(out) == {("keep", 0, 45, 49), ("keep", 1, 45, 49), ("r19", 2, 45, 46), ("r20", 2, 47, 48)}
+    text = out.read_text()
+    assert "seqs 1–44 archived: drawn from the checkpoint at 45" in text
+    assert "drawn: seqs 45–50 (all the live log holds)" in text

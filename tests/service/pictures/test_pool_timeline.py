@@ -170,3 +170,31 @@ def test_unknown_kinds_are_counted_and_change_nothing(url: str) -> None:
     assert timeline.unknown_kinds == {"ref_taken": 1}
     assert timeline.owners_now() == {0: "A"}
     assert list(timeline.num_allocated) == [0, 1, 1, 1]
+
+
+def test_a_cut_epoch_starts_from_its_checkpoint_with_the_blocks_held_there(url: str, tmp_path: Path) -> None:
+    """Issue 30: seqs 1..44 archived as a segment; the live part starts at the SNAPSHOT at 45, where
+    "keep" holds blocks 0 and 1 (taken at seq 2, archived) and r19 block 2. The picture starts there with them held."""
+    from nanoserve.allocator.log.archive import RetentionPolicy
+    from nanoserve.allocator.log.segment_archive import LiveSize, archive_due_segment
+    from tests.allocator.test_segment_archive import Busy
+
+    busy = Busy(url, "default")
+    busy.run(20)  # seqs 1..46, snapshots at 12, 23, 34, 45
+    [entry] = archive_due_segment(
+        url, tmp_path / "arch", RetentionPolicy(retention_bytes=1_000), upgrade, "default", LiveSize()
+    )
+    assert (entry.first_seq, entry.last_seq) == (1, 44)
+    busy.run(1)  # 47, 48: r20 takes block 2 and frees it
+    busy.close()  # 49 frees keep's blocks, 50 POOL_CLOSE
+
+    timeline = read_timeline(url)
+    assert (timeline.seqs[0], timeline.last_seq, timeline.num_blocks, timeline.closed_seq) == (45, 50, 8, 50)
+    spans = [(i.block_id, i.owner, i.start_seq, i.end_seq, i.end_reason) for i in timeline.intervals()]
+    assert spans == [
+        (0, "keep", 45, 49, "finished"),
+        (1, "keep", 45, 49, "finished"),
+        (2, "r19", 45, 46, "finished"),  # r19 took block 2 at seq 44, in the batch the checkpoint follows
+        (2, "r20", 47, 48, "finished"),
+    ]
+    assert list(timeline.num_allocated) == [3, 2, 3, 2, 0, 0]
