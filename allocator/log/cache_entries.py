@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 
 from nanoserve.allocator.events import BlockEvent
 
@@ -35,8 +36,12 @@ def key_of(text: str) -> str:
     return raw.hex()
 
 
+_SHA256_HEX = re.compile("[0-9a-f]{64}")  # one C-level match: this runs per key of every record, both ways
+
+
 def is_sha256_hex(key: str | None) -> bool:
-    return key is not None and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+    """Whether ``key`` is 64 lowercase hex digits (a sha256 key as the allocator makes them)."""
+    return key is not None and _SHA256_HEX.fullmatch(key) is not None
 
 
 def b64(raw: bytes) -> str:
