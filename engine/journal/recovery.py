@@ -61,14 +61,17 @@ class RecoveryPlanner:
     After ``open``: ``recovered_epoch`` is the crashed epoch taken over (None:
     the newest epoch was closed, or there was none), ``recovered`` the histories
     of the requests re-admitted (in admission order), ``ended`` request id ->
-    abort cause of those left ended, ``journal_from_seq`` the journal seq the
-    crashed epoch's journal was read after (its checkpoint's; 0: read whole).
+    abort cause of those left ended; ``audit_from_seq`` the event seq the crashed
+    epoch's audit began at (its checkpoint's; 1: from genesis) and
+    ``journal_from_seq`` the journal seq its journal was read after (its
+    checkpoint's; 0: read whole).
 
     retention_s: requests that arrived longer ago than this are not recovered.
     """
 
     retention_s: float
     recovered_epoch: int | None = None
+    audit_from_seq: int | None = None
     journal_from_seq: int | None = None
     log_open_s: float | None = None  # seconds the open took, this planning included (set by its opener)
     recovered: list[RequestHistory] = field(default_factory=list)
@@ -84,6 +87,7 @@ class RecoveryPlanner:
                 return []
             crashed = previous[-1]
             report = audit_epoch(conn, crashed, from_checkpoint=True)  # the tail since the last checkpoint
+            self.audit_from_seq = report.from_seq
             now_ns = time.time_ns()
             unfinished, self.journal_from_seq = unfinished_ids(conn, pool_id, crashed.epoch)
             for request_id in unfinished:

@@ -304,7 +304,10 @@ def _epoch_request_records(
     in_epoch = (table.c.pool_id == pool_id, table.c.epoch == epoch)
     previous, next_seq = _chain_before(conn, pool_id, epoch, first)
     rows = conn.execute(
-        sa.select(*_step_columns()).where(*in_epoch, table.c.last_seq >= first).order_by(table.c.first_seq)
+        # first_seq >= next_seq: an index range from the row holding ``first``, not a scan of the epoch
+        sa.select(*_step_columns())
+        .where(*in_epoch, table.c.first_seq >= next_seq, table.c.last_seq >= first)
+        .order_by(table.c.first_seq)
     )
     records: list[_Record] = []
     for row in rows:
