@@ -1,7 +1,7 @@
 """Benchmark crash -> log open (recovery) on crashed epochs of growing length, and the full audit.
 
     .venv/bin/python bench/recovery.py [--num-events 200000 1000000 10000000] [--real-events 200000]
-        [--url-dir DIR] [--scan-max-events 1000000]
+        [--url-dir DIR] [--scan-max-events 200000]
 
 For each ``--num-events`` N:
 
@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--events-per-snapshot", type=int, default=10_000)
     parser.add_argument("--url-dir", type=Path, default=None, help="where the SQLite logs go (default: a temp dir)")
     parser.add_argument("--real-events", type=int, default=200_000, help="the live workload's events at the end")
-    parser.add_argument("--scan-max-events", type=int, default=1_000_000, help="no full journal scan above this")
+    parser.add_argument("--scan-max-events", type=int, default=200_000, help="no full journal scan above this")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rows = []
