@@ -242,10 +242,24 @@ def _chain_before(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> tu
 
 
 def audit_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[JournalDamage]:
-    """The first damaged or missing step row of each epoch (None: every epoch) of ``pool_id``; [] when clean."""
+    """The first damaged or missing step row of each epoch (None: every epoch) of ``pool_id``, then each
+    journal checkpoint whose hash does not link to its step row (kind "checkpoint"); [] when clean."""
     if not _has_steps(conn):
         return []
-    return verify_journal_chain(pool_id, read_step_rows(conn, pool_id, epoch))
+    rows = read_step_rows(conn, pool_id, epoch)
+    damages = verify_journal_chain(pool_id, rows)
+    if not sa.inspect(conn).has_table(journal_checkpoints.name):
+        return damages
+    step_hashes = {(row.epoch, row.last_seq): row.hash for row in rows}
+    table = journal_checkpoints
+    query = sa.select(table.c.epoch, table.c.last_seq, table.c.body, table.c.hash).where(table.c.pool_id == pool_id)
+    if epoch is not None:
+        query = query.where(table.c.epoch == epoch)
+    for checkpoint in conn.execute(query.order_by(table.c.epoch, table.c.last_seq)):
+        step_hash = step_hashes.get((checkpoint.epoch, checkpoint.last_seq))
+        if step_hash is None or checkpoint_hash(step_hash, checkpoint.last_seq, checkpoint.body) != checkpoint.hash:
+            damages.append(JournalDamage(checkpoint.epoch, "checkpoint", checkpoint.last_seq, checkpoint.last_seq))
+    return damages
 
 
 def _step_columns() -> list[sa.ColumnElement[Any]]:

@@ -105,3 +105,17 @@ def test_an_epoch_without_a_journal_checkpoint_is_read_whole(url: str, pool_id: 
     planner = recover(url, pool_id)
     assert planner.journal_from_seq == 0
     assert [history.request_id for history in planner.recovered] == ["long", "e", "f"]
+
+
+def test_the_journal_audit_names_a_checkpoint_that_does_not_link(url: str, pool_id: str, every_4_records: None) -> None:
+    write_and_crash(url, pool_id)
+    forged = encode_live(LiveRequests({"long": 4}))
+    with sa.create_engine(url).begin() as conn:
+        conn.execute(
+            sa.text("UPDATE journal_checkpoints SET body = :b WHERE pool_id = :p AND epoch = 1 AND last_seq = 8"),
+            {"b": forged, "p": pool_id},
+        )
+    with connect(url) as conn:
+        damages = audit_journal(conn, pool_id, 1)
+    assert damages == [JournalDamage(1, "checkpoint", 8, 8)]
+    assert damages[0].describe() == "epoch 1: journal checkpoint at record 8 altered (hash mismatch)"
