@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import re
 
 from nanoserve.allocator.events import BlockEvent
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a pool's keys recur (shared prefixes): each is encoded once, not per record
 def key_text(key: str) -> str:
     """A SHARE, RELEASE or EVICT entry's key: ``~`` and its 32 bytes in base64url (43 characters, not
     64), or as it is when it is no sha256 hex key (a test's)."""
@@ -35,8 +38,12 @@ def key_of(text: str) -> str:
     return raw.hex()
 
 
+_SHA256_HEX = re.compile("[0-9a-f]{64}")  # one C-level match: this runs per key of every record, both ways
+
+
 def is_sha256_hex(key: str | None) -> bool:
-    return key is not None and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+    """Whether ``key`` is 64 lowercase hex digits (a sha256 key as the allocator makes them)."""
+    return key is not None and _SHA256_HEX.fullmatch(key) is not None
 
 
 def b64(raw: bytes) -> str:
@@ -45,6 +52,12 @@ def b64(raw: bytes) -> str:
 
 def unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # keys recur as parents and on re-registration; a bad text raises, uncached
+def _hex_of(text: str) -> str:
+    """The hex of the bytes a base64url key text holds."""
+    return unb64(text).hex()
 
 
 def compact_register_entries(event: BlockEvent) -> str:
@@ -81,7 +94,7 @@ def decode_compact_register_entry(entry: str, previous: str | None) -> tuple[str
         raise ValueError(f"register entry {entry!r} is not ~key:parent:tokens")
     key_text, parent_text, token_text = parts
     try:
-        key = unb64(key_text).hex()
+        key = _hex_of(key_text)
         if parent_text == "^":
             if previous is None:
                 raise ValueError("^ names the entry before, and this is the first")
@@ -89,7 +102,7 @@ def decode_compact_register_entry(entry: str, previous: str | None) -> tuple[str
         elif parent_text.startswith("'"):
             parent = parent_text[1:]
         else:
-            parent = unb64(parent_text).hex() if parent_text else None
+            parent = _hex_of(parent_text) if parent_text else None
         raw = unb64(token_text)
     except (ValueError, binascii.Error) as exc:
         raise ValueError(f"register entry {entry!r}: {exc}") from None

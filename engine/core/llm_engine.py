@@ -147,6 +147,7 @@ class LLMEngine:
             num_ended=len(recovery.ended),
             request_ids=[request.request_id for request in requests],
             log_open_s=round(recovery.log_open_s, 3) if recovery.log_open_s is not None else None,
+            journal_from_seq=recovery.journal_from_seq,
         )
         return requests
 

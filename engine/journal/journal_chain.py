@@ -45,7 +45,9 @@ class StepRow(NamedTuple):
 
 class JournalDamage(NamedTuple):
     """The first damage of an epoch's journal: ``kind`` "missing" (records ``first_seq..last_seq``
-    absent) or "altered" (the row holding ``first_seq..last_seq`` does not hash to its stored hash)."""
+    absent) or "altered" (the row holding ``first_seq..last_seq`` does not hash to its stored hash);
+    or "checkpoint": the journal checkpoint at record ``first_seq`` (= ``last_seq``) does not hash
+    to its stored hash over its step row's (``live_requests``)."""
 
     epoch: int
     kind: str
@@ -53,6 +55,8 @@ class JournalDamage(NamedTuple):
     last_seq: int
 
     def describe(self) -> str:
+        if self.kind == "checkpoint":
+            return f"epoch {self.epoch}: journal checkpoint at record {self.last_seq} altered (hash mismatch)"
         what = "missing" if self.kind == "missing" else "altered (hash mismatch)"
         return f"epoch {self.epoch}: journal records {self.first_seq}..{self.last_seq} {what}"
 

@@ -28,11 +28,16 @@ from nanoserve.allocator.log.companion import CompanionSegment
 from nanoserve.allocator.log.segment import companion_cut
 from nanoserve.engine.journal.journal_chain import StepRow, journal_genesis, step_hash
 from nanoserve.engine.journal.records import JournalKind
-from nanoserve.engine.journal.schema import journal_requests, journal_steps
+from nanoserve.engine.journal.schema import journal_checkpoints, journal_requests, journal_steps
 from nanoserve.engine.journal.step_codec import decode_step
 
 # what moves: the step rows by their first seq, the ADMIT/FINISH index by its seq
-JOURNAL_SEGMENT_TABLES = ((journal_steps.name, "first_seq"), (journal_requests.name, "journal_seq"))
+# the step rows, their index, and the live-request checkpoints of the rows that move
+JOURNAL_SEGMENT_TABLES = (
+    (journal_steps.name, "first_seq"),
+    (journal_requests.name, "journal_seq"),
+    (journal_checkpoints.name, "last_seq"),
+)
 
 
 @dataclass

@@ -15,7 +15,12 @@ epoch's newest verified checkpoint (``audit_epoch(from_checkpoint=True)``:
 a SNAPSHOT whose own hash links to the row before it, then every row after
 it checked and chained to the epoch's head hash), so recovery takes the same
 time after a minute's uptime as after a week's; the rows before the
-checkpoint are verified offline, by ``nanoserve log audit``.
+checkpoint are verified offline, by ``nanoserve log audit``. The journal is read
+the same way: the unfinished requests come from the epoch's newest verified
+journal checkpoint (``live_requests``: the requests live at a journal seq, stored
+every few thousand records) and the step rows after it; then only the unfinished
+requests' own histories are read. An epoch without a checkpoint that verifies
+(written before migration 0006, or damaged) is read whole, as before.
 
 All of these records commit in the transaction that opens the new epoch
 (``EventLog.open(prepare_journal=...)``): a crash during recovery leaves either
@@ -35,8 +40,15 @@ import sqlalchemy as sa
 from nanoserve.allocator.log.audit import audit_epoch
 from nanoserve.allocator.log.reader import list_epochs
 from nanoserve.engine.errors import JournalGapError
+from nanoserve.engine.journal.live_requests import LiveRequests
 from nanoserve.engine.journal.records import JournalKind, RequestHistory
-from nanoserve.engine.journal.store import JournalRecord, has_journal_table, read_journal, read_request_history
+from nanoserve.engine.journal.store import (
+    JournalRecord,
+    has_journal_table,
+    read_journal,
+    read_live_requests,
+    read_request_history,
+)
 
 NOT_RECOVERED = "not_recovered"  # abort cause of a request past the retention
 DEADLINE = "deadline"
@@ -49,13 +61,18 @@ class RecoveryPlanner:
     After ``open``: ``recovered_epoch`` is the crashed epoch taken over (None:
     the newest epoch was closed, or there was none), ``recovered`` the histories
     of the requests re-admitted (in admission order), ``ended`` request id ->
-    abort cause of those left ended.
+    abort cause of those left ended; ``audit_from_seq`` the event seq the crashed
+    epoch's audit began at (its checkpoint's; 1: from genesis) and
+    ``journal_from_seq`` the journal seq its journal was read after (its
+    checkpoint's; 0: read whole).
 
     retention_s: requests that arrived longer ago than this are not recovered.
     """
 
     retention_s: float
     recovered_epoch: int | None = None
+    audit_from_seq: int | None = None
+    journal_from_seq: int | None = None
     log_open_s: float | None = None  # seconds the open took, this planning included (set by its opener)
     recovered: list[RequestHistory] = field(default_factory=list)
     ended: dict[str, str] = field(default_factory=dict)
@@ -70,8 +87,10 @@ class RecoveryPlanner:
                 return []
             crashed = previous[-1]
             report = audit_epoch(conn, crashed, from_checkpoint=True)  # the tail since the last checkpoint
+            self.audit_from_seq = report.from_seq
             now_ns = time.time_ns()
-            for request_id in _unfinished_ids(conn, pool_id, crashed.epoch):
+            unfinished, self.journal_from_seq = unfinished_ids(conn, pool_id, crashed.epoch)
+            for request_id in unfinished:
                 try:
                     history = read_request_history(conn, pool_id, request_id)
                 except JournalGapError:  # its outputs cannot be restored whole: not taken over
@@ -132,12 +151,15 @@ def ended_record(cause: str, start: int = 0) -> dict[str, object]:
     }
 
 
-def _unfinished_ids(conn: sa.Connection, pool_id: str, epoch: int) -> list[str]:
-    """Request ids admitted in ``epoch`` with no FINISH there, in admission order."""
-    admitted: dict[str, None] = {}
+def unfinished_ids(conn: sa.Connection, pool_id: str, epoch: int) -> tuple[list[str], int]:
+    """Request ids admitted in ``epoch`` with no FINISH there, in admission order, and the journal seq
+    they were read after: the epoch's newest verified checkpoint's (``read_live_requests``), or 0 when
+    the epoch has none and its whole journal was read."""
+    from_checkpoint = read_live_requests(conn, pool_id, epoch)
+    if from_checkpoint is not None:
+        live, checkpoint_seq = from_checkpoint
+        return live.ids(), checkpoint_seq
+    live = LiveRequests()
     for entry in read_journal(conn, pool_id, epoch):
-        if entry.kind == JournalKind.ADMIT.value:
-            admitted[entry.request_id] = None
-        elif entry.kind == JournalKind.FINISH.value:
-            admitted.pop(entry.request_id, None)
-    return list(admitted)
+        live.apply(entry.journal_seq, entry.kind, entry.request_id)
+    return live.ids(), 0

@@ -2,8 +2,8 @@
 
 Declared on the event log's ``Base`` (``nanoserve.allocator.log.schema``): its
 rows reference the log's epochs, and the migrations' one ``target_metadata``
-holds both, so ``alembic check`` compares it with migration 0003 like the log's
-own tables. The log itself never imports this module: it stores the rows
+holds both, so ``alembic check`` compares it with the migrations (0003, 0005, 0006) like the
+log's own tables. The log itself never imports this module: it stores the rows
 through the companion protocol (``store.JournalTable``).
 """
 
@@ -89,5 +89,26 @@ class JournalRequestIndex(Base):
     request_id: Mapped[str] = mapped_column(String(256))
 
 
+class JournalCheckpointRow(Base):
+    """The requests of an epoch's journal live after journal seq ``last_seq`` (migration 0006).
+
+    Written every few thousand records with the step row that ends at ``last_seq``
+    (``live_requests``): ``body`` lists each request admitted there without a
+    FINISH yet, with its ADMIT's seq; ``hash`` binds it to that step row's hash.
+    Recovery starts from an epoch's newest checkpoint and reads only the step rows
+    after it, so its cost does not grow with the epoch.
+    """
+
+    __tablename__ = "journal_checkpoints"
+    __table_args__ = (ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),)
+
+    pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    last_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    body: Mapped[bytes] = mapped_column(LargeBinary)
+    hash: Mapped[bytes] = mapped_column(LargeBinary(32))
+
+
 journal_steps = Base.metadata.tables[JournalStepRow.__tablename__]
 journal_requests = Base.metadata.tables[JournalRequestIndex.__tablename__]
+journal_checkpoints = Base.metadata.tables[JournalCheckpointRow.__tablename__]

@@ -32,8 +32,15 @@ from nanoserve.engine.journal.journal_chain import (
     step_hash,
     verify_journal_chain,
 )
+from nanoserve.engine.journal.live_requests import (
+    CheckpointRow,
+    LiveCheckpoints,
+    LiveRequests,
+    checkpoint_hash,
+    decode_live,
+)
 from nanoserve.engine.journal.records import JournalEntry, JournalKind, RequestHistory, request_history
-from nanoserve.engine.journal.schema import journal_requests, journal_steps, request_journal
+from nanoserve.engine.journal.schema import journal_checkpoints, journal_requests, journal_steps, request_journal
 from nanoserve.engine.journal.step_codec import decode_step, encode_step
 
 
@@ -54,9 +61,11 @@ class JournalRecord(NamedTuple):
 
 # the old layout (before migration 0005): one request_journal row per record, in JOURNAL_COLUMNS order
 JOURNAL_COLUMNS = ("pool_id", "epoch", "journal_seq", "request_id", "kind", "step", "wall_ns", "record")
-# one journal_steps row, in STEP_COLUMNS order, then its admissions rows (INDEX_COLUMNS order)
+# one journal_steps row, in STEP_COLUMNS order, then its admissions rows (INDEX_COLUMNS order), then its
+# checkpoint (a CheckpointRow, or None)
 STEP_COLUMNS = ("pool_id", "epoch", "first_seq", "last_seq", "step", "wall_ns", "body", "hash")
 INDEX_COLUMNS = ("pool_id", "epoch", "journal_seq", "request_id")
+CHECKPOINT_COLUMNS = CheckpointRow._fields
 _ROW_OVERHEAD_BYTES = 64  # a step row's fixed columns and hash, near enough for the pending-bytes figure
 _NUM_HEADS_KEPT = 256
 
@@ -67,11 +76,14 @@ class JournalTable:
     Keeps the chain's head of each epoch it writes (``(pool_id, epoch, last_seq)
     -> hash``, the last few only): the writer hands it an epoch's batches in seq
     order, so each row chains from the one built before it; a retry reuses its
-    sealed rows and builds nothing again."""
+    sealed rows and builds nothing again. Follows each epoch's live requests too
+    (``checkpoints``), and stores them with a step row every
+    ``checkpoints.records_per_checkpoint`` records (``live_requests``)."""
 
     def __init__(self) -> None:
         self._heads: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
         self._lock = threading.Lock()
+        self.checkpoints = LiveCheckpoints()
 
     def rows(
         self,
@@ -83,7 +95,8 @@ class JournalTable:
         wall_ns: int,
     ) -> list[CompanionRow]:
         """One step row holding ``records`` (journal seqs ``first_seq``, ...), chained to the epoch's
-        row that ends at ``first_seq - 1``; the row carries its ADMITs' and FINISHes' index rows last."""
+        row that ends at ``first_seq - 1``; the row carries its ADMITs' and FINISHes' index rows, then
+        the checkpoint stored with it (or None), last."""
         last_seq = first_seq + len(records) - 1
         body = encode_step([(record.kind.value, record.request_id, record.data) for record in records])
         with self._lock:
@@ -95,17 +108,20 @@ class JournalTable:
             self._heads[(pool_id, epoch, last_seq)] = digest
             while len(self._heads) > _NUM_HEADS_KEPT:
                 self._heads.popitem(last=False)
+            kinds = ((record.kind.value, record.request_id) for record in records)
+            checkpoint = self.checkpoints.follow(pool_id, epoch, first_seq, kinds, digest)
         index = tuple(
             (pool_id, epoch, seq, record.request_id)
             for seq, record in enumerate(records, first_seq)
             if record.kind in (JournalKind.ADMIT, JournalKind.FINISH)
         )
-        return [(pool_id, epoch, first_seq, last_seq, step, wall_ns, body, digest, index)]
+        return [(pool_id, epoch, first_seq, last_seq, step, wall_ns, body, digest, index, checkpoint)]
 
     def insert(self, conn: sa.Connection, rows: Sequence[CompanionRow]) -> None:
-        """Insert step rows and their index rows inside ``conn``'s transaction (COPY / executemany)."""
-        insert_through_driver(conn, journal_steps, STEP_COLUMNS, [row[:-1] for row in rows])
-        insert_through_driver(conn, journal_requests, INDEX_COLUMNS, [a for row in rows for a in row[-1]])
+        """Insert step rows, their index rows and checkpoints inside ``conn``'s transaction (COPY / executemany)."""
+        insert_through_driver(conn, journal_steps, STEP_COLUMNS, [row[:-2] for row in rows])
+        insert_through_driver(conn, journal_requests, INDEX_COLUMNS, [a for row in rows for a in row[-2]])
+        insert_through_driver(conn, journal_checkpoints, CHECKPOINT_COLUMNS, [row[-1] for row in rows if row[-1]])
 
     def holds(self, conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> bool:
         """Whether the epoch's journal holds journal seq ``seq``."""
@@ -121,8 +137,8 @@ class JournalTable:
         return found is not None
 
     def num_bytes(self, rows: Sequence[CompanionRow]) -> int:
-        """The bytes of the rows' bodies plus a fixed allowance per row."""
-        return sum(len(row[6]) + _ROW_OVERHEAD_BYTES for row in rows)
+        """The bytes of the rows' bodies (and checkpoints') plus a fixed allowance per row."""
+        return sum(len(row[6]) + _ROW_OVERHEAD_BYTES + (len(row[-1].body) if row[-1] else 0) for row in rows)
 
 
 JOURNAL_TABLE = JournalTable()
@@ -159,20 +175,84 @@ def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) ->
     return entries
 
 
-def read_step_rows(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[StepRow]:
-    """The ``journal_steps`` rows of one epoch (None: every epoch) of ``pool_id``, by (epoch, first_seq)."""
+def read_step_rows(conn: sa.Connection, pool_id: str, epoch: int | None = None, from_seq: int = 1) -> list[StepRow]:
+    """The ``journal_steps`` rows of one epoch (None: every epoch) of ``pool_id``, by (epoch, first_seq);
+    with ``from_seq``, only those whose first seq is ``from_seq`` or later."""
     table = journal_steps
     query = sa.select(*_step_columns()).where(table.c.pool_id == pool_id)
     if epoch is not None:
         query = query.where(table.c.epoch == epoch)
+    if from_seq > 1:
+        query = query.where(table.c.first_seq >= from_seq)
     return [StepRow(*row) for row in conn.execute(query.order_by(table.c.epoch, table.c.first_seq))]
 
 
+def read_live_requests(conn: sa.Connection, pool_id: str, epoch: int) -> tuple[LiveRequests, int] | None:
+    """The requests live at the end of the epoch's journal (admitted, no FINISH), from its newest
+    checkpoint and the step rows after it, with the checkpoint's journal seq; None when the epoch has
+    no checkpoint (written before migration 0006, or shorter than one) or it does not verify: its hash
+    must link to its step row, that row to the row before it, and the rows after it must chain."""
+    if not sa.inspect(conn).has_table(journal_checkpoints.name):
+        return None
+    table = journal_checkpoints
+    found = conn.execute(
+        sa.select(table.c.last_seq, table.c.body, table.c.hash)
+        .where(table.c.pool_id == pool_id, table.c.epoch == epoch)
+        .order_by(table.c.last_seq.desc())
+        .limit(1)
+    ).first()
+    if found is None:
+        return None
+    last_seq, body, digest = found
+    steps = journal_steps
+    anchor = conn.execute(
+        sa.select(steps.c.first_seq)
+        .where(steps.c.pool_id == pool_id, steps.c.epoch == epoch, steps.c.first_seq <= last_seq)
+        .order_by(steps.c.first_seq.desc())
+        .limit(1)
+    ).scalar()
+    if anchor is None:
+        return None
+    rows = read_step_rows(conn, pool_id, epoch, from_seq=anchor)
+    previous, next_seq = _chain_before(conn, pool_id, epoch, anchor)
+    if rows[0].last_seq != last_seq or verify_journal_chain(pool_id, rows, previous=previous, first_seq=next_seq):
+        return None
+    if checkpoint_hash(rows[0].hash, last_seq, body) != digest:
+        return None
+    try:
+        live = decode_live(body)
+    except ValueError:
+        return None
+    for row in rows[1:]:
+        for seq, (kind, request_id, _) in enumerate(decode_step(row.body), row.first_seq):
+            live.apply(seq, kind, request_id)
+    return live, last_seq
+
+
+def _chain_before(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> tuple[bytes, int]:
+    """The hash the epoch's step row holding ``seq`` (or the first after it) chains from, and that row's
+    first seq as the chain has it: the row before's (hash, last_seq + 1), else the cut's (the manifest's
+    companion head hash, the cut's first seq) when older rows are archived, else (genesis, 1)."""
+    table = journal_steps
+    before = conn.execute(
+        sa.select(table.c.last_seq, table.c.hash)
+        .where(table.c.pool_id == pool_id, table.c.epoch == epoch, table.c.first_seq < seq, table.c.last_seq < seq)
+        .order_by(table.c.first_seq.desc())
+        .limit(1)
+    ).first()
+    if before is not None:
+        return before.hash, before.last_seq + 1
+    cut = companion_cut(conn, pool_id, epoch)  # the epoch's first kept row: after its genesis, or its segments
+    return (journal_genesis(pool_id, epoch), 1) if cut is None else (cut.previous_hash, cut.first_seq)
+
+
 def audit_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[JournalDamage]:
-    """The first damaged or missing step row of each epoch (None: every epoch) of ``pool_id``; [] when clean.
+    """The first damaged or missing step row of each epoch (None: every epoch) of ``pool_id``, then each
+    journal checkpoint whose hash does not link to its step row (kind "checkpoint"); [] when clean.
 
     An epoch whose older rows are archived as segments is checked from its cut,
-    chained from the manifest's companion head hash."""
+    chained from the manifest's companion head hash; its checkpoints before the cut
+    (their step rows archived) are not checked here."""
     if not _has_steps(conn):
         return []
     rows = read_step_rows(conn, pool_id, epoch)
@@ -181,7 +261,22 @@ def audit_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -
         cut = companion_cut(conn, pool_id, row_epoch)
         if cut is not None:
             starts[row_epoch] = (cut.previous_hash, cut.first_seq)
-    return verify_journal_chain(pool_id, rows, starts=starts)
+    damages = verify_journal_chain(pool_id, rows, starts=starts)
+    if not sa.inspect(conn).has_table(journal_checkpoints.name):
+        return damages
+    step_hashes = {(row.epoch, row.last_seq): row.hash for row in rows}
+    table = journal_checkpoints
+    query = sa.select(table.c.epoch, table.c.last_seq, table.c.body, table.c.hash).where(table.c.pool_id == pool_id)
+    if epoch is not None:
+        query = query.where(table.c.epoch == epoch)
+    for checkpoint in conn.execute(query.order_by(table.c.epoch, table.c.last_seq)):
+        start = starts.get(checkpoint.epoch)
+        if start is not None and checkpoint.last_seq < start[1]:
+            continue  # its step row went into a segment file with the rows before the cut
+        step_hash = step_hashes.get((checkpoint.epoch, checkpoint.last_seq))
+        if step_hash is None or checkpoint_hash(step_hash, checkpoint.last_seq, checkpoint.body) != checkpoint.hash:
+            damages.append(JournalDamage(checkpoint.epoch, "checkpoint", checkpoint.last_seq, checkpoint.last_seq))
+    return damages
 
 
 def _step_columns() -> list[sa.ColumnElement[Any]]:
@@ -238,19 +333,12 @@ def _epoch_request_records(
     epoch holds one request after another), or to the epoch's end when ``last`` is no FINISH."""
     table = journal_steps
     in_epoch = (table.c.pool_id == pool_id, table.c.epoch == epoch)
-    before = conn.execute(
-        sa.select(table.c.last_seq, table.c.hash)
-        .where(*in_epoch, table.c.last_seq < first)
-        .order_by(table.c.first_seq.desc())
-        .limit(1)
-    ).first()
-    if before is not None:
-        previous, next_seq = before.hash, before.last_seq + 1
-    else:  # the epoch's first kept row: after its genesis, or after its archived segments
-        cut = companion_cut(conn, pool_id, epoch)
-        previous, next_seq = (journal_genesis(pool_id, epoch), 1) if cut is None else (cut.previous_hash, cut.first_seq)
+    previous, next_seq = _chain_before(conn, pool_id, epoch, first)
     rows = conn.execute(
-        sa.select(*_step_columns()).where(*in_epoch, table.c.last_seq >= first).order_by(table.c.first_seq)
+        # first_seq >= next_seq: an index range from the row holding ``first``, not a scan of the epoch
+        sa.select(*_step_columns())
+        .where(*in_epoch, table.c.first_seq >= next_seq, table.c.last_seq >= first)
+        .order_by(table.c.first_seq)
     )
     records: list[_Record] = []
     for row in rows:
@@ -268,14 +356,14 @@ def _epoch_request_records(
 
 
 def check_journal_schema(url: str) -> None:
-    """LogNotFoundError when the log at ``url`` has no journal table (its schema predates migration 0003)."""
+    """LogNotFoundError when the log at ``url`` lacks the journal's tables (its schema predates migration 0006)."""
     engine = create_log_engine(url)
     try:
         with engine.connect() as conn:
-            if not _has_steps(conn):
+            if not (_has_steps(conn) and sa.inspect(conn).has_table(journal_checkpoints.name)):
                 shown = safe_url(url)
                 raise LogNotFoundError(
-                    f"{shown!r} has no request journal table (run `nanoserve db upgrade {shown}`, or serve with "
+                    f"{shown!r} lacks the request journal's tables (run `nanoserve db upgrade {shown}`, or serve with "
                     "--no-journal)"
                 )
     finally:

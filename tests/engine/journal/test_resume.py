@@ -123,7 +123,7 @@ def test_a_journal_on_a_log_without_its_table_is_refused_at_start(tiny_model_dir
     url = f"sqlite:///{tmp_path / 'old.db'}"
     upgrade(url, "0002")  # the schema before the request journal (0003)
     config = _config(tiny_model_dir, url, event_log_migrate=False)
-    with pytest.raises(EventLogUnusableError, match="has no request journal table"):
+    with pytest.raises(EventLogUnusableError, match="lacks the request journal's tables"):
         build_engine(config)
     build_engine(_config(tiny_model_dir, url, event_log_migrate=False, journal=False)).shutdown()
 
