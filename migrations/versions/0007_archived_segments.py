@@ -6,7 +6,7 @@ written before it still replay; an older nanoserve ignores the table (and would
 audit a cut epoch from genesis: missing seqs).
 
 Revision ID: 0007
-Revises: 0005
+Revises: 0006
 Create Date: 2026-12-07 00:00:00
 """
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -205,10 +204,18 @@ async def test_resume_joins_journaled_chunks_and_keeps_the_text_of_uncut_ones(en
     whole = await _collect(engine.resume("joined", 0))
     assert len(whole) == 2  # 20 tokens in one output (TOKENS_PER_RESUME_OUTPUT = 256), then the ending
     assert whole[0].delta_token_ids == generated[-1].token_ids
+    from nanoserve.allocator.log.reader import connect
+    from nanoserve.engine.journal.store import read_request_history
+
     resumed = await _collect(engine.resume("joined", 7))
-    # the streamed outputs are deltas: a step's first token's position is the count before it
-    starts = itertools.accumulate((len(o.delta_token_ids) for o in generated), initial=0)
-    uncut = [o.delta_text for o, start in zip(generated, starts, strict=False) if start >= 7]  # starts: one more
+    # the journal's chunks, one per step (the stream may join steps a slow reader had not taken yet):
+    # the chunk holding token 7 is cut, its text left out; every chunk from 7 on keeps its text
+    assert engine.event_log is not None
+    with connect(engine.event_log.url) as conn:
+        history = read_request_history(conn, "default", "joined")
+    assert history is not None
+    assert history.token_ids == generated[-1].token_ids
+    uncut = [chunk.text for chunk in history.chunks if chunk.start >= 7]
     assert resumed[0].delta_text == "".join(uncut)
     assert _tokens(resumed) == generated[-1].token_ids[7:]
 
