@@ -44,10 +44,10 @@ class ModelConfig:
     num_threads: CPU threads for the model's math; ``None`` takes the CPUs this
         process may use (affinity mask and cgroup quota).
     matmul_precision: ``medium`` lets nanoserve's GGUF kernel round the activations of
-        steps of more than 4 tokens (prefill, batches) to bfloat16 and multiply them by
+        steps of more than 8 tokens (prefill, batches) to bfloat16 and multiply them by
         the weights, also rounded to bfloat16, in bf16 dot products summed in float32,
         on CPUs with AVX-512 BF16: twice the float32 rate, a bf16 model's rounding.
-        ``highest`` keeps them float32 (gguf's weight values exactly). Steps of up to 4
+        ``highest`` keeps them float32 (gguf's weight values exactly). Steps of up to 8
         tokens, other CPUs and the other kernels are the same under both.
     batch_invariant: ``on``: a row's logits depend only on the model, its own prefix and its
         position: not on what it is batched with, how its prefill was chunked, whether its
