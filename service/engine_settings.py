@@ -159,7 +159,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "engine",
         int,
         3,
-        "draft tokens proposed per request per step under --speculative (1 to 16); up to 3 a verify pass is "
+        "draft tokens proposed per request per step under --speculative (1 to 16); up to 7 a verify pass is "
         "bit-identical to plain decoding on the GGUF kernel",
     ),
     Setting(
