@@ -3,10 +3,14 @@ names a ``rejected_draft`` rollback of any block its owner's drafts did not take
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import pytest
 
 from nanoserve.allocator import BlockAllocator, BlockTable, FreeReason
 from nanoserve.allocator.log import EventLog, audit, read_events
+from nanoserve.migrations import upgrade
 
 
 def _events(pool: BlockAllocator) -> list[tuple[str, tuple[int, ...], str, str | None]]:
@@ -80,3 +84,15 @@ def test_a_rollback_of_a_block_not_taken_for_drafts_in_that_step_is_named_at_its
     assert [(v.seq, v.rule, v.block_id, v.owner) for v in report.violations] == [
         (seq, "rollback_of_non_draft", block_id, "A") for seq, block_id in named
     ]
+
+
+def test_a_draft_record_that_is_not_utf8_is_named_by_replay_and_stops_no_audit(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    _speculating_log(url, "p", rollback=(2, [3]))
+    with sqlite3.connect(tmp_path / "log.db") as db:  # seq 3's owner "A" (0x41) becomes 0xC1: not UTF-8
+        (record,) = db.execute("SELECT CAST(record AS BLOB) FROM allocator_events WHERE seq = 3").fetchone()
+        db.execute("UPDATE allocator_events SET record = CAST(? AS TEXT) WHERE seq = 3", (record[:-1] + b"\xc1",))
+    report = audit(url, "p")
+    assert [(v.seq, v.rule) for v in report.violations][:1] == [(3, "bad_record")]
+    assert "rollback_of_non_draft" not in {v.rule for v in report.violations}
