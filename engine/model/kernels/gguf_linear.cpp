@@ -1192,10 +1192,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
   for (int64_t t = 0; t < num_tokens; ++t)
     quantize_row(xp + t * in_features, nb, codes.data() + t * in_features, scale.data() + t * nb,
                  scaled_sum.data() + t * nb);
-  // One row: the AVX2 tiles (four weight rows, horizontal adds) measured faster than the AVX-512 ones
-  // (sixteen rows, a tree of folds) on Zen 4, 4.8 against 5.1 ms for the default model's layers and
-  // 1.0 against 1.2 for its lm_head; the same bits, so unless avx512 was asked for by name, they run.
-  const bool tiles_avx512 = avx512 && !(num_tokens == 1 && isa != kAvx512);
+  // One row too: the AVX-512 tiles (sixteen weight rows, a tree of folds), once their blocks' scales
+  // came from the by-block table, measured faster than the AVX2 ones (four rows, horizontal adds) on
+  // Zen 4: 2.8-3.0 against 3.5-4.4 ms for the default model's layers, 1.0 against 0.9 for its lm_head
+  // (bench.gguf_linear --tokens 1 --repeats 10, 3 rounds, a shared machine); the same bits.
+  const bool tiles_avx512 = avx512;
   // the AVX-512 tiles take 8 rows a call (each weight block read once), the AVX2 ones 4
   const int64_t per_call = tiles_avx512 ? 8 : 4;
   std::vector<float> scale_by_block(nb * kActLanes), scaled_sum_by_block(nb * kActLanes);
