@@ -142,17 +142,20 @@ class BlockAllocator:
         self._emit(BlockEvent(_ALLOCATE, (block_id,), owner))
         return block_id
 
-    def allocate_for(self, num_tokens: int, owner: str) -> list[int]:
+    def allocate_for(self, num_tokens: int, owner: str, reason: FreeReason | None = None) -> list[int]:
         """Reserve ceil(num_tokens / block_size) blocks for ``owner``, all or none.
 
         Returns the block ids in the order they were taken (the top of the free
-        stack first). Emits one ALLOCATE_FOR. Raises KVCacheExhausted
-        (reserving nothing) when the pool cannot cover all of them, ValueError
-        when ``num_tokens < 1``.
+        stack first). Emits one ALLOCATE_FOR, carrying ``reason``: None, or
+        ``FreeReason.DRAFT`` for slots of speculative draft tokens. Raises
+        KVCacheExhausted (reserving nothing) when the pool cannot cover all of
+        them, ValueError when ``num_tokens < 1`` or ``reason`` is another reason.
         """
         _check_owner(owner)
         if type(num_tokens) is not int or num_tokens < 1:
             raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        if reason is not None and reason is not FreeReason.DRAFT:
+            raise ValueError(f"an allocation's reason must be None or FreeReason.DRAFT, got {reason!r}")
         num_needed = cdiv(num_tokens, self._state.block_size)
         free = self._free
         if num_needed > len(free):
@@ -161,7 +164,7 @@ class BlockAllocator:
                 raise KVCacheExhausted(num_needed, available)
             self._evict(num_needed - len(free), owner)
         block_ids = free[-1 : -num_needed - 1 : -1]
-        self._emit(BlockEvent(_ALLOCATE_FOR, tuple(block_ids), owner))
+        self._emit(BlockEvent(_ALLOCATE_FOR, tuple(block_ids), owner, reason))
         return block_ids
 
     def free(self, block_id: int, reason: FreeReason | None = None) -> None:

@@ -124,10 +124,11 @@ class BlockTable:
         """True when the pool has the blocks to append ``num_tokens`` tokens now."""
         return self._allocator.can_allocate(self.blocks_needed(num_tokens))
 
-    def append_tokens(self, num_tokens: int) -> list[int]:
+    def append_tokens(self, num_tokens: int, reason: FreeReason | None = None) -> list[int]:
         """Make room for ``num_tokens`` more tokens; returns the new block ids.
 
-        New blocks are reserved all at once through ``allocate_for``: on
+        New blocks are reserved all at once through ``allocate_for`` (its event
+        carrying ``reason``: ``FreeReason.DRAFT`` for draft tokens' slots): on
         KVCacheExhausted nothing changes. A partly filled last block that
         another owner holds too (forked) is first copied to a block of this
         table's own (COPY; ``take_copies`` names it). ValueError when ``num_tokens < 0``.
@@ -142,7 +143,7 @@ class BlockTable:
             self._copies.append((source, self._block_ids[-1]))
         if num_new:
             room = len(self._block_ids) * self._block_size - self._num_tokens
-            new_block_ids = self._allocator.allocate_for(num_tokens - room, self.owner)
+            new_block_ids = self._allocator.allocate_for(num_tokens - room, self.owner, reason)
             assert len(new_block_ids) == num_new, f"allocate_for gave {len(new_block_ids)} blocks, expected {num_new}"
             self._block_ids.extend(new_block_ids)
         self._num_tokens += num_tokens

@@ -38,12 +38,16 @@ class EventKind(str, enum.Enum):
 
 
 class FreeReason(str, enum.Enum):
-    """Why blocks went back to the pool; carried by free events."""
+    """Why blocks moved: carried by free events (why they went back to the pool), and by one
+    allocation, DRAFT (an ALLOCATE_FOR whose blocks are slots of draft tokens, which the step's
+    verify pass either keeps for accepted drafts or gives back as REJECTED_DRAFT). Stored as
+    the record's reason text, so a log written before DRAFT existed reads as before."""
 
     FINISHED = "finished"
     ABORTED = "aborted"
     PREEMPTED = "preempted"
     REJECTED_DRAFT = "rejected_draft"  # speculative decoding: blocks only the rejected draft tokens needed
+    DRAFT = "draft"  # speculative decoding, on ALLOCATE_FOR only: slots taken for draft tokens
 
 
 class BlockEvent(NamedTuple):
@@ -53,8 +57,9 @@ class BlockEvent(NamedTuple):
     block_ids: the blocks touched, in the allocator's order: the order they
         were taken off the free stack, or pushed back onto it.
     owner: the request id that took the blocks, or held them until now.
-    reason: why blocks were freed (FREE, FREE_ALL, RELEASE); None on
-        allocations and unexplained frees.
+    reason: why blocks were freed (FREE, FREE_ALL, RELEASE); DRAFT on an
+        ALLOCATE_FOR of draft tokens' slots; None on other allocations and
+        unexplained frees.
     keys: the prefix-cache kinds only: each block's key (hex sha256), in
         ``block_ids`` order; empty for the other kinds.
     parent_keys: REGISTER only: each block's parent key (None for the first

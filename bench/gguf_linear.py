@@ -10,10 +10,10 @@ values). Per token count T: ``--layers`` layers' four matmuls of x [T, K], then 
 lm_head once, each timed by ``time.process_time`` (CPU time: the machine is shared), the
 best of ``--repeats``, for each body the CPU has (``isa`` avx2, avx512: float32 x, the
 same bits; avx512_bf16 and amx_bf16: bfloat16 x, as a bf16 model passes it), interleaved in
-one process. Up to 4 tokens the decode path runs (16-bit activations, integer dots; the bf16
+one process. Up to 8 tokens the decode path runs (16-bit activations, integer dots; the bf16
 isas are avx512 there); beyond, the float32 panels, avx512_bf16's bf16 dot products,
 amx_bf16's AMX tiles, or int16's panels (the decode path's arithmetic at every step size,
-batch invariance; AVX-512 VNNI, else the decode tiles four rows at a time).
+batch invariance; AVX-512 VNNI, else the decode tiles 8 (AVX2: 4) rows at a time).
 """
 
 from __future__ import annotations

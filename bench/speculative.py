@@ -16,11 +16,21 @@ only), ours counts the prefill too, which favours llama.cpp slightly.
     .venv/bin/python -m bench.speculative --max-tokens 64 --k 8 --quantization none
     .venv/bin/python -m bench.speculative --batch-invariant on    # verify passes on the int16 panels
     .venv/bin/python -m bench.speculative --batch 64 --skip-peer   # and 64 chats at once, on against off
+    .venv/bin/python -m bench.speculative --threads 1 --skip-peer --k 3,5,7 --repeats 5   # a shared machine
+
+``--k`` takes several values (one engine each, beside the one with speculation off); with
+``--repeats N`` every prompt runs N rounds, each round off and then every k in turn, and the
+table gives each k's median ratio against the off run of the same round, with the lowest and
+highest ratio, by wall time and by the process's CPU time (``time.process_time``; with
+``--threads 1`` that is the one compute thread's work, which other processes on a shared
+machine slow far less than they slow the wall clock): alternating in one process, repeating,
+and counting CPU time is what makes the ratio mean something there.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from nanoserve.engine import LLM, ChatPrompt, SamplingParams, TokensPrompt
@@ -45,7 +55,8 @@ def run(llm: LLM, prompt: ChatPrompt, max_tokens: int) -> tuple[list[int], float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=3, help="--num-speculative-tokens")
+    parser.add_argument("--k", default="3", help="--num-speculative-tokens; comma-separated: one engine each")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds per prompt, each off then every k")
     parser.add_argument("--threads", type=int, default=None, help="--num-threads (default: the engine's choice)")
     parser.add_argument("--quantization", default="auto", help="--quantization (none: the dequantized float32 model)")
     parser.add_argument("--ngram-min", type=int, default=None, help="--speculative-ngram-min (default: the engine's)")
@@ -53,14 +64,23 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true", help="no llama.cpp runs (without the bench extra)")
     parser.add_argument("--batch-invariant", default="off", choices=("on", "auto", "off"), help="--batch-invariant")
     args = parser.parse_args()
+    ks = [int(k) for k in args.k.split(",")]
     settings = {"num_threads": args.threads, "quantization": args.quantization, "batch_invariant": args.batch_invariant}
+    if len(ks) > 1:
+        settings["num_kv_blocks"] = 512  # one stream needs few; each engine would otherwise take 1 GiB of cache
     off = LLM(**settings)
     ngram = {} if args.ngram_min is None else {"speculative_ngram_min": args.ngram_min}
-    on = LLM(**settings, speculative="ngram", num_speculative_tokens=args.k, **ngram)
-    for llm in (off, on):
+    ons = {k: LLM(**settings, speculative="ngram", num_speculative_tokens=k, **ngram) for k in ks}
+    for llm in (off, *ons.values()):
         run(llm, PROMPTS["plain chat"], 4)  # warm-up
+    if len(ks) > 1 or args.repeats > 1:
+        _rounds(off, ons, args.max_tokens, args.repeats)
+        for llm in (off, *ons.values()):
+            llm.shutdown()
+        return
+    on = ons[ks[0]]
     print(
-        f"one greedy stream, max_tokens {args.max_tokens}, k {args.k}, quantization {args.quantization}, "
+        f"one greedy stream, max_tokens {args.max_tokens}, k {ks[0]}, quantization {args.quantization}, "
         f"batch invariant {args.batch_invariant}"
     )
     print("| prompt | tokens | off tok/s | ngram tok/s | x off | accepted / drafted | tokens equal |")
@@ -83,6 +103,52 @@ def main() -> None:
     on.shutdown()
     if not args.skip_peer:
         _peer(off.engine.tokenizer, args.max_tokens, args.threads or 1)
+
+
+def _rounds(off: LLM, ons: dict[int, LLM], max_tokens: int, repeats: int) -> None:
+    """Per prompt, ``repeats`` rounds of off then each k; per k the median, lowest and highest ratio of its
+    rate to the same round's off rate, the median off rate, acceptance per run, and whether every run's
+    tokens equal off's."""
+    print(f"one greedy stream, max_tokens {max_tokens}, {repeats} rounds of off then each k, alternating")
+    print(
+        "| prompt | k | tokens | off tok/s (median) | x off, wall: median (lowest-highest) "
+        "| x off, CPU time: median (lowest-highest) | accepted / drafted | equal |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, prompt in PROMPTS.items():
+        rates_off: list[float] = []
+        ratios: dict[int, list[float]] = {k: [] for k in ons}
+        cpu_ratios: dict[int, list[float]] = {k: [] for k in ons}
+        counts = {k: [0, 0] for k in ons}
+        equal = dict.fromkeys(ons, True)
+        lengths: dict[int, int] = {}
+        for _ in range(repeats):
+            cpu_start = time.process_time()
+            tokens_off, seconds_off = run(off, prompt, max_tokens)
+            cpu_off = time.process_time() - cpu_start
+            rates_off.append(len(tokens_off) / seconds_off)
+            for k, on in ons.items():
+                before = on.engine.pool_status()
+                cpu_start = time.process_time()
+                tokens_on, seconds_on = run(on, prompt, max_tokens)
+                cpu_on = time.process_time() - cpu_start
+                after = on.engine.pool_status()
+                cpu_ratios[k].append(len(tokens_on) / cpu_on / (len(tokens_off) / cpu_off))
+                counts[k][0] += after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+                counts[k][1] += after.num_draft_tokens - before.num_draft_tokens
+                ratios[k].append(len(tokens_on) / seconds_on / rates_off[-1])
+                equal[k] = equal[k] and tokens_on == tokens_off
+                lengths[k] = len(tokens_on)
+        for k, values in ratios.items():
+            accepted, drafted = (count // repeats for count in counts[k])
+            print(
+                f"| {name} | {k} | {lengths[k]} | {statistics.median(rates_off):.1f} | {_spread(values)} | "
+                f"{_spread(cpu_ratios[k])} | {accepted} / {drafted} | {equal[k]} |"
+            )
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _batch(off: LLM, on: LLM, num_requests: int, max_tokens: int) -> None:

@@ -44,10 +44,10 @@ class ModelConfig:
     num_threads: CPU threads for the model's math; ``None`` takes the CPUs this
         process may use (affinity mask and cgroup quota).
     matmul_precision: ``medium`` lets nanoserve's GGUF kernel round the activations of
-        steps of more than 4 tokens (prefill, batches) to bfloat16 and multiply them by
+        steps of more than 8 tokens (prefill, batches) to bfloat16 and multiply them by
         the weights, also rounded to bfloat16, in bf16 dot products summed in float32,
         on CPUs with AVX-512 BF16: twice the float32 rate, a bf16 model's rounding.
-        ``highest`` keeps them float32 (gguf's weight values exactly). Steps of up to 4
+        ``highest`` keeps them float32 (gguf's weight values exactly). Steps of up to 8
         tokens, other CPUs and the other kernels are the same under both.
     batch_invariant: ``on``: a row's logits depend only on the model, its own prefix and its
         position: not on what it is batched with, how its prefill was chunked, whether its
@@ -267,7 +267,8 @@ class SpeculativeConfig:
     """
 
     speculative: str = "off"
-    num_speculative_tokens: int = 3  # a 4-row verify pass takes the GGUF decode arithmetic: exact, and cheapest
+    # up to 7: the verify pass takes the GGUF decode tiles (exact); 3 measured cheapest on a quiet machine
+    num_speculative_tokens: int = 3
     speculative_ngram_min: int = 3  # 1 or 2 match by chance: drafts mostly rejected (bench.speculative)
     speculative_ngram_max: int = 4
 

@@ -58,7 +58,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "engine",
         str,
         "medium",
-        "medium: on CPUs with AVX-512 BF16 or AMX, steps of more than 4 tokens (prefill, batches) on nanoserve's "
+        "medium: on CPUs with AVX-512 BF16 or AMX, steps of more than 8 tokens (prefill, batches) on nanoserve's "
         "GGUF kernel round activations and weights to bf16 and sum bf16 dot products in float32 (AMX tiles where "
         "present), about twice the float32 rate; elsewhere the same as highest; highest: float32 activations and "
         "gguf's weight values exactly",
@@ -159,7 +159,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "engine",
         int,
         3,
-        "draft tokens proposed per request per step under --speculative (1 to 16); up to 3 a verify pass is "
+        "draft tokens proposed per request per step under --speculative (1 to 16); up to 7 a verify pass is "
         "bit-identical to plain decoding on the GGUF kernel",
     ),
     Setting(

@@ -1,6 +1,7 @@
 """Audit: replay a whole epoch from its genesis and report what it shows.
 
-An epoch is clean when its log breaks no rule (see ``replay``). At a clean
+An epoch is clean when its log breaks no rule (see ``replay``, and
+``draft_audit`` for speculative decoding's rollbacks). At a clean
 close every block must be free; blocks still held are leaks (a violation,
 listed with their owners). An epoch without POOL_CLOSE crashed: that is not a
 violation of the log, and the report gives the pool as it stood at the last
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
+from nanoserve.allocator.log.draft_audit import draft_violations
 from nanoserve.allocator.log.errors import LogNotFoundError
 from nanoserve.allocator.log.plot_range import HoldingStarts, plot_range
 from nanoserve.allocator.log.reader import (
@@ -114,7 +116,8 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
         for block_id, owner in leaked.items():
             replayer.violate(closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner)
     state = replayer.state()
-    violations = sorted(replayer.violations, key=lambda violation: violation.seq)
+    found = replayer.violations + draft_violations(conn, info, replayer.start_seq)
+    violations = sorted(found, key=lambda violation: violation.seq)
     return AuditReport(
         pool_id=info.pool_id,
         epoch=info.epoch,

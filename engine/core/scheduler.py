@@ -203,7 +203,7 @@ class Scheduler:
             # only never-cached free blocks: a draft evicts no prefix-cache entry
             if table.blocks_needed(len(drafts)) > self.allocator.num_free - self.allocator.num_cached_free:
                 continue
-            table.append_tokens(len(drafts))
+            table.append_tokens(len(drafts), FreeReason.DRAFT)  # its ALLOCATE_FOR, if any, says "draft" in the log
             chunks[key] = ScheduledChunk(request, chunk.start, 1, tuple(drafts))
             budget -= len(drafts)
 

@@ -292,7 +292,7 @@ class LlamaForCausalLM:
         stay quantized), ``int4`` / ``int8`` (float weights quantized here too); see
         ``make_linear``. dense_for_large_steps: int4 layers also keep a dense copy for
         steps of many tokens (prefill, big batches). matmul_precision: ``medium`` lets
-        the GGUF kernel run steps of more than 4 tokens in bf16 (``ModelConfig``); batch_invariant:
+        the GGUF kernel run steps of more than 8 tokens in bf16 (``ModelConfig``); batch_invariant:
         it runs every step by the decode path's arithmetic instead (``ModelConfig``). Tensors are converted one by one:
         no dense copy of the whole model exists at any moment.
 

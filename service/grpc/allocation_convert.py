@@ -42,6 +42,7 @@ FREE_REASONS: dict[str, apb.FreeReason] = {
     FreeReason.ABORTED.value: apb.FREE_REASON_ABORTED,
     FreeReason.PREEMPTED.value: apb.FREE_REASON_PREEMPTED,
     FreeReason.REJECTED_DRAFT.value: apb.FREE_REASON_REJECTED_DRAFT,
+    FreeReason.DRAFT.value: apb.FREE_REASON_DRAFT,
 }
 # the rules the allocator's replay and audit check (``Violation.rule``)
 AUDIT_RULES: dict[str, apb.AuditRule] = {
@@ -74,6 +75,7 @@ AUDIT_RULES: dict[str, apb.AuditRule] = {
     "copy_source_not_parents": apb.AUDIT_RULE_COPY_SOURCE_NOT_PARENTS,
     "copy_of_unheld": apb.AUDIT_RULE_COPY_OF_UNHELD,
     "copy_of_unshared": apb.AUDIT_RULE_COPY_OF_UNSHARED,
+    "rollback_of_non_draft": apb.AUDIT_RULE_ROLLBACK_OF_NON_DRAFT,
 }
 
 

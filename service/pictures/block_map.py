@@ -27,11 +27,13 @@ from nanoserve.service.pictures.pool_timeline import PoolTimeline
 from nanoserve.service.pictures.timeline_view import TimelineView
 
 BAR_HEIGHT = 0.84  # of a block's row
+DRAFT_HATCH = "..."  # a bar begun by a speculative allocation (slots of draft tokens)
 # how a holding ended -> colour of its cells, when cells are coloured by ending
 ENDING_COLOURS = {
     "finished": "#9db7d5",
     "preempted": "#d62728",
     "aborted": "#2b2b2b",
+    "rejected_draft": "#ff7f0e",  # speculative decoding: given back by the verify pass that rejected its drafts
     None: "#b5b5b5",  # freed with another reason, or none
     "held": "#e7298a",  # still held after the last event
 }
@@ -44,8 +46,11 @@ def draw_bars(
     frame: PlotFrame,
     titles: dict[str, str],
     damaged_seq: int | None,
-) -> None:
-    """One bar per held interval in view; bars the window cuts run into its hatched margins."""
+) -> list[Any]:
+    """One bar per held interval in view; bars the window cuts run into its hatched margins.
+
+    A bar begun by a speculative allocation (draft tokens' slots) is dotted; returns the
+    legend handle saying so when there is one."""
     timeline = view.timeline
     window = f"seqs {timeline.seqs[view.first]:,}–{timeline.seqs[view.last]:,}"
     x0 = np.where(view.cut_before, frame.left, view.x0)
@@ -59,11 +64,15 @@ def draw_bars(
             facecolor=colours[owner],
             edgecolor="white",
             linewidth=0.3,
+            hatch=DRAFT_HATCH if timeline.interval_drafts[j] else None,
         )
         bar.set_gid(f"interval-{j}")
         ax.add_patch(bar)
         cut = _cut_note(bool(view.cut_before[k]), bool(view.cut_after[k]), window)
         titles[f"interval-{j}"] = interval_title(timeline, int(j), damaged_seq, cut)
+    if not any(timeline.interval_drafts[j] for j in view.index):
+        return []
+    return [Patch(facecolor="white", edgecolor="#555555", hatch=DRAFT_HATCH, label="dotted: taken for draft tokens")]
 
 
 def _cut_note(before: bool, after: bool, window: str) -> str:
@@ -79,7 +88,8 @@ def _cut_note(before: bool, after: bool, window: str) -> str:
 def interval_title(timeline: PoolTimeline, j: int, damaged_seq: int | None, cut: str = "") -> str:
     """``r3 held block 7 from seq 120 to 245 (steps 10 to 22), freed: preempted``; ``cut`` comes before the end."""
     interval = timeline.interval(j)
-    held = f"{interval.owner} held block {interval.block_id} from seq {interval.start_seq}"
+    taken = " (taken for draft tokens)" if interval.draft else ""
+    held = f"{interval.owner} held block {interval.block_id}{taken} from seq {interval.start_seq}"
     if interval.end_seq is None:
         steps = "" if interval.start_step is None else f" (step {interval.start_step})"
         if damaged_seq is not None:
@@ -145,6 +155,7 @@ def _ending_colours(view: TimelineView) -> tuple[list[str], np.ndarray, list[Any
         "finished": "then freed: finished",
         "preempted": "then freed: preempted",
         "aborted": "then freed: aborted",
+        "rejected_draft": "then freed: rejected draft tokens",
         None: "then freed (other reason or none)",
         "held": held,
     }

@@ -103,10 +103,11 @@ def plot_timeline(
         if strip:
             draw_end_counts(axes[1], view, NUM_CELLS)
     else:
-        draw_bars(block_ax, view, colours, frame, titles, damaged_seq)
+        draft_handles = draw_bars(block_ax, view, colours, frame, titles, damaged_seq)
         cell_handles = []
         blocks_note = f"{view.num_bars:,} held intervals, one bar each"
         mark_handles, facts = draw_end_marks(block_ax, view, titles, scale, x)
+        mark_handles += draft_handles
     held_handles, held_facts = draw_held_marks(block_ax, view, frame, titles, scale, damaged_seq)
     for owner_id, more in held_facts.items():
         facts.setdefault(owner_id, []).extend(more)

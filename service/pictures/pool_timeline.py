@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from nanoserve.allocator import PoolState
-from nanoserve.allocator.events import BlockEvent, EventKind
+from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.log.reader import EpochInfo, connect, read_events, resolve_epoch
 from nanoserve.allocator.log.record_codec import BLOCK_KINDS, block_event_of
 from nanoserve.allocator.log.segment import epoch_cut
@@ -39,6 +39,7 @@ NUM_EVENTS_PER_PAGE = 50_000
 _INIT = EventKind.POOL_INIT.value
 _SNAPSHOT = EventKind.SNAPSHOT.value
 _CLOSE = EventKind.POOL_CLOSE.value
+_DRAFT = FreeReason.DRAFT.value
 NO_STEP = -1  # step_column of an event outside a scheduler step (steps are >= 0)
 OPEN = -1  # interval_ends of an interval still held
 
@@ -49,8 +50,10 @@ class BlockInterval:
 
     end_seq / end_step / end_wall_ns: the freeing event; None while the block is
         still held after the last event read (a leak at POOL_CLOSE, or held at a crash).
-    end_reason: the free's reason (``finished``, ``aborted``, ``preempted``), None
-        when the free named none or the block is still held.
+    end_reason: the free's reason (``finished``, ``aborted``, ``preempted``,
+        ``rejected_draft``), None when the free named none or the block is still held.
+    draft: the allocation that began it was speculative (reason ``draft``: slots
+        taken for draft tokens, kept by accepted drafts or given back as ``rejected_draft``).
     """
 
     block_id: int
@@ -62,6 +65,7 @@ class BlockInterval:
     start_wall_ns: int
     end_wall_ns: int | None
     end_reason: str | None
+    draft: bool = False
 
 
 class PoolTimeline:
@@ -81,7 +85,8 @@ class PoolTimeline:
     event): ``interval_block_ids[j]``, ``interval_owner_ids[j]`` (an index into
     ``owners``, the owners in order of first allocation), ``interval_starts[j]``
     and ``interval_ends[j]`` (event indexes; ``OPEN`` while held) and
-    ``interval_reason_codes[j]`` (an index into ``reasons``; 0 is None).
+    ``interval_reason_codes[j]`` (an index into ``reasons``; 0 is None) and
+    ``interval_drafts[j]`` (1 when a speculative allocation, reason ``draft``, began it).
     ``interval(j)`` gives one as a ``BlockInterval``.
 
     Prefix caching: an interval belongs to a block's first holder (replay's
@@ -120,6 +125,7 @@ class PoolTimeline:
         self.interval_starts = array("q")
         self.interval_ends = array("q")
         self.interval_reason_codes = array("q")
+        self.interval_drafts = array("b")
         self.held: list[int | None] = []  # block_id -> index of its open interval
         self.unknown_kinds: dict[str, int] = {}  # kind -> events of it, not drawn
         self._owner_ids: dict[str, int] = {}  # owner -> index into owners
@@ -128,6 +134,7 @@ class PoolTimeline:
         self._index = 0  # the index of the event being applied, for the observer
         self._reason_code = 0  # the reason code of the event being applied, for the observer
         self._checkpoint: EpochInfo | None = None  # set when the epoch's stored part starts at a cut
+        self._draft = 0  # 1 while a speculative allocation (reason "draft") is applied, for the observer
 
     @property
     def sharers(self) -> dict[int, list[str]]:
@@ -195,6 +202,7 @@ class PoolTimeline:
                 if pool is not None:
                     self._index = len(seqs) - 1
                     self._reason_code = self._reason_code_of(event.reason)
+                    self._draft = int(event.reason == _DRAFT)
                     apply(pool, block_event, ignore, observe)
             elif event.kind in BLOCK_KINDS:
                 pass  # a block record replay cannot apply (it names it): nothing changes
@@ -229,7 +237,7 @@ class PoolTimeline:
         self.num_blocks, self.block_size = info.num_blocks, info.block_size
         self.held.extend([None] * self.num_blocks)
         pool = decode_snapshot(json.dumps(event.data), info.num_blocks, info.block_size)
-        self._index, self._reason_code = 0, 0
+        self._index, self._reason_code, self._draft = 0, 0, 0
         for block_id in sorted(pool.owners):
             observe(block_id, None, pool.owners[block_id])
         self.pool = pool
@@ -259,7 +267,7 @@ class PoolTimeline:
         """
         held, held_by, owner_ids, owners = self.held, self._num_held_by, self._owner_ids, self.owners
         ends, reason_codes, interval_owner_ids = self.interval_ends, self.interval_reason_codes, self.interval_owner_ids
-        block_ids, starts = self.interval_block_ids, self.interval_starts
+        block_ids, starts, drafts = self.interval_block_ids, self.interval_starts, self.interval_drafts
 
         def observe(block_id: int, old_holder: str | None, new_holder: str | None) -> None:
             if old_holder is not None:
@@ -285,6 +293,7 @@ class PoolTimeline:
                 starts.append(self._index)
                 ends.append(OPEN)
                 reason_codes.append(0)
+                drafts.append(self._draft)
                 held_by[owner_id] = held_by.get(owner_id, 0) + 1
 
         return observe
@@ -307,6 +316,7 @@ class PoolTimeline:
             start_wall_ns=self.wall_ns[start],
             end_wall_ns=None if held else self.wall_ns[end],
             end_reason=self.reasons[self.interval_reason_codes[j]],
+            draft=bool(self.interval_drafts[j]),
         )
 
     def intervals(self) -> list[BlockInterval]:

@@ -155,7 +155,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.children.setdefault(parent, set()).add(child)
         self.extend(child, [first_token])
 
-    @rule(owner=OWNERS, reason=st.sampled_from(list(FreeReason)))
+    @rule(owner=OWNERS, reason=st.sampled_from([FreeReason.FINISHED, FreeReason.ABORTED, FreeReason.PREEMPTED]))
     def end(self, owner: str, reason: FreeReason) -> None:
         """Finish, abort or preempt: every ending releases the table's references."""
         if self.children.get(owner):

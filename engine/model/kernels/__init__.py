@@ -1,9 +1,9 @@
 """nanoserve's own CPU kernels, C++ built once on this machine and cached.
 
 - ``gguf_linear``: ``x @ w.T`` with w kept in its GGUF blocks (Q4_0, Q4_1, Q8_0;
-  gguf_linear.cpp; up to 4 rows by 16-bit activations and exact integer dots, more in float32,
+  gguf_linear.cpp; up to 8 rows by 16-bit activations and exact integer dots, more in float32,
   or in bf16 by AVX-512 BF16 dot products or AMX tiles where the CPU has them; or, for batch
-  invariance, every row count by the 16-bit integer arithmetic: AVX-512 VNNI panels beyond 4 rows).
+  invariance, every row count by the 16-bit integer arithmetic: AVX-512 VNNI panels beyond 8 rows).
 - ``paged_decode_attention``: one query token per sequence against its K/V read through
   the block table, each query group (the heads sharing a KV head) in one pass over the
   keys and one over the values, a vectorized exp; AVX2 and AVX-512 bodies chosen at run
@@ -155,20 +155,21 @@ def gguf_linear(
 ) -> torch.Tensor:
     """``x @ w.T``, w in GGUF blocks. x: [T, in_features] float32 or bfloat16 -> [T, N] float32.
 
-    Up to 4 rows of x are rounded to 16-bit integers per block of 32 by a power-of-two
+    Up to 8 rows of x are rounded to 16-bit integers per block of 32 by a power-of-two
     scale (at least 15 significant bits of each block's largest element) and their
-    products with the weights' codes summed exactly. More rows: float32 x runs against
+    products with the weights' codes summed exactly (the AVX-512 tiles read each weight
+    block once for all the rows; the AVX2 ones take 4 rows a call). More rows: float32 x runs against
     gguf's weight values in float32; bfloat16 x (a bf16 model's activations), on a CPU
     with AVX-512 BF16, runs against the weights rounded to bf16 by bf16 dot products
     summed in float32 (the dense bf16 path's arithmetic, twice the float32 rate), and
     elsewhere is widened to float32 exactly (see gguf_linear.cpp).
     isa: ``best`` (the most the CPU has), ``avx2``, ``avx512`` (the same bits as
     ``avx2``), ``avx512_bf16`` (``avx512`` plus the bf16 body) or ``amx_bf16`` (the bf16
-    body's operands multiplied by AMX tiles, Sapphire Rapids on: the same up to 4 rows,
+    body's operands multiplied by AMX tiles, Sapphire Rapids on: the same up to 8 rows,
     beyond it equal to ``avx512_bf16`` to float32 rounding, not to the bit), ``int16`` (every
     row count by the decode path's arithmetic: a row's bits depend on that row alone, whatever
-    T; AVX-512 VNNI panels for more than 4 rows where the CPU has them, else the decode tiles
-    four rows at a time) or ``int16_avx2`` (``int16`` by the AVX2 decode tiles only, what a CPU
+    T; AVX-512 VNNI panels for more than 8 rows where the CPU has them, else the decode tiles
+    8 (AVX2: 4) rows at a time) or ``int16_avx2`` (``int16`` by the AVX2 decode tiles only, what a CPU
     without AVX-512 runs: the same bits). layout: ``rows`` (blocks
     as in the file, [N, K / 32 * block bytes]) or ``groups`` (Q4_0/Q4_1 from
     ``group_rows``, [N / 4, ...]): the same bits. ``load()`` first.
@@ -204,7 +205,7 @@ def has_amx_bf16() -> bool:
 
 def has_int16_panels() -> bool:
     """Whether ``gguf_linear``'s ``int16`` isa runs large steps on its AVX-512 VNNI panels here
-    (else on the decode tiles, four rows at a time: the same bits, slower; ``load()`` first)."""
+    (else on the decode tiles, 8 (AVX2: 4) rows at a time: the same bits, slower; ``load()`` first)."""
     return bool(torch.ops.nanoserve.gguf_linear_has_int16_panels())
 
 

@@ -9,7 +9,9 @@
 //
 // Two paths, by the number of x rows T:
 //
-// T <= kFewMaxTokens (decode): integer dot products with 16-bit activations (gguf_linear_tile.h).
+// T <= kFewMaxTokens = 8 (decode, and a speculative verify pass of up to 8 rows): integer dot
+// products with 16-bit activations (gguf_linear_tile.h); the AVX-512 tiles read each weight block
+// once for all T rows, the AVX2 ones take four rows a call.
 // Each row of x is cut into blocks of 32; a block is scaled by a power of two, dx = 2^(e - 15)
 // where max|x| = f * 2^e, f in [0.5, 1), and rounded to int16: a = rint(x / dx), so every
 // element keeps at least 15 significant bits of its block's largest one (bf16 keeps 8 of its
@@ -18,10 +20,10 @@
 //     + sum_b m_b * (dx_b * sum(a_b))      [Q4_1's minimum, a second chain]
 // This is ggml's scheme for its quantized dot products with 16-bit instead of 8-bit activations:
 // 8 bits moved the default model's greedy answers at near ties; 16 bits keep them. An output
-// depends only on its x row and weight row: the same bits for T = 1..4, any thread count, and
-// the AVX2 and AVX-512 bodies.
+// depends only on its x row and weight row: the same bits for T = 1..8, any thread count, and
+// the AVX2 (four rows a call) and AVX-512 bodies.
 //
-// T > kFewMaxTokens (prefill, large batches): x stays float32. Each worker dequantizes a panel
+// More rows (prefill, large batches): x stays float32. Each worker dequantizes a panel
 // of kPanelRows weight rows to float32 (gguf's values exactly: a product, then a sum, never
 // fused) and multiplies every row of x against it: eight partial sums, lane l taking k = l mod 8
 // in order, fused multiply-adds, one fixed pairwise sum. An output depends only on its x row
@@ -39,11 +41,11 @@
 // isa amx_bf16 (CPUs with AMX, Sapphire Rapids on) takes the same bf16 panels and packed x, and
 // multiplies them by AMX tiles (tdpbf16ps: 16 x 16 outputs, 32 k a block per instruction),
 // 3-7x the dot-product body from 16 rows of x on (avx512_bf16_panel::amx_tokens_times_panels).
-// Up to 4 rows it is the avx512 decode path, as avx512_bf16 is.
+// Up to 8 rows it is the avx512 decode path, as avx512_bf16 is.
 //
 // isa int16 (batch invariance, the default on nanoserve's path) runs every step by the first
-// path's arithmetic: beyond 4 rows by the int16 panels (avx512_int16_panel, AVX-512 VNNI), else
-// by the decode tiles four rows at a time; an output's bits then depend on its x row alone,
+// path's arithmetic: beyond 8 rows by the int16 panels (avx512_int16_panel, AVX-512 VNNI), else
+// by the decode tiles eight rows at a time (four on AVX2); an output's bits then depend on its x row alone,
 // whatever T. int16_avx2 is the same by the AVX2 tiles only.
 #include <immintrin.h>
 #include <ATen/ATen.h>
@@ -62,7 +64,7 @@
 namespace {
 
 constexpr int64_t kGroup = 32;         // weights per block
-constexpr int64_t kFewMaxTokens = 4;   // up to this many x rows: 16-bit activations, weights read from their blocks
+constexpr int64_t kFewMaxTokens = 8;   // up to this many x rows: 16-bit activations, weights read from their blocks
 constexpr int64_t kRowsPerTask = 16;   // weight rows per parallel task on that path
 constexpr int64_t kPanelRows = 12;     // more x rows: weight rows dequantized at a time (a multiple of both bodies' tile rows)
 constexpr int64_t kTileM = 4;          // x rows per float micro-kernel call
@@ -98,11 +100,16 @@ int64_t block_bytes(int64_t type) {
 int64_t grouped_bytes(int64_t type) { return kGroupCodeBytes + (type == Q4_1 ? 16 : 8); }
 
 // x quantized per block of 32: codes [T, K] int16, scale (dx) [T, K / 32], scaled_sum (dx * sum of codes) [T, K / 32].
+// The decode tiles read dx and the scaled sums by block: [K / 32, kActLanes], row i of the call in
+// lane i, zero past its rows, so one load gives a block's values for every row (no gather per block).
+constexpr int64_t kActLanes = 8;
 struct ActBlocks {
   const int16_t* codes;
   const float* scale;
   const float* scaled_sum;
   int64_t k, nb;
+  const float* scale_by_block;       // [nb, kActLanes]
+  const float* scaled_sum_by_block;  // [nb, kActLanes]
 };
 
 // One row of x (K floats) -> its int16 codes, scales and scaled sums (AVX2; integer results, so
@@ -1134,6 +1141,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
   if (num_tokens == 0 || n == 0) return y;
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const bool int16 = chosen == kInt16 || chosen == kInt16Avx2;
+  const bool avx512 = int16 ? chosen == kInt16 && cpu_has_avx512() : chosen != kAvx2;
   if (num_tokens > kFewMaxTokens && (chosen == kAvx512Bf16 || chosen == kAmxBf16)) {
     const bool amx = chosen == kAmxBf16;
     // float32 x is rounded to bf16 (to nearest even, as torch casts) as it is packed
@@ -1147,8 +1156,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
   }
   const at::Tensor xc = x.to(at::kFloat).contiguous();  // bf16 widened exactly
   const float* xp = xc.data_ptr<float>();
-  const bool int16 = chosen == kInt16 || chosen == kInt16Avx2;
-  const bool avx512 = int16 ? chosen == kInt16 && cpu_has_avx512() : chosen != kAvx2;
   if (num_tokens > kFewMaxTokens && chosen == kInt16 && cpu_has_avx512_vnni()) {
     namespace int16_panel = avx512_int16_panel;
     const bool grouped = layout == kGroups;
@@ -1185,14 +1192,25 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qu
   for (int64_t t = 0; t < num_tokens; ++t)
     quantize_row(xp + t * in_features, nb, codes.data() + t * in_features, scale.data() + t * nb,
                  scaled_sum.data() + t * nb);
-  // One row: the AVX2 tiles (four weight rows, horizontal adds) measured faster than the AVX-512 ones
-  // (sixteen rows, a tree of folds) on Zen 4, 4.8 against 5.1 ms for the default model's layers and
-  // 1.0 against 1.2 for its lm_head; the same bits, so unless avx512 was asked for by name, they run.
-  const bool tiles_avx512 = avx512 && !(num_tokens == 1 && isa != kAvx512);
-  for (int64_t t = 0; t < num_tokens; t += kFewMaxTokens) {  // more rows (int16 without the panels): 4 at a time
+  // One row too: the AVX-512 tiles (sixteen weight rows, a tree of folds), once their blocks' scales
+  // came from the by-block table, measured faster than the AVX2 ones (four rows, horizontal adds) on
+  // Zen 4: 2.8-3.0 against 3.5-4.4 ms for the default model's layers, 1.0 against 0.9 for its lm_head
+  // (bench.gguf_linear --tokens 1 --repeats 10, 3 rounds, a shared machine); the same bits.
+  const bool tiles_avx512 = avx512;
+  // the AVX-512 tiles take 8 rows a call (each weight block read once), the AVX2 ones 4
+  const int64_t per_call = tiles_avx512 ? 8 : 4;
+  std::vector<float> scale_by_block(nb * kActLanes), scaled_sum_by_block(nb * kActLanes);
+  for (int64_t t = 0; t < num_tokens; t += per_call) {  // more rows (int16 without the panels): 8 or 4 at a time
+    const int64_t tokens = std::min(per_call, num_tokens - t);
+    std::fill(scale_by_block.begin(), scale_by_block.end(), 0.0f);
+    std::fill(scaled_sum_by_block.begin(), scaled_sum_by_block.end(), 0.0f);
+    for (int64_t i = 0; i < tokens; ++i)
+      for (int64_t b = 0; b < nb; ++b) {
+        scale_by_block[b * kActLanes + i] = scale[(t + i) * nb + b];
+        scaled_sum_by_block[b * kActLanes + i] = scaled_sum[(t + i) * nb + b];
+      }
     const ActBlocks acts{codes.data() + t * in_features, scale.data() + t * nb, scaled_sum.data() + t * nb,
-                         in_features, nb};
-    const int64_t tokens = std::min(kFewMaxTokens, num_tokens - t);
+                         in_features, nb, scale_by_block.data(), scaled_sum_by_block.data()};
     if (tiles_avx512)
       avx512::gguf_linear_dispatch(acts, tokens, bp, quant_type, layout, n, yp + t * n);
     else

@@ -9,7 +9,7 @@
 // panels of gguf_linear.cpp compute the same chains for large steps (batch invariance).
 //
 // Expects from the includer: <immintrin.h>, <ATen/Parallel.h>, <cstdint>, <cstring>, <cmath>,
-// QuantType, kGroup, kFewMaxTokens, kRowsPerTask and ActBlocks (the quantized activations).
+// QuantType, kGroup, kFewMaxTokens, kRowsPerTask, kActLanes and ActBlocks (the quantized activations).
 
 #if NANOSERVE_AVX512
 // 32 int16 (one block) and 16 float lanes, one register each.
@@ -33,6 +33,7 @@ inline Codes load_q8(const uint8_t* q) {
 // 2l, 2l + 1 in lane l); sum_dots adds a tile's such pairs exactly into one register, lane c
 // (combo c = i * TN + r) holding the block's whole sum S_irb.
 constexpr int kCombos = 16;
+constexpr int kTileMaxTokens = 8;  // x rows one tile takes: 8 rows by 2 weight rows fill the 16 combos
 struct Dots {
   __m512i v;
 };
@@ -70,16 +71,16 @@ inline void store_floats(float* out, Floats f) { _mm512_store_ps(out, f.v); }
 struct RowValues {
   __m512 v;
 };
-// lane c <- token[c / TN] (an x row's value)
+// lane c <- token[c / TN] (an x row's value); token holds kActLanes values, zero past TM
 template <int TM, int TN>
 inline __m512 combos_by_token(const float* token) {
   if constexpr (TM == 1) {
     return _mm512_set1_ps(token[0]);
   } else {
-    const __m128 t = _mm_loadu_ps(token);  // four, zero past TM
+    const __m256 t = _mm256_loadu_ps(token);
     const __m512i index = _mm512_setr_epi32(0 / TN, 1 / TN, 2 / TN, 3 / TN, 4 / TN, 5 / TN, 6 / TN, 7 / TN, 8 / TN,
                                             9 / TN, 10 / TN, 11 / TN, 12 / TN, 13 / TN, 14 / TN, 15 / TN);
-    return _mm512_permutexvar_ps(_mm512_min_epi32(index, _mm512_set1_epi32(3)), _mm512_castps128_ps512(t));
+    return _mm512_permutexvar_ps(_mm512_min_epi32(index, _mm512_set1_epi32(7)), _mm512_castps256_ps512(t));
   }
 }
 // acc + (float(S) * d) * dx per combo
@@ -121,6 +122,7 @@ inline Codes load_q8(const uint8_t* q) {
 // integer sums are exact and each chain's float operations (a conversion, a product, a fused
 // multiply-add) are the AVX-512 body's, so the bits are too.
 constexpr int kCombos = 4;
+constexpr int kTileMaxTokens = 4;
 struct Dots {
   __m256i v;
 };
@@ -244,6 +246,14 @@ struct BlockRows {
     if constexpr (TN == 1) {
       d_out = {_mm512_set1_ps(fp16_at(p))};
       if constexpr (Min) m_out = {_mm512_set1_ps(fp16_at(p + 2))};
+    } else if constexpr (TN == 2) {  // lane c <- row c % 2: two halves repeated, cheaper than a gather
+      const auto pair = [&](int64_t offset) {
+        const int32_t both = static_cast<uint16_t>(load_u16(p + offset)) |
+                             (static_cast<int32_t>(static_cast<uint16_t>(load_u16(p + row_bytes + offset))) << 16);
+        return _mm512_cvtph_ps(_mm256_set1_epi32(both));
+      };
+      d_out = {pair(0)};
+      if constexpr (Min) m_out = {pair(2)};
     } else {
       const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       const __m512i row = _mm512_and_si512(lane, _mm512_set1_epi32(TN - 1));  // c % TN, TN a power of two
@@ -304,6 +314,10 @@ struct GroupRows {
     if constexpr (TN == 1) {
       d_out = {_mm512_set1_ps(d(n, b))};
       if constexpr (Min) m_out = {_mm512_set1_ps(m(n, b))};
+    } else if constexpr (TN == 2) {  // n the first or third row of a group: its and the next row's halves, repeated
+      const uint8_t* h = record(n, b) + kGroupCodeBytes + 2 * (n % kGroupRows);
+      d_out = {_mm512_cvtph_ps(_mm256_set1_epi32(load_u32(h)))};
+      if constexpr (Min) m_out = {_mm512_cvtph_ps(_mm256_set1_epi32(load_u32(h + 8)))};
     } else {
       const uint8_t* h = record(n, b) + kGroupCodeBytes;
       const int64_t stride = nb * kBytes;  // the next group's record of the same block
@@ -351,11 +365,8 @@ inline void tile(const ActBlocks& x, const Weights& w, int64_t n0, float* y, int
       for (int r = 0; r < TN; ++r) dots[i * TN + r] = block_dot(a, q[r]);
     }
     const Sums sums = sum_dots<TM * TN>(dots);
-    float dx[4] = {0, 0, 0, 0}, sx[4] = {0, 0, 0, 0};
-    for (int i = 0; i < TM; ++i) {
-      dx[i] = x.scale[i * x.nb + b];
-      sx[i] = x.scaled_sum[i * x.nb + b];
-    }
+    const float* dx = x.scale_by_block + b * kActLanes;  // row i's dx in lane i, zero past TM
+    const float* sx = x.scaled_sum_by_block + b * kActLanes;
 #if NANOSERVE_AVX512
     RowValues d_rows, m_rows;
     w.template row_vectors<TN, Type == Q4_1>(n0, b, d_rows, m_rows);
@@ -380,7 +391,7 @@ inline void tile(const ActBlocks& x, const Weights& w, int64_t n0, float* y, int
 // AVX2's sixteen registers hold fewer weight rows' codes.
 #if NANOSERVE_AVX512
 template <int TM>
-constexpr int kFewTileN = TM == 1 ? 16 : TM == 2 ? 8 : 4;
+constexpr int kFewTileN = TM == 1 ? 16 : TM == 2 ? 8 : TM <= 4 ? 4 : 2;
 #else
 template <int TM>
 constexpr int kFewTileN = TM == 1 ? 4 : TM == 2 ? 2 : 1;
@@ -394,11 +405,15 @@ void few_tokens(const ActBlocks& x, const Weights& w, int64_t begin, int64_t end
   for (; r + TN <= end; r += TN) tile<Type, TM, TN, Weights>(x, w, r, y + r, ldy);
   if constexpr (TN > 4)
     for (; r + 4 <= end; r += 4) tile<Type, TM, 4, Weights>(x, w, r, y + r, ldy);
+  if constexpr (TN == 2)
+    for (; r + 2 <= end; r += 2) tile<Type, TM, 2, Weights>(x, w, r, y + r, ldy);
   for (; r < end; ++r) tile<Type, TM, 1, Weights>(x, w, r, y + r, ldy);
 }
 
-// y [T, n] for T <= kFewMaxTokens rows of x, each worker taking a range of weight rows
-// (whole groups of four in the grouped layout, so that every tile is one group).
+// y [T, n] for T <= kTileMaxTokens rows of x (8 on AVX-512, 4 on AVX2), each worker taking a range of weight rows
+// (whole groups of four in the grouped layout, so that every tile lies in one group).
+// Every weight block is read once per call, whatever T: 5 to 8 rows take tiles of 2 weight
+// rows (AVX-512 only; the AVX2 body takes at most 4 rows a call).
 template <int64_t Type, class Weights>
 void gguf_linear_rows(const ActBlocks& x, int64_t num_tokens, const Weights& w, int64_t n, float* y) {
   const auto rows = [&](int64_t first, int64_t last) {
@@ -406,7 +421,15 @@ void gguf_linear_rows(const ActBlocks& x, int64_t num_tokens, const Weights& w, 
       case 1: few_tokens<Type, 1>(x, w, first, last, y, n); break;
       case 2: few_tokens<Type, 2>(x, w, first, last, y, n); break;
       case 3: few_tokens<Type, 3>(x, w, first, last, y, n); break;
+#if NANOSERVE_AVX512
+      case 4: few_tokens<Type, 4>(x, w, first, last, y, n); break;
+      case 5: few_tokens<Type, 5>(x, w, first, last, y, n); break;
+      case 6: few_tokens<Type, 6>(x, w, first, last, y, n); break;
+      case 7: few_tokens<Type, 7>(x, w, first, last, y, n); break;
+      default: few_tokens<Type, 8>(x, w, first, last, y, n); break;
+#else
       default: few_tokens<Type, 4>(x, w, first, last, y, n); break;
+#endif
     }
   };
   const int64_t groups = n / kGroupRows;

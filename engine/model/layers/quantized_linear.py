@@ -192,10 +192,10 @@ class GGUFLinear:
     per block (``kernels.group_rows``: the same bytes rearranged, no more memory, about 13%
     faster decode steps); otherwise, and for Q8_0, the blocks are used as they are (a view of
     the memory-mapped file stays one; the tied embedding keeps sharing them).
-    bf16_large_steps: steps of more than 4 tokens round x and the weights to bf16 and sum
+    bf16_large_steps: steps of more than 8 tokens round x and the weights to bf16 and sum
     bf16 dot products in float32: by AMX tiles where the CPU has them (``isa`` ``amx_bf16``),
     else by AVX-512 BF16 (``avx512_bf16``, twice the float32 rate); on CPUs with neither, and
-    always up to 4 tokens, the same as without.
+    always up to 8 tokens, the same as without.
     batch_invariant: every step size by the decode path's arithmetic (``isa`` ``int16``: 16-bit
     activations, exact integer block sums; AVX-512 VNNI panels for large steps where the CPU
     has them, else the decode tiles four rows at a time): an output row's bits depend on its
@@ -325,7 +325,7 @@ def make_linear(
 
     shares_weight: another holder (the tied embedding) keeps using the weight's GGUF blocks,
     so ``GGUFLinear`` leaves them as they are rather than regroup a second copy.
-    bf16_large_steps: a ``GGUFLinear`` runs steps of more than 4 tokens in bf16 where the
+    bf16_large_steps: a ``GGUFLinear`` runs steps of more than 8 tokens in bf16 where the
     CPU has AVX-512 BF16 (``ModelConfig.matmul_precision`` ``medium``). batch_invariant: a
     ``GGUFLinear`` runs every step by the decode path's arithmetic (``ModelConfig.batch_invariant``).
 

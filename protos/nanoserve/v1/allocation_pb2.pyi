@@ -36,6 +36,7 @@ class FreeReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FREE_REASON_ABORTED: _ClassVar[FreeReason]
     FREE_REASON_PREEMPTED: _ClassVar[FreeReason]
     FREE_REASON_REJECTED_DRAFT: _ClassVar[FreeReason]
+    FREE_REASON_DRAFT: _ClassVar[FreeReason]
 
 class AuditRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -69,6 +70,7 @@ class AuditRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIT_RULE_COPY_SOURCE_NOT_PARENTS: _ClassVar[AuditRule]
     AUDIT_RULE_COPY_OF_UNHELD: _ClassVar[AuditRule]
     AUDIT_RULE_COPY_OF_UNSHARED: _ClassVar[AuditRule]
+    AUDIT_RULE_ROLLBACK_OF_NON_DRAFT: _ClassVar[AuditRule]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_POOL_INIT: EventKind
 EVENT_KIND_ALLOCATE: EventKind
@@ -89,6 +91,7 @@ FREE_REASON_FINISHED: FreeReason
 FREE_REASON_ABORTED: FreeReason
 FREE_REASON_PREEMPTED: FreeReason
 FREE_REASON_REJECTED_DRAFT: FreeReason
+FREE_REASON_DRAFT: FreeReason
 AUDIT_RULE_UNSPECIFIED: AuditRule
 AUDIT_RULE_MISSING_EVENTS: AuditRule
 AUDIT_RULE_OUT_OF_ORDER: AuditRule
@@ -119,6 +122,7 @@ AUDIT_RULE_FORK_OF_UNHELD: AuditRule
 AUDIT_RULE_COPY_SOURCE_NOT_PARENTS: AuditRule
 AUDIT_RULE_COPY_OF_UNHELD: AuditRule
 AUDIT_RULE_COPY_OF_UNSHARED: AuditRule
+AUDIT_RULE_ROLLBACK_OF_NON_DRAFT: AuditRule
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()

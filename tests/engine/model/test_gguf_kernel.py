@@ -29,7 +29,7 @@ from tests.engine.model.test_quantized_linear import gguf_dense, q4_1_block, ran
 
 FP32_RTOL = 1e-5
 ACT16_RTOL = 2e-4  # x rounded to 2^-15 of its block's largest element, summed over 256 products
-FEW_MAX_TOKENS = 4  # gguf_linear.cpp's kFewMaxTokens
+FEW_MAX_TOKENS = 8  # gguf_linear.cpp's kFewMaxTokens
 CPU = torch.device("cpu")
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
@@ -174,8 +174,8 @@ def test_decode_path_rounds_x_to_16_bits_per_block_by_a_power_of_two():
 def test_the_avx2_and_avx512_bodies_give_the_same_bits(quant_type):
     weight = random_blocks(quant_type, 45, 192, seed=7)  # 45 rows: whole and partial panels and tiles
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(8)) * 30
-    # the decode path, then the panel path: odd and even row counts, whole tiles of 8 rows and ragged ones
-    for num_tokens in [*range(1, FEW_MAX_TOKENS + 1), 5, 6, 7, 8, 9, 10, 15, 16, 17, 33, 70]:
+    # the decode path (AVX2: 4 rows a call; AVX-512: up to 8, 2 weight rows a tile), then the panel path
+    for num_tokens in [*range(1, FEW_MAX_TOKENS + 1), 9, 10, 15, 16, 17, 33, 70]:
         avx2 = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx2")
         avx512 = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512")
         assert torch.equal(avx2, avx512), num_tokens
@@ -206,13 +206,13 @@ def test_the_bf16_bodies_multiply_bf16_rounded_x_and_weights(quant_type, isa):
     x = torch.randn(70, 192, generator=torch.Generator().manual_seed(5)) * 30
     reference = x.bfloat16().double() @ rounded.double().T  # float64 of the rounded operands
     scale = x.double().abs() @ dense.double().abs().T
-    for num_tokens in (5, 12, 13, 24, 32, 70):  # whole tiles (12 rows of x; AMX: 32) and ragged ones
+    for num_tokens in (9, 12, 13, 24, 32, 70):  # whole tiles (12 rows of x; AMX: 32) and ragged ones
         got = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa=isa)
         assert ((got.double() - reference[:num_tokens]).abs() <= FP32_RTOL * scale[:num_tokens]).all()
         # x already in bf16 (a bf16 model's activations): the same bits
         bf16_x = kernels.gguf_linear(x[:num_tokens].bfloat16(), weight.blocks, quant_type, 192, isa=isa)
         assert torch.equal(bf16_x, got)
-    # up to 4 rows, the decode path: avx512's bits, bf16 or not
+    # up to 8 rows, the decode path: avx512's bits, bf16 or not
     for num_tokens in range(1, FEW_MAX_TOKENS + 1):
         want = kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa="avx512")
         assert torch.equal(kernels.gguf_linear(x[:num_tokens], weight.blocks, quant_type, 192, isa=isa), want)
@@ -222,7 +222,7 @@ def test_the_bf16_bodies_multiply_bf16_rounded_x_and_weights(quant_type, isa):
 @needs_bf16_dot
 def test_gguf_linear_takes_the_bf16_body_only_when_asked():
     weight = random_blocks("Q4_1", 32, 64)
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))  # beyond the decode path's 8 rows
     bf16 = kernels.gguf_linear(x, weight.blocks, "Q4_1", 64, isa=bf16_isa())
     assert torch.equal(GGUFLinear(weight, bf16_large_steps=True)(x), bf16)
     assert torch.equal(make_linear(weight, torch.float32, CPU, "auto", bf16_large_steps=True)(x), bf16)
@@ -277,7 +277,7 @@ def test_a_cpu_without_avx512_bf16_keeps_the_float32_panels_at_medium_precision(
     weight = random_blocks("Q4_1", 32, 64)
     linear = GGUFLinear(weight, bf16_large_steps=True)
     assert linear.isa == "best"
-    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))  # beyond the decode path's 8 rows
     assert torch.equal(linear(x), kernels.gguf_linear(x, weight.blocks, "Q4_1", 64, isa="avx2"))
 
 
@@ -289,11 +289,11 @@ def test_a_rows_output_does_not_depend_on_its_batch(quant_type, bf16_large_steps
     linear = GGUFLinear(weight, bf16_large_steps=bf16_large_steps)
     x = torch.randn(70, 96, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([linear(x[i : i + 1]) for i in range(70)])
-    for size in (2, 3, 4):  # the decode path: any number of rows up to 4, ragged tiles
+    for size in range(2, FEW_MAX_TOKENS + 1):  # the decode path: any number of rows up to 8, ragged tiles
         batched = torch.cat([linear(x[i : i + size]) for i in range(0, 70, size)])
         assert torch.equal(batched, alone), size
     whole = linear(x)
-    for size in (5, 7, 16):  # the panel path (float32 or bf16): ragged panels and tiles
+    for size in (9, 11, 16):  # the panel path (float32 or bf16): ragged panels and tiles
         batched = torch.cat([linear(x[i : i + size]) for i in range(0, 70 - 70 % size, size)])
         assert torch.equal(batched, whole[: 70 - 70 % size]), size
     threads = torch.get_num_threads()

@@ -164,6 +164,10 @@ def test_the_log_of_a_speculating_run_flags_rolled_back_drafts_and_audits_clean(
     rolled_back = [event for event in events if event.reason == "rejected_draft"]
     assert rolled_back  # blocks only rejected drafts needed went back in the step that rejected them
     assert {event.kind for event in rolled_back} == {"free_all"}  # never registered, never shared
+    drafted = {(event.owner, event.step): set(event.block_ids) for event in events if event.reason == "draft"}
+    assert {event.kind for event in events if event.reason == "draft"} == {"allocate_for"}
+    for event in rolled_back:  # each rollback gives back blocks its owner's drafts took in that very step
+        assert set(event.block_ids) <= drafted[event.owner, event.step], f"seq {event.seq}"
     registered: set[int] = set()  # blocks registered since they were last taken off the free stack
     for event in events:
         if event.kind in ("allocate", "allocate_for"):

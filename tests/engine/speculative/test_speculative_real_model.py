@@ -59,15 +59,24 @@ def _logprobs(engine: LLMEngine, prompt: ChatPrompt) -> tuple[list[int], list[fl
 
 @pytest.mark.parametrize(
     ("k", "batch_invariant"),
-    [(3, "off"), (4, "on")],
-    ids=["k3-decode-body", "k4-batch-invariant"],
+    [(3, "off"), (4, "off"), (5, "off"), (6, "off"), (7, "off"), (4, "on"), (9, "on")],
+    ids=[
+        "k3-decode-body",
+        "k4-decode-body",
+        "k5-decode-body",
+        "k6-decode-body",
+        "k7-decode-body",
+        "k4-batch-invariant",
+        "k9-batch-invariant",
+    ],
 )
 def test_a_verify_pass_on_the_decode_path_gives_plain_decodings_logprobs_bit_for_bit(
     k: int, batch_invariant: str
 ) -> None:
     """A verify pass's rows attend as decodes at their own positions (``SeqSlice.as_decodes``), so where
-    the matmuls of k + 1 rows take the decode path's arithmetic too (at most 4 rows on the GGUF kernel,
-    or any number under ``--batch-invariant on``) each verified position's logits are plain decoding's.
+    the matmuls of k + 1 rows take the decode path's arithmetic too (at most 8 rows on the GGUF kernel,
+    or any number under ``--batch-invariant on``: beyond 8 rows its int16 panels) each verified
+    position's logits are plain decoding's.
     1-gram drafts: a story that repeats little still drafts, and about half its tokens come from them."""
     from ..conftest import make_real_runner
 
