@@ -69,6 +69,10 @@ class RequestStream:
         self.num_queued_bytes = 0  # their estimated size (output_size_bytes)
         self.overflowed = False  # cut off for reading too slowly: nothing more is queued
         self._last_output: RequestOutput | None = None
+        # sample index -> (tokens, characters of text) its delivered deltas reach (the text after what a
+        # recovered request restored): a prefix of what the sample's TextStream holds, read from it
+        # only if the stream must end the request itself
+        self._num_seen: dict[int, tuple[int, int]] = {}
         self._engine: AsyncLLMEngine | None = None
         self.detached = False  # a request recovered after a crash: nobody iterates it (Resume follows it)
         self.deadline_s: float | None = None  # the call's deadline, time.monotonic(); journaled
@@ -107,6 +111,10 @@ class RequestStream:
 
     def _deliver(self, output: RequestOutput) -> None:
         self._last_output = output
+        completion = output.outputs[0]
+        if output.is_delta:
+            num_chars = self._num_seen.get(completion.index, (0, 0))[1] + len(output.delta_text)
+            self._num_seen[completion.index] = (output.num_released_tokens, num_chars)
         if not self.detached:
             self._enqueue(output.as_delta())
         if self._engine is not None:
@@ -127,13 +135,15 @@ class RequestStream:
         now = time.monotonic()
         last = self._last_output
         request = self.request
-        completion = CompletionOutput(
-            index=0,
-            text=last.text if last is not None else "",
-            token_ids=list(last.token_ids) if last is not None else [],
-            finish_reason="abort",
-            logprobs=last.outputs[0].logprobs if last is not None else None,
-        )
+        if last is None:
+            completion = CompletionOutput(0, "", [], "abort")
+        elif not last.is_delta:  # a whole output: it holds everything seen
+            completion = CompletionOutput(
+                0, last.text, list(last.token_ids), "abort", logprobs=last.outputs[0].logprobs
+            )
+        else:
+            assert request is not None, "a request that streamed outputs was processed"
+            completion = self._seen_completion(request, last.outputs[0].index)
         metrics = dataclasses.replace(last.metrics) if last is not None and last.metrics is not None else None
         if metrics is None:
             metrics = RequestMetrics(arrival_time=request.metrics.arrival_time if request else self.arrival_time)
@@ -158,6 +168,18 @@ class RequestStream:
                 self._outputs.put_nowait(error)
             else:
                 self._enqueue(final)
+
+    def _seen_completion(self, request: Request, index: int) -> CompletionOutput:
+        """What the delivered outputs of sample ``index`` held, ended by abort: the prefix of its
+        TextStream they covered (the engine thread only appends to it: the prefix is stable)."""
+        group = request.group
+        text_stream = (group.children[index] if group is not None else request).stream
+        num_tokens, num_chars = self._num_seen[index]
+        num_chars += text_stream.num_restored_chars
+        logprobs = text_stream.logprobs[:num_tokens] if text_stream.logprobs is not None else None
+        return CompletionOutput(
+            0, text_stream.text[:num_chars], text_stream.token_ids[:num_tokens], "abort", logprobs=logprobs
+        )
 
     def _enqueue(self, output: RequestOutput) -> None:
         """Queues ``output`` for the reader, or cuts the reader off past ``limits``."""
