@@ -300,6 +300,7 @@ def _merged(run: list[RequestOutput]) -> RequestOutput:
         delta_token_ids=token_ids,
         delta_logprobs=logprobs,
         prompt_logprobs=newest.prompt_logprobs if newest.prompt_logprobs is not None else run[0].prompt_logprobs,
+        delta_start=run[0].delta_start if newest.is_delta else 0,
     )
 
 
