@@ -176,6 +176,9 @@ class EventLogConfig:
     max_concurrent_log_reads: reads of the log and journal for clients (Resume,
         WatchEvents catch-up) that run at once, each on a thread of its own;
         more wait their turn. Small, so readers cannot starve the engine thread.
+    max_tenant_log_reads: of those, the most one request-id scope (tenant) holds
+        at once (above ``max_concurrent_log_reads`` it is that), so another
+        tenant's read finds a thread while one tenant has a crowd of readers.
     max_read_items_per_s: while requests run, the journaled tokens (Resume) and stored
         events (WatchEvents / SubscribeKvEvents catch-up) sent to readers per second, shared
         evenly by the tenants reading (``log_reads.ReadPacer``); 0: no limit.
@@ -192,6 +195,7 @@ class EventLogConfig:
     stream_before_durable: bool = False
     journal_retention_s: float = 3600.0
     max_concurrent_log_reads: int = 4
+    max_tenant_log_reads: int = 3
     max_read_items_per_s: float = 0.0
 
     @property
@@ -205,6 +209,7 @@ class EventLogConfig:
         _check_positive("num_events_per_snapshot", self.num_events_per_snapshot)
         _check_positive("event_log_max_pending_batches", self.event_log_max_pending_batches)
         _check_positive("max_concurrent_log_reads", self.max_concurrent_log_reads)
+        _check_positive("max_tenant_log_reads", self.max_tenant_log_reads)
         if not self.max_read_items_per_s >= 0:
             raise ValueError(f"max_read_items_per_s must be >= 0 (0: no limit), got {self.max_read_items_per_s}")
         if not self.event_log_close_timeout_s >= 0:
@@ -220,6 +225,9 @@ class StreamConfig:
     max_stream_buffer_messages: outputs queued and not yet read, at most.
     max_stream_buffer_bytes: their estimated size in bytes (``RequestStream``'s
         estimate of the Python objects held), at most.
+    max_tenant_stream_buffer_bytes: the estimated bytes all the streams of one
+        request-id scope (a tenant: ``tenant/id``) hold unread, at most; past it
+        the scope's stream holding the most is cut off as above.
     A stream past either bound ends: its request is aborted (cause slow_consumer,
     blocks freed at once) and its reader gets ``StreamBufferFullError``
     (RESOURCE_EXHAUSTED). A reader that keeps up holds about one output.
@@ -227,10 +235,12 @@ class StreamConfig:
 
     max_stream_buffer_messages: int = 1024
     max_stream_buffer_bytes: int = 16 << 20
+    max_tenant_stream_buffer_bytes: int = 128 << 20
 
     def __post_init__(self) -> None:
         _check_positive("max_stream_buffer_messages", self.max_stream_buffer_messages)
         _check_positive("max_stream_buffer_bytes", self.max_stream_buffer_bytes)
+        _check_positive("max_tenant_stream_buffer_bytes", self.max_tenant_stream_buffer_bytes)
 
 
 @dataclass

@@ -14,11 +14,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanoserve.service.setting import ENV_PREFIX
 from nanoserve.service.settings import LOG_FORMATS, LOG_LEVELS, SETTINGS, resolve
 from nanoserve.service.tenants import TenantTable
 
 if TYPE_CHECKING:  # the engine package imports torch; `nanoserve --help` should not
     from nanoserve.engine.config import EngineConfig
+
+
+AUTH_SOURCES = ("auth_token", "auth_tokens_file", "auth_tokens")  # the ways to give tokens: one at most
+AUTH_TOKENS_SOURCE = "--auth-tokens/NANOSERVE_AUTH_TOKENS"  # how a bad line of auth_tokens is named
 
 
 def _check_port(name: str, port: int | None) -> None:
@@ -40,8 +45,14 @@ class ServerConfig:
         ``authorization: Bearer <token>``; the token is tenant ``default``, role admin.
     auth_tokens_file: the tokens file (``nanoserve.service.tenants``): each token
         names a tenant and a role; read at start (a bad file is a ValueError) and
-        again on SIGHUP. With neither, the server is open: one anonymous tenant
-        with admin rights.
+        again on SIGHUP. With none of the three, the server is open: one anonymous
+        tenant with admin rights.
+    auth_tokens: the tokens file's lines themselves (``NANOSERVE_AUTH_TOKENS``,
+        where a ``;`` also ends a line), for deployments that hand secrets in as
+        environment variables; read once at start (a process's environment cannot
+        change, so SIGHUP reloads only a file). ``auth_token``, ``auth_tokens_file``
+        and ``auth_tokens`` exclude each other: with two set, neither wins and
+        the server refuses to start.
     metrics_host: the address the metrics HTTP port binds (127.0.0.1: the
         metrics answer without a token, so only this host reads them by default).
     share_prefix_cache_across_tenants: tenants share prefix-cache blocks; off,
@@ -71,6 +82,7 @@ class ServerConfig:
     tls_client_ca: str | None = None
     auth_token: str | None = None
     auth_tokens_file: str | None = None
+    auth_tokens: str | None = None
     metrics_host: str = "127.0.0.1"
     share_prefix_cache_across_tenants: bool = False
     grace_s: float = 10.0
@@ -105,21 +117,25 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.auth_token == "":
             raise ValueError("auth_token must not be empty (leave it unset to disable auth)")
-        if self.auth_token is not None and self.auth_tokens_file is not None:
-            raise ValueError("auth_token and auth_tokens_file are exclusive: put the token in the file")
-        if self.auth_tokens_file is not None:
-            self.tenant_table()  # a bad file is refused at start (TenantsFileError is a ValueError)
+        given = [name for name in AUTH_SOURCES if getattr(self, name) is not None]
+        if len(given) > 1:
+            flags = " and ".join(f"--{name.replace('_', '-')} ({ENV_PREFIX}{name.upper()})" for name in given)
+            raise ValueError(f"{flags} are exclusive: give the tokens one way (none of them wins over another)")
+        if self.auth_tokens_file is not None or self.auth_tokens is not None:
+            self.tenant_table()  # bad tokens are refused at start (TenantsFileError is a ValueError)
 
     @property
     def auth_enabled(self) -> bool:
-        return self.auth_token is not None or self.auth_tokens_file is not None
+        return any(getattr(self, name) is not None for name in AUTH_SOURCES)
 
     def tenant_table(self) -> TenantTable | None:
         """The tokens as configured now (the file read again); None without auth.
 
-        Raises TenantsFileError (a ValueError) naming the file and line."""
+        Raises TenantsFileError (a ValueError) naming the file (or variable) and line."""
         if self.auth_tokens_file is not None:
             return TenantTable.read(self.auth_tokens_file)
+        if self.auth_tokens is not None:
+            return TenantTable.parse(self.auth_tokens.replace(";", "\n"), AUTH_TOKENS_SOURCE)
         if self.auth_token is not None:
             return TenantTable.single_token(self.auth_token)
         return None

@@ -195,6 +195,15 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "--max-stream-buffer-messages",
         default_help="16MiB",
     ),
+    Setting(
+        "max_tenant_stream_buffer_bytes",
+        "engine",
+        parse_bytes,
+        128 << 20,
+        "estimated bytes of outputs all of one tenant's streams may hold unread (suffixes allowed); past it the "
+        "tenant's stream holding the most is cut off, as --max-stream-buffer-messages",
+        default_help="128MiB",
+    ),
     # engine: structured outputs
     Setting(
         "structured_output_compile_timeout_s",
@@ -318,6 +327,14 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         4,
         "log and journal reads for clients (Resume, WatchEvents catch-up) run at once, each on its own thread; "
         "more wait their turn",
+    ),
+    Setting(
+        "max_tenant_log_reads",
+        "engine",
+        int,
+        3,
+        "of --max-concurrent-log-reads, the most one tenant holds at once (more of its reads wait), so another "
+        "tenant's read starts at once",
     ),
     Setting(
         "max_read_items_per_s",

@@ -79,8 +79,18 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         None,
         "file of 'token TOKEN TENANT ROLE' and 'cert COMMON_NAME TENANT ROLE' lines (role client or admin; "
-        "docs/security.md), read again on SIGHUP; excludes --auth-token",
+        "docs/security.md), read again on SIGHUP; excludes --auth-token and --auth-tokens",
         default_help="none: no token required, every caller is admin",
+    ),
+    Setting(
+        "auth_tokens",
+        "server",
+        str,
+        None,
+        "the lines of --auth-tokens-file given as a value (';' also ends a line), for secrets handed in "
+        "as environment variables; read at start only (SIGHUP reloads a file); excludes --auth-tokens-file "
+        "and --auth-token",
+        default_help="none",
     ),
     Setting(
         "share_prefix_cache_across_tenants",

@@ -118,7 +118,7 @@ class AsyncLLMEngine:
         self._pool_status: PoolStatus | None = None  # published by the engine thread after each step
         self._gate = DurabilityGate(self._streams.dispatch, lambda: self._engine.event_log if self._engine else None)
         # Resume and WatchEvents catch-up read the log here, a bounded number at a time
-        self.log_reads = LogReads(config.event_log.max_concurrent_log_reads)
+        self.log_reads = LogReads(config.event_log.max_concurrent_log_reads, config.event_log.max_tenant_log_reads)
         # what the read paths send goes out at this pace while requests run (as of the last step)
         generating = lambda: self._pool_status is not None and self._pool_status.num_running > 0  # noqa: E731
         self.read_pacer = ReadPacer(config.event_log.max_read_items_per_s, generating)

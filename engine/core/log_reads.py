@@ -37,18 +37,24 @@ MAX_PACE_SLEEP_S = 0.05  # a paced reader looks again this often whether the eng
 class LogReads:
     """A pool of ``num_threads`` reader threads (``max_concurrent_log_reads``), taken in turns by scope.
 
-    Invariant: at most ``num_threads`` reads run at once; ``num_waiting`` counts the calls
-    queued behind them (event loop only). A freed thread goes to the next request-id scope
-    (tenant) in turn that has a call waiting, round robin, and within a scope to its oldest
+    Invariant: at most ``num_threads`` reads run at once, and at most ``max_per_scope``
+    (``max_tenant_log_reads``) of one request-id scope (tenant), so another tenant's read
+    finds a thread at once while one tenant has a crowd; ``num_waiting`` counts the calls
+    queued behind them (event loop only). A freed thread goes to the next scope in turn that
+    has a call waiting and is under its bound, round robin, and within a scope to its oldest
     call: a tenant with a crowd of readers waits behind itself, not in front of another's one.
     """
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, max_per_scope: int | None = None) -> None:
         if num_threads < 1:
             raise ValueError(f"max_concurrent_log_reads must be >= 1, got {num_threads}")
+        if max_per_scope is not None and max_per_scope < 1:
+            raise ValueError(f"max_tenant_log_reads must be >= 1, got {max_per_scope}")
         self.num_threads = num_threads
+        self.max_per_scope = num_threads if max_per_scope is None else min(max_per_scope, num_threads)
         self.num_running = 0  # reads holding a thread now
         self.num_waiting = 0  # reads queued for a thread
+        self._running: dict[str, int] = {}  # scope -> its reads holding a thread now (> 0)
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="nanoserve-log-read")
         # scope -> its waiting calls' turns, oldest first; scopes in round-robin order, next first
         self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = collections.OrderedDict()
@@ -56,14 +62,18 @@ class LogReads:
     async def run(self, read: Callable[..., T], *args: object, scope: str = "") -> T:
         """``read(*args)`` on a reader thread once ``scope``'s turn comes (blocking reads: a query, its
         decoding)."""
-        if self.num_running < self.num_threads and not self._waiting:
-            self.num_running += 1
+        if self.num_running < self.num_threads and self._under_bound(scope) and self._next_scope() is None:
+            self._take(scope)
         else:
             await self._wait_turn(scope)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(read, *args))
         finally:
-            self._release()
+            self._release(scope)
+
+    def num_running_of(self, scope: str) -> int:
+        """The reads of ``scope`` holding a thread now."""
+        return self._running.get(scope, 0)
 
     async def _wait_turn(self, scope: str) -> None:
         """Queues the call under ``scope`` until a finishing read hands it its thread."""
@@ -74,7 +84,7 @@ class LogReads:
             await turn
         except BaseException:
             if turn.done() and not turn.cancelled():
-                self._release()  # handed the thread as it was cancelled: pass it on
+                self._release(scope)  # handed the thread as it was cancelled: pass it on
             else:
                 queue = self._waiting.get(scope)
                 if queue is not None and turn in queue:
@@ -85,19 +95,33 @@ class LogReads:
         finally:
             self.num_waiting -= 1
 
-    def _release(self) -> None:
-        """A read ended: its thread goes to the next scope in turn that waits, else it is free."""
-        while self._waiting:
-            scope, queue = next(iter(self._waiting.items()))
+    def _under_bound(self, scope: str) -> bool:
+        return self._running.get(scope, 0) < self.max_per_scope
+
+    def _next_scope(self) -> str | None:
+        """The first scope in turn with a call waiting that may take a thread."""
+        return next((scope for scope in self._waiting if self._under_bound(scope)), None)
+
+    def _take(self, scope: str) -> None:
+        self.num_running += 1
+        self._running[scope] = self._running.get(scope, 0) + 1
+
+    def _release(self, scope: str) -> None:
+        """A read of ``scope`` ended: the free threads go to the scopes in turn that wait."""
+        self.num_running -= 1
+        self._running[scope] -= 1
+        if not self._running[scope]:
+            del self._running[scope]
+        while self.num_running < self.num_threads and (next_scope := self._next_scope()) is not None:
+            queue = self._waiting[next_scope]
             turn = queue.popleft()
             if queue:
-                self._waiting.move_to_end(scope)
+                self._waiting.move_to_end(next_scope)
             else:
-                del self._waiting[scope]
+                del self._waiting[next_scope]
             if not turn.done():
+                self._take(next_scope)
                 turn.set_result(None)
-                return
-        self.num_running -= 1
 
     def shutdown(self) -> None:
         """Stops taking reads; the ones running finish on their threads."""

@@ -1,10 +1,11 @@
 """What the engine hands back: one RequestOutput per request per step.
 
-Each output the engine makes carries both the whole completion so far
-(``outputs[0]``) and the delta of this step (``delta_text``,
-``delta_token_ids``, ``delta_logprobs``), so a batch caller reads the last
-output. A stream queues ``as_delta()`` of every output but the final one: what
-waits for a slow reader is O(the step's tokens), never the whole history again.
+A request's outputs are deltas until its final one: each non-final output
+the engine makes holds only this step's text, token ids and logprobs
+(``is_delta``; ``outputs[0]`` is the delta, ``delta_start`` where it
+begins), and the final output holds the whole completion, so a batch caller
+reads the last output. Making an output thus costs O(the step's tokens),
+never the whole history again, and so does queueing it for a slow reader.
 Outputs are snapshots: the engine never mutates one after handing it out.
 """
 
@@ -97,10 +98,12 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One request's state after a step: the whole completion and this step's delta.
+    """One request's state after a step: this step's delta, and on a whole output the completion so far.
 
     Concatenating ``delta_text`` over a request's outputs gives the final
     ``text``; concatenating ``delta_token_ids`` gives the final ``token_ids``.
+    A delta (``is_delta``) has ``outputs[0]`` equal to its delta; a whole
+    output (every final one) has the completion so far there.
     """
 
     request_id: str
@@ -118,8 +121,11 @@ class RequestOutput:
     # why an aborted request ended (final output only); None for every other ending
     abort_cause: AbortCause | None = None
 
-    # the output holds only this step's tokens (``as_delta``): outputs[0] is the delta, not the whole completion
+    # the output holds only this step's tokens: outputs[0] is the delta, not the whole completion
     is_delta: bool = False
+    # a delta's first token: how many output tokens the request released before it (0 on a whole output:
+    # ``delta_start_index`` works for both)
+    delta_start: int = 0
     # parallel sampling (n / best_of): None for a one-sample request; True when each sample streamed its
     # outputs and its ending (outputs[0] with finish_reason set, not final) and the final output only
     # gathers them; False (best_of > n) when the final output is the first to carry the samples, whole
@@ -141,7 +147,19 @@ class RequestOutput:
         delta = CompletionOutput(
             index=completion.index, text=self.delta_text, token_ids=self.delta_token_ids, logprobs=self.delta_logprobs
         )
-        return dataclasses.replace(self, outputs=[delta], is_delta=True)
+        return dataclasses.replace(self, outputs=[delta], is_delta=True, delta_start=self.delta_start_index)
+
+    @property
+    def num_released_tokens(self) -> int:
+        """Output tokens the request has released up to and including this output (of ``outputs[0]``'s sample)."""
+        if self.is_delta:
+            return self.delta_start + len(self.delta_token_ids)
+        return len(self.outputs[0].token_ids)
+
+    @property
+    def delta_start_index(self) -> int:
+        """The index of the delta's first token among the request's released output tokens."""
+        return self.num_released_tokens - len(self.delta_token_ids)
 
     @property
     def text(self) -> str:

@@ -225,18 +225,23 @@ class Request:
         """This step's output: what the stream may release now; None when nothing new.
 
         final: the request has finished (or been aborted); release everything.
+        A non-final output is a delta (``is_delta``: O(the step's tokens) to
+        make); the final one carries the whole completion, copied once.
         """
         delta = self.stream.release(final=final)
         if not final and not delta.token_ids and not delta.text:
             return None
-        completion = CompletionOutput(
-            index=self.index,
-            text=self.stream.released_text,
-            token_ids=list(self.stream.released_token_ids),
-            finish_reason=self.finish_reason if final else None,
-            stop_reason=self.stop_reason if final else None,
-            logprobs=self.stream.released_logprobs,
-        )
+        if final:
+            completion = CompletionOutput(
+                index=self.index,
+                text=self.stream.released_text,
+                token_ids=self.stream.released_token_ids,
+                finish_reason=self.finish_reason,
+                stop_reason=self.stop_reason,
+                logprobs=self.stream.released_logprobs,
+            )
+        else:
+            completion = CompletionOutput(self.index, delta.text, delta.token_ids, logprobs=delta.logprobs)
         prompt_logprobs = None
         if self.prompt_logprobs is not None and (final or not self._prompt_logprobs_sent):
             prompt_logprobs, self._prompt_logprobs_sent = list(self.prompt_logprobs), True  # first and final
@@ -253,4 +258,6 @@ class Request:
             serial=self.serial,
             abort_cause=self.abort_cause if final else None,
             prompt_logprobs=prompt_logprobs,
+            is_delta=not final,
+            delta_start=self.stream.num_released_tokens - len(delta.token_ids) if not final else 0,
         )

@@ -31,6 +31,8 @@ from nanoserve.engine.config import StreamConfig
 from nanoserve.engine.core.engine_inbox import AbortRequest
 from nanoserve.engine.core.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from nanoserve.engine.core.request import Request
+from nanoserve.engine.core.scope_buffers import ScopeBuffer, ScopeBuffers
+from nanoserve.engine.core.status import scope_of
 from nanoserve.engine.errors import StreamBufferFullError
 
 if TYPE_CHECKING:
@@ -68,7 +70,13 @@ class RequestStream:
         self.num_queued = 0  # outputs in _outputs
         self.num_queued_bytes = 0  # their estimated size (output_size_bytes)
         self.overflowed = False  # cut off for reading too slowly: nothing more is queued
+        self.scope_buffer: ScopeBuffer | None = None  # its scope's (tenant's) account, shared with its streams
+        self.reader_gone = False  # the iteration ended: nothing more is queued
         self._last_output: RequestOutput | None = None
+        # sample index -> (tokens, characters of text) its delivered deltas reach (the text after what a
+        # recovered request restored): a prefix of what the sample's TextStream holds, read from it
+        # only if the stream must end the request itself
+        self._num_seen: dict[int, tuple[int, int]] = {}
         self._engine: AsyncLLMEngine | None = None
         self.detached = False  # a request recovered after a crash: nobody iterates it (Resume follows it)
         self.deadline_s: float | None = None  # the call's deadline, time.monotonic(); journaled
@@ -85,6 +93,21 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            async for output in self._taken():
+                yield output
+        finally:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """The reader left (or read the end): nothing more is queued, and what waits is let go."""
+        self.reader_gone = True
+        if self.scope_buffer is not None:
+            self.scope_buffer.release(self.num_queued_bytes)
+        self.num_queued = 0
+        self.num_queued_bytes = 0
+
+    async def _taken(self) -> AsyncIterator[RequestOutput]:
         while True:
             item = await self._outputs.get()
             if isinstance(item, BaseException):
@@ -97,7 +120,10 @@ class RequestStream:
                     break
                 taken.append(more)
             self.num_queued -= len(taken)
-            self.num_queued_bytes -= sum(output_size_bytes(output) for output in taken)
+            num_bytes = sum(output_size_bytes(output) for output in taken)
+            self.num_queued_bytes -= num_bytes
+            if self.scope_buffer is not None:
+                self.scope_buffer.release(num_bytes)
             for merged in merge_outputs(taken):
                 yield merged
                 if merged.finished:
@@ -107,6 +133,10 @@ class RequestStream:
 
     def _deliver(self, output: RequestOutput) -> None:
         self._last_output = output
+        completion = output.outputs[0]
+        if output.is_delta:
+            num_chars = self._num_seen.get(completion.index, (0, 0))[1] + len(output.delta_text)
+            self._num_seen[completion.index] = (output.num_released_tokens, num_chars)
         if not self.detached:
             self._enqueue(output.as_delta())
         if self._engine is not None:
@@ -127,13 +157,15 @@ class RequestStream:
         now = time.monotonic()
         last = self._last_output
         request = self.request
-        completion = CompletionOutput(
-            index=0,
-            text=last.text if last is not None else "",
-            token_ids=list(last.token_ids) if last is not None else [],
-            finish_reason="abort",
-            logprobs=last.outputs[0].logprobs if last is not None else None,
-        )
+        if last is None:
+            completion = CompletionOutput(0, "", [], "abort")
+        elif not last.is_delta:  # a whole output: it holds everything seen
+            completion = CompletionOutput(
+                0, last.text, list(last.token_ids), "abort", logprobs=last.outputs[0].logprobs
+            )
+        else:
+            assert request is not None, "a request that streamed outputs was processed"
+            completion = self._seen_completion(request, last.outputs[0].index)
         metrics = dataclasses.replace(last.metrics) if last is not None and last.metrics is not None else None
         if metrics is None:
             metrics = RequestMetrics(arrival_time=request.metrics.arrival_time if request else self.arrival_time)
@@ -159,34 +191,66 @@ class RequestStream:
             else:
                 self._enqueue(final)
 
+    def _seen_completion(self, request: Request, index: int) -> CompletionOutput:
+        """What the delivered outputs of sample ``index`` held, ended by abort: the prefix of its
+        TextStream they covered (the engine thread only appends to it: the prefix is stable)."""
+        group = request.group
+        text_stream = (group.children[index] if group is not None else request).stream
+        num_tokens, num_chars = self._num_seen[index]
+        num_chars += text_stream.num_restored_chars
+        logprobs = text_stream.logprobs[:num_tokens] if text_stream.logprobs is not None else None
+        return CompletionOutput(
+            0, text_stream.text[:num_chars], text_stream.token_ids[:num_tokens], "abort", logprobs=logprobs
+        )
+
     def _enqueue(self, output: RequestOutput) -> None:
         """Queues ``output`` for the reader, or cuts the reader off past ``limits``."""
-        if self.overflowed:
-            return  # the reader gets the error; the final output still resolves ``finished``
+        if self.overflowed or self.reader_gone:
+            return  # the reader gets the error (or is gone); the final output still resolves ``finished``
+        num_bytes = output_size_bytes(output)
         self.num_queued += 1
-        self.num_queued_bytes += output_size_bytes(output)
-        if output.finished or (
-            self.num_queued <= self.limits.max_stream_buffer_messages
-            and self.num_queued_bytes <= self.limits.max_stream_buffer_bytes
+        self.num_queued_bytes += num_bytes
+        if self.scope_buffer is not None:
+            self.scope_buffer.num_queued_bytes += num_bytes
+        if not output.finished and (
+            self.num_queued > self.limits.max_stream_buffer_messages
+            or self.num_queued_bytes > self.limits.max_stream_buffer_bytes
         ):
-            self._outputs.put_nowait(output)
+            self._overflow(self._bound_passed())
             return
-        self._overflow()
+        self._outputs.put_nowait(output)
+        self._bound_scope()
 
-    def _overflow(self) -> None:
-        """The reader fell behind past a bound: drop what waits, abort the request, leave the error."""
+    def _bound_passed(self) -> str:
         limits = self.limits
         if self.num_queued > limits.max_stream_buffer_messages:
-            bound = f"--max-stream-buffer-messages={limits.max_stream_buffer_messages} outputs"
-        else:
-            bound = f"--max-stream-buffer-bytes={limits.max_stream_buffer_bytes} bytes"
+            return f"more than --max-stream-buffer-messages={limits.max_stream_buffer_messages} outputs"
+        return f"more than --max-stream-buffer-bytes={limits.max_stream_buffer_bytes} bytes"
+
+    def _bound_scope(self) -> None:
+        """Cuts off the scope's laggards while its streams hold more than the tenant bound."""
+        account, bound = self.scope_buffer, self.limits.max_tenant_stream_buffer_bytes
+        while account is not None and account.num_queued_bytes > bound:
+            laggard = account.laggard()
+            if laggard is None:
+                return  # what is held is finished streams' final outputs: never refused
+            scope = f"tenant {account.scope!r}" if account.scope else "the server's one tenant"
+            laggard._overflow(
+                f"{laggard.num_queued_bytes} bytes (the most of any stream of {scope}, whose streams held more "
+                f"than --max-tenant-stream-buffer-bytes={bound} bytes in all)"
+            )
+
+    def _overflow(self, bound: str) -> None:
+        """The reader fell behind past a bound: drop what waits, abort the request, leave the error."""
         error = StreamBufferFullError(
-            f"request {self.request_id!r}: the client read its stream too slowly: more than {bound} "
+            f"request {self.request_id!r}: the client read its stream too slowly: {bound} "
             "waited unread; the request was aborted"
         )
         self.overflowed = True
         while not self._outputs.empty():
             self._outputs.get_nowait()
+        if self.scope_buffer is not None:
+            self.scope_buffer.release(self.num_queued_bytes)
         self.num_queued = 0
         self.num_queued_bytes = 0
         self._outputs.put_nowait(error)
@@ -236,6 +300,7 @@ def _merged(run: list[RequestOutput]) -> RequestOutput:
         delta_token_ids=token_ids,
         delta_logprobs=logprobs,
         prompt_logprobs=newest.prompt_logprobs if newest.prompt_logprobs is not None else run[0].prompt_logprobs,
+        delta_start=run[0].delta_start if newest.is_delta else 0,
     )
 
 
@@ -280,9 +345,11 @@ class StreamRegistry:
         self.open: set[RequestStream] = set()  # every stream not yet finished
         self.all_done = asyncio.Event()
         self.all_done.set()
+        self.scope_buffers = ScopeBuffers()  # the unread bytes of each scope's (tenant's) streams
 
     def add(self, stream: RequestStream) -> None:
-        """Counts ``stream`` open until its ``finished`` resolves."""
+        """Counts ``stream`` open until its ``finished`` resolves, and in its scope's account."""
+        stream.scope_buffer = self.scope_buffers.join(scope_of(stream.request_id), stream)
         self.open.add(stream)
         self.all_done.clear()
         stream.finished.add_done_callback(lambda _: self.close(stream))
@@ -295,6 +362,8 @@ class StreamRegistry:
 
     def close(self, stream: RequestStream) -> None:
         self.open.discard(stream)
+        if stream.scope_buffer is not None:
+            stream.scope_buffer.leave(stream)
         if stream.request is not None:
             self.handed.pop(stream.request.serial, None)
         if not self.open:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,14 +55,13 @@ class JournaledRequest:
         with the text of the journaled chunks none of whose tokens is cut), then the final output
         when the request ended: the tokens and text ``history_outputs(history, after_token_index)`` gives."""
         for output in self.outputs:
-            end = len(output.token_ids)
+            end = output.num_released_tokens
             if end <= after_token_index and not output.finished:
                 continue
-            cut = slice_output(output, after_token_index)
-            if cut is not output and self.history is not None:
+            text = ""
+            if self.history is not None and output.delta_start_index < after_token_index:
                 text = "".join(c.text for c in self.history.chunks if after_token_index <= c.start < end)
-                cut = dataclasses.replace(cut, delta_text=text)
-            yield cut
+            yield slice_output(output, after_token_index, text)
 
 
 class ResumeFollowers:
@@ -136,7 +134,7 @@ class ResumeFollowers:
                 if self._pacer is not None:
                     await self._pacer.take(scope_of(request_id), max(1, len(output.delta_token_ids)))
                 yield output
-                next_index = max(next_index, len(output.token_ids))
+                next_index = max(next_index, output.num_released_tokens)
             if journaled.finished:
                 return
             if not live:
@@ -144,9 +142,9 @@ class ResumeFollowers:
                 return
             while True:
                 output = await follower.get()
-                if len(output.token_ids) > next_index or output.finished:
+                if output.num_released_tokens > next_index or output.finished:
                     yield slice_output(output, next_index)
-                    next_index = max(next_index, len(output.token_ids))
+                    next_index = max(next_index, output.num_released_tokens)
                 if output.finished:
                     return
         finally:

@@ -59,7 +59,7 @@ def journal_final(output: RequestOutput) -> RequestOutput:
 def output_record(output: RequestOutput) -> JournalRecord:
     """The OUTPUT record of one released delta, or the FINISH record of a final output."""
     data: dict[str, Any] = {
-        "start": len(output.outputs[0].token_ids) - len(output.delta_token_ids),
+        "start": output.delta_start_index,
         "token_ids": output.delta_token_ids,
         "text": output.delta_text,
     }
@@ -147,8 +147,8 @@ def history_outputs(
 ) -> Iterator[RequestOutput]:
     """One output per run of journaled chunks holding at least ``min_tokens_per_output`` tokens at
     ``after_token_index`` or later (the first chunk cut to start there, with its text only when none
-    of its tokens is cut), then the final output when the request has ended. Joining chunks keeps
-    a long request's outputs few: each one copies the tokens so far."""
+    of its tokens is cut), then the final output when the request has ended. Every output but the
+    final one is a delta (``is_delta``); the final one carries the whole completion."""
     token_ids: list[int] = []
     text = ""
     logprobs: list[TokenLogprob] | None = [] if history.logprobs is not None else None
@@ -186,18 +186,25 @@ def ended_output(history: RequestHistory | None, request_id: str) -> RequestOutp
     )
 
 
-def slice_output(output: RequestOutput, after_token_index: int) -> RequestOutput:
-    """``output`` with the part of its delta before ``after_token_index`` removed (its text too,
-    when any token was cut)."""
-    start = len(output.outputs[0].token_ids) - len(output.delta_token_ids)
+def slice_output(output: RequestOutput, after_token_index: int, text: str = "") -> RequestOutput:
+    """``output`` with the part of its delta before ``after_token_index`` removed, its text then
+    ``text`` (the text of none of the cut tokens); ``output`` itself when nothing is cut."""
+    start = output.delta_start_index
     if after_token_index <= start:
         return output
     cut = after_token_index - start
+    token_ids = output.delta_token_ids[cut:]
+    logprobs = output.delta_logprobs[cut:] if output.delta_logprobs is not None else None
+    outputs = output.outputs
+    if output.is_delta:  # outputs[0] is the delta: it is cut too
+        outputs = [dataclasses.replace(outputs[0], text=text, token_ids=token_ids, logprobs=logprobs)]
     return dataclasses.replace(
         output,
-        delta_token_ids=output.delta_token_ids[cut:],
-        delta_text="",
-        delta_logprobs=output.delta_logprobs[cut:] if output.delta_logprobs is not None else None,
+        outputs=outputs,
+        delta_token_ids=token_ids,
+        delta_text=text,
+        delta_logprobs=logprobs,
+        delta_start=after_token_index if output.is_delta else 0,
     )
 
 
@@ -232,14 +239,17 @@ def _output(
     finish: dict[str, Any] | None,
 ) -> RequestOutput:
     chunk, delta_logprobs = delta
-    completion = CompletionOutput(
-        index=0,
-        text=text,
-        token_ids=list(token_ids),
-        finish_reason=finish.get("finish_reason") if finish else None,
-        stop_reason=finish.get("stop_reason") if finish else None,
-        logprobs=list(logprobs) if logprobs is not None else None,
-    )
+    if finish is None:  # a delta: the chunk alone
+        completion = CompletionOutput(0, chunk.text, chunk.token_ids, logprobs=delta_logprobs)
+    else:
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(token_ids),
+            finish_reason=finish.get("finish_reason"),
+            stop_reason=finish.get("stop_reason"),
+            logprobs=list(logprobs) if logprobs is not None else None,
+        )
     cause = finish.get("abort_cause") if finish else None
     return RequestOutput(
         request_id=history.request_id,
@@ -252,6 +262,8 @@ def _output(
         metrics=_metrics(finish),
         prompt=history.admit.get("prompt"),
         abort_cause=AbortCause(cause) if cause is not None else None,
+        is_delta=finish is None,
+        delta_start=chunk.start if finish is None else 0,
     )
 
 

@@ -40,9 +40,11 @@ class TextStream:
         self.text = ""  # decoded text of the tokens whose characters are complete
         self._text_ends: list[int] = []  # token index -> end of its text in self.text, once known
         self._stop_at: int | None = None  # start of the matched stop string in self.text
-        self.released_text = ""
-        self.released_token_ids: list[int] = []
-        self._num_released_tokens = 0
+        # what was released: self.text[:_released_end] and token_ids[:num_released_tokens] (kept as two
+        # counts, so a release costs O(its delta), not a copy of everything released before)
+        self._released_end = 0
+        self.num_released_tokens = 0
+        self.num_restored_chars = 0  # of the released text, what ``restore_released`` restored
 
     def append(self, token_id: int, logprob: TokenLogprob | None, *, decode: bool, check_stop: bool) -> str | None:
         """Adds one generated token.
@@ -62,7 +64,7 @@ class TextStream:
         self._extend(delta)
         if not check_stop or not delta:
             return None
-        match = self._stop.find(self.text, text_before, len(self.released_text))
+        match = self._stop.find(self.text, text_before, self._released_end)
         if match is None:
             return None
         self._stop_at = match[0]
@@ -83,34 +85,43 @@ class TextStream:
             end = len(self.text) if self._stop_at is None else self._stop_at
             num_tokens = len(self.token_ids)
         else:
-            end = self._stop.safe_end(self.text, len(self.released_text))
-            num_tokens = self._num_released_tokens
+            end = self._stop.safe_end(self.text, self._released_end)
+            num_tokens = self.num_released_tokens
             while num_tokens < len(self._text_ends) and self._text_ends[num_tokens] <= end:
                 num_tokens += 1
-        text = self.text[len(self.released_text) : end]
-        self.released_text += text
-        token_ids = self.token_ids[self._num_released_tokens : num_tokens]
-        self.released_token_ids.extend(token_ids)
+        text = self.text[self._released_end : end]
+        self._released_end = max(end, self._released_end)
+        token_ids = self.token_ids[self.num_released_tokens : num_tokens]
         logprobs = None
         if self.logprobs is not None:
-            logprobs = self.logprobs[self._num_released_tokens : num_tokens]
-        self._num_released_tokens = num_tokens
+            logprobs = self.logprobs[self.num_released_tokens : num_tokens]
+        self.num_released_tokens = num_tokens
         return Delta(text, token_ids, logprobs)
 
     @property
+    def released_text(self) -> str:
+        """Everything released so far (a copy: O(the text))."""
+        return self.text[: self._released_end]
+
+    @property
+    def released_token_ids(self) -> list[int]:
+        """Every released token id (a copy: O(the tokens))."""
+        return self.token_ids[: self.num_released_tokens]
+
+    @property
     def released_logprobs(self) -> list[TokenLogprob] | None:
+        """The released tokens' logprobs (a copy), None when the request wants none."""
         if self.logprobs is None:
             return None
-        return self.logprobs[: self._num_released_tokens]
+        return self.logprobs[: self.num_released_tokens]
 
     def restore_released(self, text: str) -> None:
         """Marks every token appended so far as released, with ``text`` as their released text
         (a request re-admitted after a crash: its client has these from the journal).
         ``text`` must be what the tokens decode to, a prefix of ``self.text``."""
         assert self.text.startswith(text), "journaled text is not what the journaled tokens decode to"
-        self.released_text = text
-        self.released_token_ids = list(self.token_ids)
-        self._num_released_tokens = len(self.token_ids)
+        self._released_end = self.num_restored_chars = len(text)
+        self.num_released_tokens = len(self.token_ids)
 
     def _extend(self, delta: str) -> None:
         self.text += delta

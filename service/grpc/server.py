@@ -180,7 +180,10 @@ class NanoServer:
 
         Returns whether the new table is in use. Calls in flight keep the identity they started with."""
         if self._auth is None or self.config.auth_tokens_file is None:
-            log.warning("tenants_not_reloaded", reason="no --auth-tokens-file")
+            reason = "no --auth-tokens-file"
+            if self.config.auth_tokens is not None:
+                reason += ": the tokens come from --auth-tokens / NANOSERVE_AUTH_TOKENS, read at start only"
+            log.warning("tenants_not_reloaded", reason=reason)
             return False
         try:
             table = TenantTable.read(self.config.auth_tokens_file)

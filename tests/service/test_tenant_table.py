@@ -76,3 +76,39 @@ def test_no_auth_is_one_anonymous_admin_and_metrics_bind_localhost() -> None:
     assert ANONYMOUS.is_admin
     assert ANONYMOUS.engine_id("x") == "x"
     assert config.metrics_host == "127.0.0.1"
+
+
+def test_tokens_from_the_environment_variable_are_the_files_lines_with_semicolons_too() -> None:
+    from nanoserve.service.config import build_configs
+
+    environ = {"NANOSERVE_AUTH_TOKENS": "token k1 acme client; token k2 ops admin\ncert worker billing client"}
+    config, _ = build_configs(None, environ)
+    table = config.tenant_table()
+    assert table is not None
+    assert config.auth_enabled
+    assert table.lookup(b"k1") == Identity("acme", Role.CLIENT)
+    assert table.lookup(b"k2") == Identity("ops", Role.ADMIN)
+    assert table.lookup_cert("worker") == Identity("billing", Role.CLIENT)
+    assert (table.num_tokens, table.num_certs) == (2, 1)
+
+
+def test_tokens_from_the_environment_variable_name_their_line_when_bad() -> None:
+    with pytest.raises(TenantsFileError) as info:
+        ServerConfig(auth_tokens="token k1 acme client;token k2 ops root")
+    assert str(info.value) == "--auth-tokens/NANOSERVE_AUTH_TOKENS:2: role must be 'client' or 'admin', got 'root'"
+
+
+def test_the_variable_and_the_file_exclude_each_other_neither_wins(tmp_path: Path) -> None:
+    from nanoserve.service.config import build_configs
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token k1 acme client\n")
+    environ = {"NANOSERVE_AUTH_TOKENS": "token k2 blue client", "NANOSERVE_AUTH_TOKENS_FILE": str(tokens)}
+    with pytest.raises(ValueError, match="are exclusive") as info:  # serve exits 2 with this line
+        build_configs(None, environ)
+    assert str(info.value) == (
+        "--auth-tokens-file (NANOSERVE_AUTH_TOKENS_FILE) and --auth-tokens (NANOSERVE_AUTH_TOKENS) are exclusive: "
+        "give the tokens one way (none of them wins over another)"
+    )
+    with pytest.raises(ValueError, match=r"^--auth-token \(NANOSERVE_AUTH_TOKEN\) and --auth-tokens \("):
+        ServerConfig(auth_token="t", auth_tokens="token k2 blue client")

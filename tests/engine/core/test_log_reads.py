@@ -85,6 +85,39 @@ async def test_a_freed_thread_goes_to_the_next_tenant_in_turn_not_to_the_biggest
     reads.shutdown()
 
 
+async def test_one_tenant_holds_at_most_its_bound_so_another_tenants_read_starts_at_once() -> None:
+    reads = LogReads(3, max_per_scope=2)
+    release = threading.Event()
+    started: list[str] = []
+
+    def read(name: str) -> str:
+        started.append(name)
+        if name.startswith("acme"):
+            release.wait(timeout=30)
+        return name
+
+    crowd = [asyncio.ensure_future(reads.run(read, f"acme-{i}", scope="acme")) for i in range(5)]
+    for _ in range(200):  # the crowd's first two reads reach their threads
+        if len(started) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert (reads.num_running, reads.num_waiting, reads.num_running_of("acme")) == (2, 3, 2)
+    assert sorted(started) == ["acme-0", "acme-1"]  # the third thread stays free for another tenant
+    assert await reads.run(read, "blue-0", scope="blue") == "blue-0"  # while acme's reads still block
+    assert (reads.num_running, reads.num_running_of("acme")) == (2, 2)
+    release.set()
+    assert await asyncio.gather(*crowd) == [f"acme-{i}" for i in range(5)]
+    assert (reads.num_running, reads.num_waiting) == (0, 0)
+    reads.shutdown()
+
+
+def test_a_tenant_bound_below_one_is_refused_and_above_the_threads_is_the_threads() -> None:
+    with pytest.raises(ValueError, match=r"^max_tenant_log_reads must be >= 1, got 0$"):
+        LogReads(4, max_per_scope=0)
+    assert LogReads(2, max_per_scope=8).max_per_scope == 2
+    assert LogReads(4).max_per_scope == 4
+
+
 async def test_a_waiting_read_cancelled_passes_its_turn_on() -> None:
     reads = LogReads(1)
     release = threading.Event()

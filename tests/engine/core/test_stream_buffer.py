@@ -50,7 +50,7 @@ async def _bytes_queued_per_token(tokenizer: Tokenizer, num_tokens: int) -> tupl
         request, logprobs = _request(tokenizer, num_tokens)
         for index in range(num_tokens):
             request.append_token(logprobs[index].token_id, logprobs[index])
-            output = request.make_output(final=False)  # the engine's whole output of the step
+            output = request.make_output(final=False)  # the engine's output of the step (a delta)
             if output is not None:
                 stream._deliver(output)
             del output
@@ -118,6 +118,7 @@ async def test_a_reader_behind_takes_what_waits_as_one_merged_output(tokenizer: 
     assert stream.num_queued == stream.num_queued_bytes == 0
     assert (merged.is_delta, merged.finished) == (True, False)
     assert merged.delta_token_ids == merged.token_ids == [300, 301, 302]
+    assert (merged.delta_start, merged.num_released_tokens) == (0, 3)
     assert merged.delta_logprobs == merged.outputs[0].logprobs == logprobs[:3]
     assert merged.delta_text == "".join(o.delta_text for o in outputs[:3])
     assert merged.metrics is outputs[2].metrics
