@@ -262,15 +262,18 @@ class StructuredOutputConfig:
         _check_positive("max_cached_grammars", self.max_cached_grammars)
 
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "auto")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_EXACT_SPECULATIVE_TOKENS = 7  # a verify pass of k + 1 <= 8 rows runs the GGUF decode tiles: plain decoding's bits
 
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding by prompt lookup (``nanoserve.engine.speculative``; docs/speculative-decoding.md).
 
-    speculative: "off", or "ngram": drafts copied from the request's own prompt and output.
+    speculative: "off"; "ngram": drafts copied from the request's own prompt and output; "auto":
+        ngram where a verify pass gives plain decoding's bits (the model on nanoserve's GGUF
+        kernels and k <= MAX_EXACT_SPECULATIVE_TOKENS), off elsewhere (``speculative.resolve``).
     num_speculative_tokens: draft tokens proposed per request per step (k), 1..MAX_SPECULATIVE_TOKENS.
     speculative_ngram_min / speculative_ngram_max: the n-gram sizes looked up, longest first (>= 1,
         min <= max).
@@ -295,10 +298,6 @@ class SpeculativeConfig:
                 f"speculative_ngram_min ({self.speculative_ngram_min}) must be <= speculative_ngram_max "
                 f"({self.speculative_ngram_max})"
             )
-
-    @property
-    def enabled(self) -> bool:
-        return self.speculative != "off"
 
 
 @dataclass

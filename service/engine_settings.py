@@ -148,11 +148,12 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "speculative",
         "engine",
         str,
-        "off",
+        "auto",
         "speculative decoding: ngram proposes draft tokens by looking the request's last tokens up in its own "
-        "prompt and output, and one forward pass verifies them, keeping the tokens plain decoding samples "
-        "(docs/speculative-decoding.md)",
-        choices=("off", "ngram"),
+        "prompt and output, and one forward pass verifies them, keeping the tokens plain decoding samples; auto "
+        "is ngram where a verify pass is bit-identical to plain decoding (the model on nanoserve's GGUF kernels, "
+        "--num-speculative-tokens up to 7), off elsewhere (docs/speculative-decoding.md)",
+        choices=("off", "ngram", "auto"),
     ),
     Setting(
         "num_speculative_tokens",

@@ -106,7 +106,7 @@ class LLMEngine:
             config.scheduler,
             self.allocator,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            proposer=make_proposer(config.speculative),
+            proposer=make_proposer(config.speculative, self.runner.on_gguf_kernels),
             num_speculative_tokens=config.speculative.num_speculative_tokens,
         )
         # speculative decoding, over the engine's life: draft tokens verified, and those accepted

@@ -18,11 +18,11 @@ import torch
 
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.model.attention import select_backend
-from nanoserve.engine.model.batch_invariance import batch_invariance, wants_batch_invariance
+from nanoserve.engine.model.batch_invariance import batch_invariance, linears_of, wants_batch_invariance
 from nanoserve.engine.model.device import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from nanoserve.engine.model.forward_batch import ForwardBatch
 from nanoserve.engine.model.kv_cache import KVCache, KVCacheSpec
-from nanoserve.engine.model.layers.quantized_linear import gguf_kernels_take
+from nanoserve.engine.model.layers.quantized_linear import GGUFLinear, gguf_kernels_take
 from nanoserve.engine.model.llama import LlamaForCausalLM
 from nanoserve.engine.model.process_memory import process_memory, release_free_heap
 from nanoserve.engine.model.threads import ThreadTuner, configure_threads
@@ -99,6 +99,8 @@ class ModelRunner:
             self.device, self.dtype, self.kv_cache_dtype, self.block_size, invariant
         )
         self.batch_invariance = batch_invariance(self.model, self.attention)
+        # every linear on nanoserve's GGUF kernel: steps of up to 8 rows run its decode tiles, row by row
+        self.on_gguf_kernels = all(isinstance(linear, GGUFLinear) for linear in linears_of(self.model))
         memory_after = process_memory()
         log.info(
             "model_runner.ready",

@@ -86,3 +86,29 @@ def test_a_verify_pass_on_the_decode_path_gives_plain_decodings_logprobs_bit_for
     engine = LLMEngine(dataclasses.replace(runner.config, speculative=speculative), runner=runner)
     assert _logprobs(engine, STORY) == expected
     assert engine.pool_status().num_accepted_draft_tokens > 0
+
+
+def test_auto_speculates_on_the_gguf_kernels_bit_for_bit_and_not_on_the_dequantized_model(real_runner) -> None:
+    """``--speculative auto`` (the server's default): ngram where every linear runs nanoserve's GGUF kernel
+    (a verify pass of up to 8 rows is plain decoding's arithmetic), off on the dequantized float32 model,
+    whose matmul reduction order follows the row count, and off above k = 7."""
+    from nanoserve.engine.speculative.proposer import resolve
+
+    from ..conftest import make_real_runner
+
+    auto = SpeculativeConfig(speculative="auto")
+    assert real_runner.on_gguf_kernels is False
+    assert resolve(auto, real_runner.on_gguf_kernels) == (
+        "off",
+        "auto: the model does not run on nanoserve's GGUF kernels",
+    )
+    dequantized = LLMEngine(dataclasses.replace(real_runner.config, speculative=auto), runner=real_runner)
+    assert dequantized.scheduler.proposer is None
+
+    runner = make_real_runner()  # the default: the GGUF file's blocks on nanoserve's kernel
+    assert runner.on_gguf_kernels is True
+    assert resolve(SpeculativeConfig(speculative="auto", num_speculative_tokens=8), True)[0] == "off"
+    expected = _logprobs(LLMEngine(runner.config, runner=runner), STORY)
+    engine = LLMEngine(dataclasses.replace(runner.config, speculative=auto), runner=runner)
+    assert engine.scheduler.proposer is not None
+    assert _logprobs(engine, STORY) == expected
