@@ -43,6 +43,7 @@ import sqlalchemy as sa
 from nanoserve.allocator.log.archive import (
     ROW_OVERHEAD_BYTES,
     ArchiveError,
+    ManifestEntry,
     PrepareArchive,
     RetentionPolicy,
     archive_path,
@@ -61,19 +62,11 @@ _WALL_FIELD = 6  # a record's wall_time_ns field (``record_codec``)
 
 
 @dataclass(frozen=True)
-class SegmentEntry:
-    """One archived segment as the manifest names it (``schema.ArchivedSegment``); ``num_row_bytes``:
-    the live event bytes it removed (records plus ROW_OVERHEAD_BYTES a row), not stored."""
+class SegmentEntry(ManifestEntry):
+    """One archived segment as the manifest names it (``schema.ArchivedSegment``): an epoch's entry's
+    fields for the seqs ``first_seq..last_seq``, the companion rows that moved with them, and
+    ``num_row_bytes``: the live event bytes it removed (records plus ROW_OVERHEAD_BYTES a row), not stored."""
 
-    pool_id: str
-    epoch: int
-    first_seq: int
-    last_seq: int
-    head_hash: bytes
-    path: str
-    sha256: str
-    num_bytes: int
-    archived_wall_ns: int
     companion_first_seq: int | None = None
     companion_last_seq: int | None = None
     companion_head_hash: bytes | None = None

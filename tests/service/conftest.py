@@ -8,6 +8,7 @@ the same engine (``NanoServer(..., owns_engine=False)``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,18 +50,30 @@ def engine_config(log_url: str, **overrides: object):  # -> EngineConfig
     return EngineConfig.from_kwargs(**settings)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Served]:
+@contextlib.asynccontextmanager
+async def serving(
+    config: object, log_url: str, *, grace_s: float = 2.0, metrics_port: int | None = 0
+) -> AsyncIterator[Served]:
+    """A real server on 127.0.0.1 (port 0) in front of a fresh engine built from ``config`` (an
+    EngineConfig), with a channel to it; stopped (0.5 s grace) when the block ends."""
     from nanoserve.service.config import ServerConfig
     from nanoserve.service.grpc.server import NanoServer, start_engine
 
-    log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('log')) / 'events.db'}"
-    engine = await start_engine(engine_config(log_url))
-    server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_s=2.0))
+    engine = await start_engine(config)  # type: ignore[arg-type]
+    server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=metrics_port, grace_s=grace_s))
     await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield Served(server, channel, log_url)
-    await server.stop(0.5)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            yield Served(server, channel, log_url)
+    finally:
+        await server.stop(0.5)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Served]:
+    log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('log')) / 'events.db'}"
+    async with serving(engine_config(log_url), log_url) as served:
+        yield served
 
 
 async def wait_pool_free(served: Served, timeout_s: float = 10.0) -> object:
@@ -83,16 +96,9 @@ async def wait_pool_free(served: Served, timeout_s: float = 10.0) -> object:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def tiny_served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> AsyncIterator[Served]:
     """A real server in front of the tiny random model: fast steps, for tests that drive many streams."""
-    from nanoserve.service.config import ServerConfig
-    from nanoserve.service.grpc.server import NanoServer, start_engine
-
     log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('tiny-log')) / 'events.db'}"
     config = engine_config(
         log_url, model=str(tiny_model_dir), num_kv_blocks=512, block_size=4, max_num_seqs=8, max_num_waiting=64
     )
-    engine = await start_engine(config)
-    server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_s=2.0))
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield Served(server, channel, log_url)
-    await server.stop(0.5)
+    async with serving(config, log_url) as served:
+        yield served

@@ -19,7 +19,7 @@ from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import allocation_pb2_grpc, generation_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
 
-from ..conftest import Served, engine_config, wait_pool_free
+from ..conftest import Served, engine_config, serving, wait_pool_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,19 +28,12 @@ NUM_CALLS = 12
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def small_queue(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> AsyncIterator[Served]:
-    from nanoserve.service.config import ServerConfig
-    from nanoserve.service.grpc.server import NanoServer, start_engine
-
     log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('admission-log')) / 'events.db'}"
     config = engine_config(
         log_url, model=str(tiny_model_dir), num_kv_blocks=512, block_size=4, max_num_seqs=4, max_num_waiting=2
     )
-    engine = await start_engine(config)
-    server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=None, grace_s=0.5))
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield Served(server, channel, log_url)
-    await server.stop(0.5)
+    async with serving(config, log_url, grace_s=0.5, metrics_port=None) as served:
+        yield served
 
 
 def _long(request_id: str) -> pb.GenerateRequest:

@@ -14,7 +14,7 @@ import pytest_asyncio
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc
 
-from ..conftest import Served, engine_config, wait_pool_free
+from ..conftest import Served, engine_config, serving, wait_pool_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -23,9 +23,6 @@ MAX_STREAM_BUFFER_MESSAGES = 32
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def bounded(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> AsyncIterator[Served]:
-    from nanoserve.service.config import ServerConfig
-    from nanoserve.service.grpc.server import NanoServer, start_engine
-
     log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('bounded-log')) / 'events.db'}"
     config = engine_config(
         log_url,
@@ -34,12 +31,8 @@ async def bounded(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
         block_size=4,
         max_stream_buffer_messages=MAX_STREAM_BUFFER_MESSAGES,
     )
-    engine = await start_engine(config)
-    server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_s=2.0))
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield Served(server, channel, log_url)
-    await server.stop(0.5)
+    async with serving(config, log_url, grace_s=2.0, metrics_port=0) as served:
+        yield served
 
 
 def _request(request_id: str) -> pb.GenerateRequest:

@@ -16,7 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc
 
-from ..conftest import Served, engine_config
+from ..conftest import Served, engine_config, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -29,20 +29,13 @@ NUL_ID_DETAILS = "request_id: must hold no control characters or surrogates: con
 async def store_served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
 ) -> AsyncIterator[Served]:
-    from nanoserve.service.config import ServerConfig
-    from nanoserve.service.grpc.server import NanoServer, start_engine
-
     if request.param == "sqlite":
         log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('nul-log')) / 'events.db'}"
     else:
         log_url = request.getfixturevalue("pg_url")
     config = engine_config(log_url, model=str(tiny_model_dir), num_kv_blocks=128, block_size=4, max_num_seqs=4)
-    engine = await start_engine(config)
-    server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_s=1.0))
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield Served(server, channel, log_url)
-    await server.stop(0.5)
+    async with serving(config, log_url, grace_s=1.0, metrics_port=0) as served:
+        yield served
 
 
 async def _serving(served: Served) -> bool:

@@ -19,7 +19,7 @@ from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import allocation_pb2_grpc, generation_pb2_grpc
 from nanoserve.v1 import generation_pb2 as pb
 
-from ..conftest import Served, engine_config, wait_pool_free
+from ..conftest import Served, engine_config, serving, wait_pool_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -27,19 +27,12 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cut_served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> AsyncIterator[Served]:
     """A tiny-model server that checkpoints every 8 events, so a cut comes after a few requests."""
-    from nanoserve.service.config import ServerConfig
-    from nanoserve.service.grpc.server import NanoServer, start_engine
-
     log_url = f"sqlite:///{Path(tmp_path_factory.mktemp('cut-log')) / 'events.db'}"
     config = engine_config(
         log_url, model=str(tiny_model_dir), num_kv_blocks=64, block_size=4, max_num_seqs=4, num_events_per_snapshot=8
     )
-    engine = await start_engine(config)
-    server = NanoServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_s=2.0))
-    await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield Served(server, channel, log_url)
-    await server.stop(0.5)
+    async with serving(config, log_url, grace_s=2.0, metrics_port=0) as served:
+        yield served
 
 
 async def _cut(served: Served, archive_dir: Path) -> int:
