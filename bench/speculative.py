@@ -1,8 +1,9 @@
 """Speculative decoding by prompt lookup: one greedy stream, tok/s with it on against off, same process.
 
-Two chat prompts, each answered greedily by the default model (SmolLM2-135M-Instruct GGUF):
+Three chat prompts, each answered greedily by the default model (SmolLM2-135M-Instruct GGUF):
 
 * ``copy-heavy``: "Repeat this text exactly: ..." (the answer quotes the prompt);
+* ``code edit``: "Rename the variable n to total in this Python function" (the answer rewrites the code);
 * ``plain chat``: a question whose answer repeats nothing of the prompt.
 
 For each: output tokens per second with ``--speculative off`` (the peer) and ``ngram``
@@ -39,8 +40,19 @@ COPY_TEXT = (
     "Invoice 2041: 3 boxes of blue pens at 4.50 each, 2 reams of A4 paper at 6.20 each, 1 stapler at 12.00, "
     "5 folders at 1.10 each, 4 boxes of blue pens at 4.50 each, 2 reams of A4 paper at 6.20 each."
 )
+CODE = (
+    "def total_price(items):\n"
+    "    n = 0\n"
+    "    for item in items:\n"
+    "        if item.quantity > 0:\n"
+    "            n += item.price * item.quantity\n"
+    "    return n\n"
+)
 PROMPTS = {
     "copy-heavy": ChatPrompt([{"role": "user", "content": f"Repeat this text exactly: {COPY_TEXT}"}]),
+    "code edit": ChatPrompt(
+        [{"role": "user", "content": f"Rename the variable n to total in this Python function:\n\n{CODE}"}]
+    ),
     "plain chat": ChatPrompt([{"role": "user", "content": "Write a short story about a robot learning to paint."}]),
 }
 

@@ -96,3 +96,22 @@ def test_a_draft_record_that_is_not_utf8_is_named_by_replay_and_stops_no_audit(t
     report = audit(url, "p")
     assert [(v.seq, v.rule) for v in report.violations][:1] == [(3, "bad_record")]
     assert "rollback_of_non_draft" not in {v.rule for v in report.violations}
+
+
+def test_a_planted_leak_of_a_draft_block_is_named_with_the_seq_that_took_it(log_url: str, pool_id: str) -> None:
+    """Issue 35: A's drafts take blocks 2 and 3 at seq 3; the rollback frees 3 and A's ending frees 0 and 1
+    but not 2 (the planted leak). The audit names block 2, owner A, at POOL_CLOSE, and its picture starts
+    at seq 3, the draft allocation that took it."""
+    with EventLog.open(log_url, pool_id=pool_id, num_blocks=10, block_size=4) as log:
+        pool = BlockAllocator(10, 4)
+        pool.allocate_for(8, "A")
+        log.append_batch(1, pool.take_events())  # seq 2: [0, 1]
+        pool.allocate_for(5, "A", FreeReason.DRAFT)
+        pool.free_all([3], FreeReason.REJECTED_DRAFT)
+        log.append_batch(2, pool.take_events())  # seq 3: drafts take [2, 3]; seq 4: 3 rolled back
+        pool.free_all([0, 1], FreeReason.FINISHED)
+        log.append_batch(3, pool.take_events())  # seq 5: A ends, block 2 still held
+    report = audit(log_url, pool_id)
+    assert [(v.seq, v.rule, v.block_id, v.owner, v.plot_range) for v in report.violations] == [
+        (6, "leaked_block", 2, "A", (3, 6))
+    ]
