@@ -179,7 +179,7 @@ def test_structured_output_settings_reach_the_engine_config_and_are_checked() ->
 
 def test_speculative_settings_reach_the_engine_config() -> None:
     _, engine = build_configs(_parse(), environ={})
-    assert engine.speculative.speculative == "off"
+    assert engine.speculative.speculative == "auto"  # the server's default: ngram where it changes no token
     _, engine = build_configs(
         _parse("--speculative", "ngram", "--num-speculative-tokens", "8", "--speculative-ngram-min", "2"),
         environ={"NANOSERVE_SPECULATIVE_NGRAM_MAX": "3"},
@@ -212,5 +212,5 @@ def test_bad_speculative_settings_are_refused_naming_the_setting(argv: tuple[str
 
 
 def test_an_unknown_speculative_method_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"NANOSERVE_SPECULATIVE must be one of \('off', 'ngram'\)"):
+    with pytest.raises(ValueError, match=r"NANOSERVE_SPECULATIVE must be one of \('off', 'ngram', 'auto'\)"):
         build_configs(_parse(), environ={"NANOSERVE_SPECULATIVE": "eagle"})

@@ -132,7 +132,8 @@ def test_sigterm_finishes_short_streams_aborts_long_ones_and_restart_opens_new_e
     # a block the long request filled is registered, and released rather than freed (prefix caching)
     ends = ("free", "free_all", "release")
     frees = [e for e in read_events(log_url, "default", epoch) if e.owner == "long" and e.kind in ends]
-    assert {e.reason for e in frees} == {"aborted"}
+    # speculation (on by default here) gives back rejected drafts' blocks as it goes; the ending is the abort
+    assert {e.reason for e in frees if e.reason != "rejected_draft"} == {"aborted"}
 
     second = ServeProcess(log_url)
     status = allocation_pb2_grpc.AllocationServiceStub(second.channel).GetPoolStatus(apb.GetPoolStatusRequest())
