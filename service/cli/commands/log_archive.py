@@ -94,16 +94,24 @@ def run_audit_archive(args: argparse.Namespace, live_url: str | None) -> tuple[b
     if live_url is None:
         print(f"{path}: sha256 {file_sha256(path)} (no live log given: not checked against a manifest)")
         return True, reports
+    named = {(e.pool_id, e.epoch): e for e in manifest(live_url)}
+    listed = segment_manifest(live_url)
+    listed_in: dict[tuple[str, int, int], str] = {}  # a segment listed elsewhere than the live log -> that file
     with connect(archive_url) as conn:
         infos = list_epochs(conn, args.pool_id)
         starts = {(info.pool_id, info.epoch): _first_seq(conn, info.pool_id, info.epoch) for info in infos}
+        for info in infos:  # a segment of an epoch archived whole since: the epoch's file lists it now
+            whole = named.get((info.pool_id, info.epoch))
+            if whole is not None and Path(whole.path).is_file() and whole.path != str(path):
+                moved = [e for e in segment_manifest(f"sqlite:///{whole.path}") if e.epoch == info.epoch]
+                listed += moved
+                listed_in.update({(e.pool_id, e.epoch, e.first_seq): whole.path for e in moved})
         segment_heads = {
             entry.first_seq: stored_hash(conn, entry.pool_id, entry.epoch, entry.last_seq)
-            for entry in segment_manifest(live_url)
+            for entry in listed
             if starts.get((entry.pool_id, entry.epoch)) == entry.first_seq
         }
-    named = {(e.pool_id, e.epoch): e for e in manifest(live_url)}
-    segments = {(e.pool_id, e.epoch, e.first_seq): e for e in segment_manifest(live_url)}
+    segments = {(e.pool_id, e.epoch, e.first_seq): e for e in listed}
     digest = file_sha256(path)
     matches = True
     for info in infos:
@@ -121,8 +129,11 @@ def run_audit_archive(args: argparse.Namespace, live_url: str | None) -> tuple[b
             print(f"{path}: head hash {shown} differs from the manifest's {entry.head_hash.hex()}")
             matches = False
         else:
+            where = ""
+            if segment is not None and (segment.pool_id, segment.epoch, segment.first_seq) in listed_in:
+                where = f" in {listed_in[(segment.pool_id, segment.epoch, segment.first_seq)]} (its epoch's file)"
             print(
-                f"{path}: sha256 {digest} and head hash match the manifest "
+                f"{path}: sha256 {digest} and head hash match the manifest{where} "
                 f"({what}pool {entry.pool_id} epoch {entry.epoch})"
             )
     return matches, reports

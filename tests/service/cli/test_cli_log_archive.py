@@ -140,3 +140,35 @@ def test_log_audit_archive_checks_a_segment_file_and_names_a_planted_change(
     assert f"differs from the manifest's {segment.sha256} (the file changed)" in out
     assert "seq 8 owner 'r3': hash_mismatch: stored hash does not match the record and the previous hash" in out
     log.close(final_state=pool.snapshot())
+
+
+def test_a_segment_still_checks_after_its_epoch_was_archived_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """New-user report: once the epoch went into its own file, the live log's manifest lists the segment
+    no more (its row moved with the epoch); the check follows it to the epoch's file, not to the epoch's
+    own sha256 (which said "the file changed" of an unchanged segment)."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    log = EventLog.open(url, pool_id="p", num_blocks=4, block_size=16, num_events_per_snapshot=10)
+    pool = BlockAllocator(4, 16)
+    for step in range(10):  # seqs 2..23, SNAPSHOTs at 12 and 23: the cut at 23
+        block = pool.allocate(f"r{step}")
+        log.append_batch(step, pool.take_events(), pool.snapshot)
+        pool.free(block)
+        log.append_batch(step, pool.take_events(), pool.snapshot)
+    log.flush()
+    [segment] = archive_due_segment(
+        url, tmp_path / "arch", RetentionPolicy(retention_bytes=1), upgrade, "p", LiveSize()
+    )
+    log.close(final_state=pool.snapshot())
+    EventLog.open(url, pool_id="p", num_blocks=4, block_size=16).close()  # epoch 2: epoch 1 may go whole
+    assert main(["log", "archive", "--url", url, "--dest", str(tmp_path / "whole"), "--pool", "p", "--epoch", "1"]) == 0
+    whole = str(tmp_path / "whole" / "p-epoch-00000001.db")
+    capsys.readouterr()
+
+    assert main(["log", "audit", "--archive", segment.path, "--url", url]) == 0
+    assert (
+        f"sha256 {segment.sha256} and head hash match the manifest in {whole} (its epoch's file) "
+        f"(seqs 1..{segment.last_seq} of pool p epoch 1)"
+    ) in capsys.readouterr().out
