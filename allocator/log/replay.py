@@ -33,7 +33,7 @@ from nanoserve.allocator.log.reader import (
 from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
 from nanoserve.allocator.log.replay_state import Replayer
 from nanoserve.allocator.log.schema import allocator_events
-from nanoserve.allocator.log.segment import Cut, cut_start, epoch_cut
+from nanoserve.allocator.log.segment import Cut, cut_start, epoch_cut, segment_path
 from nanoserve.allocator.pool_state import PoolState
 
 __all__ = ["checkpoint_start", "replay", "replay_epoch"]
@@ -77,9 +77,11 @@ def replay(
         info = resolve_epoch(conn, pool_id, epoch)
         cut = epoch_cut(conn, info.pool_id, info.epoch)
         if cut is not None and until_seq is not None and until_seq < cut.first_seq:
+            path = segment_path(conn, info.pool_id, info.epoch, until_seq)
             raise LogNotFoundError(
-                f"seqs 1..{cut.num_archived} of pool {info.pool_id!r} epoch {info.epoch} are archived "
-                f"(the manifest table archived_segments names their files): replay that file for seq {until_seq}"
+                f"seqs 1..{cut.num_archived} of pool {info.pool_id!r} epoch {info.epoch} are archived: seq "
+                f"{until_seq} is in {path or 'a segment file (the manifest table archived_segments names it)'}; "
+                f"read it there (--url sqlite:///FILE)"
             )
         replayer = replay_epoch(
             conn, info, until_seq, lambda: _start(conn, info, until_seq, from_snapshot, verify_chain)

@@ -79,6 +79,19 @@ def archived_through(url: str, pool_id: str, epoch: int) -> int:
     return 0 if cut is None else cut.num_archived
 
 
+def segment_path(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> str | None:
+    """The file of the archived segment of ``epoch`` that holds ``seq`` (None: no segment holds it)."""
+    if not has_segments_table(conn):
+        return None
+    table = archived_segments
+    found = conn.execute(
+        sa.select(table.c.path).where(
+            table.c.pool_id == pool_id, table.c.epoch == epoch, table.c.first_seq <= seq, table.c.last_seq >= seq
+        )
+    ).scalar()
+    return None if found is None else str(found)
+
+
 def companion_cut(conn: sa.Connection, pool_id: str, epoch: int) -> Cut | None:
     """Where the epoch's kept companion rows (its request journal) begin: the companion seq after the
     newest segment that moved some, chained from its companion head hash; None when none moved."""

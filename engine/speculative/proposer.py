@@ -56,6 +56,5 @@ def make_proposer(config: SpeculativeConfig, on_gguf_kernels: bool = False) -> P
         )
         return NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
     assert method == "off", f"no proposer for speculative={method!r}"
-    if config.speculative == "auto":
-        _log.info("speculative_decoding", method=method, reason=why)
+    _log.info("speculative_decoding", method=method, reason=why)
     return None

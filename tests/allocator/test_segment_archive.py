@@ -161,9 +161,13 @@ def test_recovery_audits_a_crashed_epoch_from_its_cut(log_url: str, pool_id: str
 def test_replay_before_the_cut_names_the_archive(log_url: str, pool_id: str, tmp_path: Path) -> None:
     busy = Busy(log_url, pool_id)
     busy.run(20)
-    archive_due_segment(log_url, tmp_path, BY_SIZE, upgrade, pool_id, LiveSize())
-    with pytest.raises(LogNotFoundError, match=f"seqs 1..44 of pool '{pool_id}' epoch 1 are archived"):
+    [entry] = archive_due_segment(log_url, tmp_path, BY_SIZE, upgrade, pool_id, LiveSize())
+    with pytest.raises(LogNotFoundError) as info:
         replay(log_url, pool_id, until_seq=30)
+    assert str(info.value) == (
+        f"seqs 1..44 of pool '{pool_id}' epoch 1 are archived: seq 30 is in {entry.path}; "
+        "read it there (--url sqlite:///FILE)"
+    )
     assert replay(log_url, pool_id, until_seq=45).blocks_by_owner() == {"keep": [0, 1], "r19": [2]}
     busy.log.close()
 
