@@ -216,6 +216,22 @@ def run_archive(args: argparse.Namespace) -> int:
     return log_archive.run_archive(args, _url(args))
 
 
+def _say_archived(url: str, pool_id: str | None, epoch: int | None, from_seq: int) -> None:
+    """On stderr: the shown range starts before the epoch's cut, so its first seqs are in segment files."""
+    from nanoserve.allocator.log.reader import connect, resolve_epoch
+    from nanoserve.allocator.log.segment import epoch_cut
+
+    with connect(url) as conn:
+        info = resolve_epoch(conn, pool_id, epoch)
+        cut = epoch_cut(conn, info.pool_id, info.epoch)
+    if cut is not None and from_seq < cut.first_seq:
+        print(
+            f"seqs 1..{cut.num_archived} of epoch {info.epoch} are archived in segment files (`nanoserve log state "
+            f"--at SEQ` names the one holding a seq): shown from seq {cut.first_seq}",
+            file=sys.stderr,
+        )
+
+
 @_guarded
 def run_show(args: argparse.Namespace) -> int:
     from nanoserve.allocator.log import Damage, scan_events
@@ -270,6 +286,8 @@ def run_show(args: argparse.Namespace) -> int:
     print(log_format.table(["epoch", *header] if len(epochs) > 1 else header, rows))
     for item in damage:
         print(f"damaged: {item}")
+    for epoch in epochs:
+        _say_archived(_url(args), pool_id, epoch, args.from_seq)
     if args.owner is not None and pool_id is not None:
         for line in log_requests.owner_lines(_url(args), pool_id, args.owner):
             print(line)

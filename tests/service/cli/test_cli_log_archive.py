@@ -124,6 +124,13 @@ def test_log_audit_archive_checks_a_segment_file_and_names_a_planted_change(
     )
     assert main(["log", "audit", "--url", url]) == 0
     assert f"seqs 1..{segment.last_seq} archived" in capsys.readouterr().out
+    assert main(["log", "show", "--url", url, "--from", "5"]) == 0
+    shown = capsys.readouterr()
+    assert shown.out.splitlines()[2].split()[0] == str(segment.last_seq + 1)  # the first row kept
+    assert shown.err == (
+        f"seqs 1..{segment.last_seq} of epoch 1 are archived in segment files (`nanoserve log state --at SEQ` "
+        f"names the one holding a seq): shown from seq {segment.last_seq + 1}\n"
+    )
 
     archive = sa.create_engine(f"sqlite:///{segment.path}")
     try:
