@@ -151,8 +151,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "auto",
         "speculative decoding: ngram proposes draft tokens by looking the request's last tokens up in its own "
         "prompt and output, and one forward pass verifies them, keeping the tokens plain decoding samples; auto "
-        "is ngram where a verify pass is bit-identical to plain decoding (the model on nanoserve's GGUF kernels, "
-        "--num-speculative-tokens up to 7), off elsewhere (docs/speculative-decoding.md)",
+        "is ngram where a verify pass is plain decoding's arithmetic (the model on nanoserve's GGUF kernels, "
+        "--num-speculative-tokens up to 7: a lone stream's tokens bit for bit; in a batch, as batching itself "
+        "without --batch-invariant on), off elsewhere (docs/speculative-decoding.md)",
         choices=("off", "ngram", "auto"),
     ),
     Setting(
