@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from nanoserve.allocator import BlockAllocator, FreeReason
 from nanoserve.allocator.log import EventLog
 from nanoserve.allocator.log.archive import RetentionPolicy
-from nanoserve.allocator.log.segment_archive import LiveSize, archive_due_segment
+from nanoserve.allocator.log.segment_archive import LiveSize, SegmentEntry, archive_due_segment
 from nanoserve.migrations import upgrade
 from nanoserve.service.cli.main import main
 
@@ -98,9 +98,9 @@ def test_archiving_one_epoch_needs_its_pool(archived: tuple[str, Path], capsys: 
     assert "epoch 3 is the newest of pool 'p': it is never archived" in capsys.readouterr().err
 
 
-def test_log_audit_archive_checks_a_segment_file_and_names_a_planted_change(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _cut_epoch(tmp_path: Path) -> tuple[str, EventLog, BlockAllocator, SegmentEntry]:
+    """An open epoch of pool "p" (10 requests one block each: seqs 2..23, SNAPSHOTs at 12 and 23) cut at 23:
+    (its log's URL, the open log, its pool, the segment of seqs 1..22)."""
     url = f"sqlite:///{tmp_path / 'log.db'}"
     upgrade(url)
     log = EventLog.open(url, pool_id="p", num_blocks=4, block_size=16, num_events_per_snapshot=10)
@@ -114,6 +114,13 @@ def test_log_audit_archive_checks_a_segment_file_and_names_a_planted_change(
     [segment] = archive_due_segment(
         url, tmp_path / "arch", RetentionPolicy(retention_bytes=1), upgrade, "p", LiveSize()
     )
+    return url, log, pool, segment
+
+
+def test_log_audit_archive_checks_a_segment_file_and_names_a_planted_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, log, pool, segment = _cut_epoch(tmp_path)
     capsys.readouterr()
 
     assert main(["log", "audit", "--archive", segment.path, "--url", url]) == 0
@@ -155,19 +162,7 @@ def test_a_segment_still_checks_after_its_epoch_was_archived_whole(
     """New-user report: once the epoch went into its own file, the live log's manifest lists the segment
     no more (its row moved with the epoch); the check follows it to the epoch's file, not to the epoch's
     own sha256 (which said "the file changed" of an unchanged segment)."""
-    url = f"sqlite:///{tmp_path / 'log.db'}"
-    upgrade(url)
-    log = EventLog.open(url, pool_id="p", num_blocks=4, block_size=16, num_events_per_snapshot=10)
-    pool = BlockAllocator(4, 16)
-    for step in range(10):  # seqs 2..23, SNAPSHOTs at 12 and 23: the cut at 23
-        block = pool.allocate(f"r{step}")
-        log.append_batch(step, pool.take_events(), pool.snapshot)
-        pool.free(block)
-        log.append_batch(step, pool.take_events(), pool.snapshot)
-    log.flush()
-    [segment] = archive_due_segment(
-        url, tmp_path / "arch", RetentionPolicy(retention_bytes=1), upgrade, "p", LiveSize()
-    )
+    url, log, pool, segment = _cut_epoch(tmp_path)
     log.close(final_state=pool.snapshot())
     EventLog.open(url, pool_id="p", num_blocks=4, block_size=16).close()  # epoch 2: epoch 1 may go whole
     assert main(["log", "archive", "--url", url, "--dest", str(tmp_path / "whole"), "--pool", "p", "--epoch", "1"]) == 0
