@@ -92,30 +92,13 @@ class LogArchiver:
 
         entries = archive_due(self.url, self.dest_dir, self.policy, upgrade, pool_id=self.pool_id, sizes=self._sizes)
         for entry in entries:
-            log.info(
-                "event_log_epoch_archived",
-                pool_id=entry.pool_id,
-                epoch=entry.epoch,
-                last_seq=entry.last_seq,
-                num_bytes=entry.num_bytes,
-                path=entry.path,
-                sha256=entry.sha256,
-            )
+            _log_archived("event_log_epoch_archived", entry)
         self.archived.extend(entries)
         segments = archive_due_segment(
             self.url, self.dest_dir, self.policy, upgrade, self.pool_id, self._live_size, companion=self._journal
         )
         for segment in segments:
-            log.info(
-                "event_log_segment_archived",
-                pool_id=segment.pool_id,
-                epoch=segment.epoch,
-                first_seq=segment.first_seq,
-                last_seq=segment.last_seq,
-                num_bytes=segment.num_bytes,
-                path=segment.path,
-                sha256=segment.sha256,
-            )
+            _log_archived("event_log_segment_archived", segment)
         self.segments.extend(segments)
         self.passes += 1
         return entries
@@ -127,3 +110,17 @@ class LogArchiver:
             except Exception as exc:  # the store away, a full disk: try again at the next interval
                 log.warning("event_log_archive_failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0])
             self._stop.wait(self.interval_s)
+
+
+def _log_archived(event: str, entry: ManifestEntry) -> None:
+    """One line per file the archiver wrote: what it holds and where (an epoch's, or a segment's)."""
+    log.info(
+        event,
+        pool_id=entry.pool_id,
+        epoch=entry.epoch,
+        first_seq=entry.first_seq,
+        last_seq=entry.last_seq,
+        num_bytes=entry.num_bytes,
+        path=entry.path,
+        sha256=entry.sha256,
+    )
