@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -40,6 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -47,6 +49,11 @@ from typing import IO, Any
 from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
 from nanoserve.service.cli.client import open_channel, wait_ready
 
+# serve settings that make a replica demand credentials or TLS: smg 1.13 reaches its gRPC workers in
+# plaintext and without credentials (its --api-key is not sent to them: their HealthCheck answers
+# UNAUTHENTICATED and the worker is never registered), so a replica behind it must be open on 127.0.0.1
+REPLICA_AUTH_SETTINGS = ("auth_token", "auth_tokens", "auth_tokens_file", "tls_cert", "tls_key", "tls_client_ca")
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 POLICIES = ("cache_aware", "prefix_hash", "least_load", "power_of_two", "round_robin", "random", "consistent_hashing")
 POLL_INTERVAL_S = 0.25
 NUM_TAIL_LINES = 12  # a process's last lines of output quoted when it exits at start
@@ -92,6 +99,10 @@ class TopologyConfig:
     startup_timeout_s: the longest a replica may take to serve, or the gateway to see them all.
     log_dir: each process writes its output to ``replica-N.log`` / ``smg.log`` there (None: this
         process's stdout and stderr).
+    tenant_api_keys: ``TENANT:KEY`` pairs handed to smg (``--tenant-api-key``): with any, the
+        OpenAI API answers 401 to a request without one of the keys, and smg scopes what it stores
+        (responses, conversations) to the key's tenant. The replicas behind it stay open on
+        127.0.0.1 (``REPLICA_AUTH_SETTINGS``).
     """
 
     num_replicas: int = 2
@@ -107,6 +118,7 @@ class TopologyConfig:
     grace_s: float = 10.0
     startup_timeout_s: float = 300.0
     log_dir: Path | None = None
+    tenant_api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -122,6 +134,24 @@ class TopologyConfig:
         for flag in ("--port", "--pool-id", "--host", "--grace-s", "--event-log-url"):
             if any(arg == flag or arg.startswith(flag + "=") for arg in self.serve_args):
                 raise ValueError(f"serve_args must not set {flag}: the topology sets it per replica")
+        for flag in replica_auth_flags():
+            if any(arg == flag or arg.startswith(flag + "=") for arg in self.serve_args):
+                raise ValueError(
+                    f"serve_args must not set {flag}: smg reaches the replicas in plaintext without credentials, "
+                    "so a replica that demands them is never routed to; require keys at the gateway "
+                    "(--tenant-api-key TENANT:KEY) instead"
+                )
+        tenants: set[str] = set()
+        for number, pair in enumerate(self.tenant_api_keys, 1):
+            tenant, colon, key = pair.partition(":")
+            if not colon or not TENANT_NAME.fullmatch(tenant) or not key or any(c.isspace() for c in key):
+                raise ValueError(  # the value is not quoted: it may be a key
+                    f"tenant_api_keys: entry {number} is not TENANT:KEY (a tenant of 1..64 of A-Z a-z 0-9 . _ -, "
+                    "then a key without spaces)"
+                )
+            if tenant in tenants:
+                raise ValueError(f"tenant_api_keys: tenant {tenant!r} is named twice")
+            tenants.add(tenant)
         metrics = _flag_value(self.serve_args, "--metrics-port")
         if metrics is not None and metrics.lower() not in ("off", "none", ""):
             raise ValueError(
@@ -189,6 +219,13 @@ class Topology:
 
     def _start_replicas(self) -> None:
         config = self.config
+        inherited = replica_auth_in_environment(os.environ)
+        if inherited:
+            raise RuntimeError(
+                f"{', '.join(inherited)} set in the environment: every replica would inherit it and demand "
+                "credentials smg does not send (it reaches the replicas in plaintext without a token), so no "
+                "request would be routed; unset it, and require keys at the gateway with --tenant-api-key TENANT:KEY"
+            )
         if config.event_log_url != "none":
             from nanoserve.migrations import upgrade
 
@@ -255,6 +292,8 @@ class Topology:
             str(max(1, round(config.grace_s))),
             "--log-json",
         ]
+        for pair in config.tenant_api_keys:
+            command += ["--tenant-api-key", pair]
         self.gateway = self._spawn(command, "smg.log", "smg")
         deadline_s = time.monotonic() + config.startup_timeout_s
         while not self._gateway_sees_all():
@@ -385,6 +424,21 @@ def _copy_stderr(process: subprocess.Popen[bytes], tail: deque[str]) -> None:
             sys.stderr.buffer.write(raw)
             sys.stderr.buffer.flush()
         tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+
+def replica_auth_flags() -> tuple[str, ...]:
+    """The ``nanoserve serve`` flags of ``REPLICA_AUTH_SETTINGS`` (``--auth-token``, ``--tls-cert``, ...)."""
+    from nanoserve.service.settings import SETTINGS
+
+    return tuple(setting.flag for setting in SETTINGS if setting.name in REPLICA_AUTH_SETTINGS)
+
+
+def replica_auth_in_environment(environ: Mapping[str, str]) -> list[str]:
+    """The environment variables of ``REPLICA_AUTH_SETTINGS`` set (non-empty) in ``environ``, which
+    every replica would inherit (``NANOSERVE_AUTH_TOKEN``, ...)."""
+    from nanoserve.service.settings import SETTINGS
+
+    return [setting.env for setting in SETTINGS if setting.name in REPLICA_AUTH_SETTINGS and environ.get(setting.env)]
 
 
 def _flag_value(args: tuple[str, ...], flag: str) -> str | None:

@@ -78,6 +78,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--log-dir", default=None, help="write each process's output to DIR/replica-N.log and DIR/smg.log"
     )
+    parser.add_argument(
+        "--tenant-api-key",
+        action="append",
+        default=None,
+        metavar="TENANT:KEY",
+        help="require 'Authorization: Bearer KEY' on the OpenAI API, the caller being TENANT (repeat for more "
+        "tenants; smg's --tenant-api-key); the replicas stay open on 127.0.0.1 and refuse auth flags "
+        "[env NANOSERVE_GATEWAY_TENANT_API_KEYS: pairs separated by ';'; default: none: the API is open]",
+    )
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then flags for every `nanoserve serve`")
     parser.set_defaults(func=run)
 
@@ -108,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             grace_s=args.grace_s,
             startup_timeout_s=args.startup_timeout_s,
             log_dir=Path(args.log_dir) if args.log_dir else None,
+            tenant_api_keys=_tenant_api_keys(args.tenant_api_key, os.environ),
         )
     except ValueError as exc:
         print(f"nanoserve gateway: error: {exc}", file=sys.stderr)
@@ -135,6 +145,14 @@ def run(args: argparse.Namespace) -> int:
     statuses = topology.stop()
     print(json.dumps({"event": "gateway_stopped", "exit_statuses": statuses}), flush=True)
     return EXIT_OK if all(status == 0 for status in statuses.values()) else EXIT_FAILED
+
+
+def _tenant_api_keys(flags: list[str] | None, environ: Any) -> tuple[str, ...]:
+    """``--tenant-api-key`` values, else ``NANOSERVE_GATEWAY_TENANT_API_KEYS`` split at ``;`` (blanks dropped)."""
+    if flags:
+        return tuple(flags)
+    text = environ.get("NANOSERVE_GATEWAY_TENANT_API_KEYS", "")
+    return tuple(pair.strip() for pair in text.split(";") if pair.strip())
 
 
 def _ports(text: str | None) -> tuple[int, ...] | None:

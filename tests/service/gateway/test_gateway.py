@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -55,10 +57,14 @@ class Gateway:
     log_dir: Path
     log_url: str
     output: Path
+    api_key: str = "unused"  # the key the client sends: a --tenant-api-key's, when the gateway has any
 
     @property
     def client(self) -> Any:  # openai.OpenAI
-        return openai.OpenAI(base_url=self.ready["openai_base_url"], api_key="unused", max_retries=0, timeout=60)
+        return self.client_with(self.api_key)
+
+    def client_with(self, api_key: str) -> Any:  # openai.OpenAI
+        return openai.OpenAI(base_url=self.ready["openai_base_url"], api_key=api_key, max_retries=0, timeout=60)
 
     @property
     def replicas(self) -> list[dict[str, Any]]:
@@ -134,7 +140,16 @@ def _json_lines(text: str) -> list[dict[str, Any]]:
     return lines
 
 
-def start_gateway(tmp_path: Path, log_url: str, model: Path, pool_id_prefix: str, num_kv_blocks: int = 512) -> Gateway:
+def start_gateway(
+    tmp_path: Path,
+    log_url: str,
+    model: Path,
+    pool_id_prefix: str,
+    num_kv_blocks: int = 512,
+    tenant_api_keys: tuple[str, ...] = (),
+) -> Gateway:
+    """``scripts/gateway.sh`` with two tiny-model replicas; with ``tenant_api_keys`` (``TENANT:KEY``), the
+    returned Gateway's client sends the first pair's key."""
     output = tmp_path / "gateway.out"
     log_dir = tmp_path / "logs"
     command = [
@@ -154,6 +169,7 @@ def start_gateway(tmp_path: Path, log_url: str, model: Path, pool_id_prefix: str
         str(GRACE_S),
         "--startup-timeout-s",
         str(STARTUP_TIMEOUT_S),
+        *(arg for pair in tenant_api_keys for arg in ("--tenant-api-key", pair)),
         "--",
         "--model",
         str(model),
@@ -181,7 +197,8 @@ def start_gateway(tmp_path: Path, log_url: str, model: Path, pool_id_prefix: str
     while True:
         for line in _json_lines(output.read_text()):
             if line.get("event") == "gateway_ready":
-                return Gateway(process, line, log_dir, log_url, output)
+                api_key = tenant_api_keys[0].partition(":")[2] if tenant_api_keys else "unused"
+                return Gateway(process, line, log_dir, log_url, output, api_key)
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise AssertionError(f"nanoserve gateway did not get ready:\n{output.read_text()[-4000:]}")
@@ -191,7 +208,11 @@ def start_gateway(tmp_path: Path, log_url: str, model: Path, pool_id_prefix: str
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, pg_url: str, tiny_model_dir: Path) -> Iterator[Gateway]:
     running = start_gateway(
-        tmp_path_factory.mktemp("gateway"), pg_url, tiny_model_dir, pool_id_prefix=f"gw-{uuid.uuid4().hex[:8]}"
+        tmp_path_factory.mktemp("gateway"),
+        pg_url,
+        tiny_model_dir,
+        pool_id_prefix=f"gw-{uuid.uuid4().hex[:8]}",
+        tenant_api_keys=TENANT_API_KEYS,
     )
     yield running
     running.stop()
@@ -203,10 +224,33 @@ def _model(gateway: Gateway) -> str:
 
 
 CHAT = [{"role": "user", "content": "What is a KV cache?"}]
+# the module's gateway requires a key (its client sends acme's); blue's works as well
+TENANT_API_KEYS = ("acme:key-of-acme-7f3a", "blue:key-of-blue-91c2")
 
 
 def test_models_lists_the_replicas_model(gateway: Gateway, tiny_model_dir: Path) -> None:
     assert _model(gateway) == tiny_model_dir.name
+
+
+def test_the_openai_api_refuses_a_request_without_a_tenant_key_and_serves_each_tenants_key(gateway: Gateway) -> None:
+    model = _model(gateway)
+    body = json.dumps({"model": model, "messages": CHAT, "max_tokens": 4}).encode()
+    request = urllib.request.Request(
+        f"{gateway.ready['openai_base_url']}/chat/completions", body, {"content-type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as missing:  # no Authorization header at all
+        urllib.request.urlopen(request, timeout=30)
+    assert missing.value.code == 401
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        gateway.client_with("key-of-nobody").chat.completions.create(model=model, messages=CHAT, max_tokens=4)
+    assert wrong.value.status_code == 401
+    texts = []
+    for pair in TENANT_API_KEYS:
+        client = gateway.client_with(pair.partition(":")[2])
+        reply = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0)
+        texts.append(reply.choices[0].message.content)
+    assert texts[0] == texts[1]
+    assert texts[0]
 
 
 def test_streamed_chat_joins_to_the_unstreamed_text_with_one_finish_reason_and_usage(gateway: Gateway) -> None:
