@@ -12,6 +12,7 @@ checks the chain.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
@@ -41,7 +42,7 @@ from nanoserve.engine.journal.live_requests import (
 )
 from nanoserve.engine.journal.records import JournalEntry, JournalKind, RequestHistory, request_history
 from nanoserve.engine.journal.schema import journal_checkpoints, journal_requests, journal_steps, request_journal
-from nanoserve.engine.journal.step_codec import decode_step, encode_step
+from nanoserve.engine.journal.step_codec import AdmissionNames, StepRecord, decode_step, encode_step
 
 
 class JournalRecord(NamedTuple):
@@ -98,8 +99,10 @@ class JournalTable:
         row that ends at ``first_seq - 1``; the row carries its ADMITs' and FINISHes' index rows, then
         the checkpoint stored with it (or None), last."""
         last_seq = first_seq + len(records) - 1
-        body = encode_step([(record.kind.value, record.request_id, record.data) for record in records])
+        kinds = [(record.kind.value, record.request_id) for record in records]
         with self._lock:
+            admit_seqs = self.checkpoints.admit_seqs(pool_id, epoch, first_seq, kinds)
+            body = encode_step([(record.kind.value, record.request_id, record.data) for record in records], admit_seqs)
             previous = (
                 journal_genesis(pool_id, epoch) if first_seq == 1 else self._heads.get((pool_id, epoch, first_seq - 1))
             )
@@ -108,7 +111,6 @@ class JournalTable:
             self._heads[(pool_id, epoch, last_seq)] = digest
             while len(self._heads) > _NUM_HEADS_KEPT:
                 self._heads.popitem(last=False)
-            kinds = ((record.kind.value, record.request_id) for record in records)
             checkpoint = self.checkpoints.follow(pool_id, epoch, first_seq, kinds, digest)
         index = tuple(
             (pool_id, epoch, seq, record.request_id)
@@ -168,10 +170,36 @@ def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) ->
             for r in conn.execute(query)
         ]
     if _has_steps(conn):
-        for row in read_step_rows(conn, pool_id, epoch):
-            for seq, (kind, request_id, data) in enumerate(decode_step(row.body), row.first_seq):
-                entries.append(JournalEntry(row.epoch, seq, request_id, kind, row.step, row.wall_ns, data))
+        entries += _step_entries(read_step_rows(conn, pool_id, epoch))
     entries.sort(key=lambda entry: (entry.epoch, entry.journal_seq))
+    return entries
+
+
+def _step_entries(rows: Sequence[StepRow]) -> list[JournalEntry]:
+    """The records of step rows (ordered by epoch, first_seq), each named: an OUTPUT stored by its
+    ADMIT's seq takes that ADMIT's id, or, where the ADMIT is archived (the epoch's older rows moved
+    to a segment), its FINISH's, which lies after it. ValueError when neither is there."""
+    entries: list[JournalEntry] = []
+    names = AdmissionNames()
+    unnamed: list[tuple[int, StepRecord]] = []  # (index in entries, record) of the epoch's refs not named yet
+    for i, row in enumerate(rows):
+        for seq, record in enumerate(names.name(row.first_seq, decode_step(row.body)), row.first_seq):
+            if record.request_id is None:
+                unnamed.append((len(entries), record))
+            entries.append(
+                JournalEntry(row.epoch, seq, record.request_id or "", record.kind, row.step, row.wall_ns, record.data)
+            )
+        if i + 1 == len(rows) or rows[i + 1].epoch != row.epoch:
+            for index, record in unnamed:
+                entry = entries[index]
+                request_id = names.by_seq.get(record.admit_seq) if record.admit_seq is not None else None
+                if request_id is None:
+                    raise ValueError(
+                        f"journal record {entry.journal_seq} of epoch {entry.epoch} names the ADMIT at seq "
+                        f"{record.admit_seq}, which is not in the journal, nor a FINISH of its request"
+                    )
+                entries[index] = dataclasses.replace(entry, request_id=request_id)
+            names, unnamed = AdmissionNames(), []
     return entries
 
 
@@ -224,8 +252,9 @@ def read_live_requests(conn: sa.Connection, pool_id: str, epoch: int) -> tuple[L
     except ValueError:
         return None
     for row in rows[1:]:
-        for seq, (kind, request_id, _) in enumerate(decode_step(row.body), row.first_seq):
-            live.apply(seq, kind, request_id)
+        for seq, record in enumerate(decode_step(row.body), row.first_seq):
+            if record.request_id is not None:  # an ADMIT or FINISH is named; an OUTPUT changes nothing
+                live.apply(seq, record.kind, record.request_id)
     return live, last_seq
 
 
@@ -341,16 +370,17 @@ def _epoch_request_records(
         .order_by(table.c.first_seq)
     )
     records: list[_Record] = []
+    names = AdmissionNames()  # the id's OUTPUTs name its ADMIT, at ``first`` or after: read before them
     for row in rows:
         step_row = StepRow(*row)
         damage = verify_journal_chain(pool_id, [step_row], previous=previous, first_seq=next_seq)
         if damage:
             raise JournalGapError(request_id, damage[0].describe())
         previous, next_seq = step_row.hash, step_row.last_seq + 1
-        for seq, (kind, rid, data) in enumerate(decode_step(step_row.body), step_row.first_seq):
-            if rid == request_id and seq >= first:
-                records.append((epoch, seq, kind, data))
-                if kind == JournalKind.FINISH.value and seq >= last:
+        for seq, record in enumerate(names.name(step_row.first_seq, decode_step(step_row.body)), step_row.first_seq):
+            if record.request_id == request_id and seq >= first:
+                records.append((epoch, seq, record.kind, record.data))
+                if record.kind == JournalKind.FINISH.value and seq >= last:
                     return records
     return records
 

@@ -121,3 +121,32 @@ def test_log_audit_archive_names_a_changed_journal_row_in_a_segment_file(
     out = capsys.readouterr().out
     assert "request journal damaged: pool 'p' epoch 1: journal records 3..3 altered (hash mismatch)" in out
     steps.log.close(10)
+
+
+def test_outputs_after_the_cut_of_a_request_admitted_before_it_are_named_by_its_finish(
+    log_url: str, pool_id: str, tmp_path: Path
+) -> None:
+    upgrade(log_url)
+    steps = Steps(log_url, pool_id)
+    steps.run(admit("a"), admit("x"))  # 1-2: a's ADMIT leaves with the segment
+    steps.run(finish("x", 0))  # 3
+    steps.run(admit("b"))  # 4: the oldest request still running: the cut
+    steps.run(output("a", 0, [5]), output("b", 0, [7]))  # 5-6: a's OUTPUT is stored by a's ADMIT's seq (1)
+    steps.run(finish("a", 1))  # 7
+    assert steps.log.flush(10)
+    [segment] = archive_due_segment(
+        log_url, tmp_path, BY_SIZE, upgrade, pool_id, LiveSize(), companion=JournalSegments()
+    )
+    assert (segment.companion_first_seq, segment.companion_last_seq) == (1, 3)
+    with connect(log_url) as conn:
+        entries = read_journal(conn, pool_id)
+        b = read_request_history(conn, pool_id, "b")
+    assert [(e.journal_seq, e.kind, e.request_id) for e in entries] == [
+        (4, "admit", "b"),
+        (5, "output", "a"),
+        (6, "output", "b"),
+        (7, "finish", "a"),
+    ]
+    assert b is not None
+    assert b.token_ids == [7]
+    steps.log.close(10)
