@@ -42,7 +42,7 @@ from nanoserve.engine.journal.live_requests import (
 )
 from nanoserve.engine.journal.records import JournalEntry, JournalKind, RequestHistory, request_history
 from nanoserve.engine.journal.schema import journal_checkpoints, journal_requests, journal_steps, request_journal
-from nanoserve.engine.journal.step_codec import AdmissionNames, StepRecord, decode_step, encode_step
+from nanoserve.engine.journal.step_codec import AdmissionNames, decode_step, encode_step
 
 
 class JournalRecord(NamedTuple):
@@ -158,7 +158,8 @@ def read_request_history(conn: sa.Connection, pool_id: str, request_id: str) -> 
 
 
 def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[JournalEntry]:
-    """The journal records of one epoch (None: every epoch) of ``pool_id``, in order (old and new layout)."""
+    """The journal records of one epoch (None: every epoch) of ``pool_id``, in order (old and new layout),
+    each OUTPUT named as ``step_entries`` names it."""
     entries = []
     table = request_journal
     if sa.inspect(conn).has_table(table.name):
@@ -170,37 +171,40 @@ def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) ->
             for r in conn.execute(query)
         ]
     if _has_steps(conn):
-        entries += _step_entries(read_step_rows(conn, pool_id, epoch))
+        entries += step_entries(read_step_rows(conn, pool_id, epoch))
     entries.sort(key=lambda entry: (entry.epoch, entry.journal_seq))
     return entries
 
 
-def _step_entries(rows: Sequence[StepRow]) -> list[JournalEntry]:
+def step_entries(rows: Sequence[StepRow]) -> list[JournalEntry]:
     """The records of step rows (ordered by epoch, first_seq), each named: an OUTPUT stored by its
-    ADMIT's seq takes that ADMIT's id, or, where the ADMIT is archived (the epoch's older rows moved
-    to a segment), its FINISH's, which lies after it. ValueError when neither is there."""
+    ADMIT's seq takes that ADMIT's id, or, where the ADMIT is not among ``rows``, its request's FINISH's
+    (the live table after a segment left: such a request had finished, its FINISH lies after the
+    cut). Failing both (a segment file whose request was admitted in an older file and finished in
+    a later part) it reads as ``unnamed_request_id(admit_seq)``."""
     entries: list[JournalEntry] = []
     names = AdmissionNames()
-    unnamed: list[tuple[int, StepRecord]] = []  # (index in entries, record) of the epoch's refs not named yet
+    unnamed: list[tuple[int, int]] = []  # (index in entries, admit seq) of the epoch's refs not named yet
     for i, row in enumerate(rows):
         for seq, record in enumerate(names.name(row.first_seq, decode_step(row.body)), row.first_seq):
             if record.request_id is None:
-                unnamed.append((len(entries), record))
-            entries.append(
-                JournalEntry(row.epoch, seq, record.request_id or "", record.kind, row.step, row.wall_ns, record.data)
+                assert record.admit_seq is not None, "a record is stored by its id or by its ADMIT's seq"
+                unnamed.append((len(entries), record.admit_seq))
+            entry = JournalEntry(
+                row.epoch, seq, record.request_id or "", record.kind, row.step, row.wall_ns, record.data
             )
+            entries.append(entry)
         if i + 1 == len(rows) or rows[i + 1].epoch != row.epoch:
-            for index, record in unnamed:
-                entry = entries[index]
-                request_id = names.by_seq.get(record.admit_seq) if record.admit_seq is not None else None
-                if request_id is None:
-                    raise ValueError(
-                        f"journal record {entry.journal_seq} of epoch {entry.epoch} names the ADMIT at seq "
-                        f"{record.admit_seq}, which is not in the journal, nor a FINISH of its request"
-                    )
-                entries[index] = dataclasses.replace(entry, request_id=request_id)
+            for index, admit_seq in unnamed:
+                request_id = names.by_seq.get(admit_seq, unnamed_request_id(admit_seq))
+                entries[index] = dataclasses.replace(entries[index], request_id=request_id)
             names, unnamed = AdmissionNames(), []
     return entries
+
+
+def unnamed_request_id(admit_seq: int) -> str:
+    """What ``step_entries`` calls a request whose ADMIT (journal seq ``admit_seq``) and FINISH it did not read."""
+    return f"<ADMIT at journal seq {admit_seq}>"
 
 
 def read_step_rows(conn: sa.Connection, pool_id: str, epoch: int | None = None, from_seq: int = 1) -> list[StepRow]:

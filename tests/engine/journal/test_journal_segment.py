@@ -12,15 +12,26 @@ from nanoserve.allocator.log import EventLog
 from nanoserve.allocator.log.archive import RetentionPolicy
 from nanoserve.allocator.log.reader import connect
 from nanoserve.allocator.log.segment_archive import LiveSize, archive_due_segment
+from nanoserve.engine.journal.journal_chain import StepRow
 from nanoserve.engine.journal.journal_segment import JournalSegments
 from nanoserve.engine.journal.recovery import RecoveryPlanner
-from nanoserve.engine.journal.store import JournalRecord, audit_journal, read_journal, read_request_history
+from nanoserve.engine.journal.step_codec import encode_step
+from nanoserve.engine.journal.store import (
+    JournalRecord,
+    audit_journal,
+    read_journal,
+    read_request_history,
+    step_entries,
+    unnamed_request_id,
+)
 from nanoserve.migrations import upgrade
 from nanoserve.service.cli.main import main
 
 from .test_journal import HOUR_S, admit, crash, finish, output
 
 BY_SIZE = RetentionPolicy(retention_bytes=1)
+ADMIT = {"prompt_token_ids": [1], "sampling": {"seed": 7}}
+OUTPUT = {"start": 0, "token_ids": [5], "text": "x"}
 
 
 class Steps:
@@ -150,3 +161,17 @@ def test_outputs_after_the_cut_of_a_request_admitted_before_it_are_named_by_its_
     assert b is not None
     assert b.token_ids == [7]
     steps.log.close(10)
+
+
+def test_a_segment_file_names_an_output_whose_admit_and_finish_lie_in_other_parts_by_its_admit_seq() -> None:
+    # a's ADMIT (seq 1) is in an older segment file, its FINISH still live: this file holds seqs 2..4
+    rows = [
+        StepRow(1, 2, 3, 2, 20, encode_step([("admit", "c", ADMIT), ("output", "a", OUTPUT)], [None, 1]), b""),
+        StepRow(1, 4, 4, 3, 30, encode_step([("output", "c", OUTPUT)], [2]), b""),
+    ]
+    assert [(e.journal_seq, e.kind, e.request_id) for e in step_entries(rows)] == [
+        (2, "admit", "c"),
+        (3, "output", unnamed_request_id(1)),
+        (4, "output", "c"),
+    ]
+    assert unnamed_request_id(1) == "<ADMIT at journal seq 1>"
