@@ -97,12 +97,13 @@ def encode_step(
     return bytes([VERSION, _STORED]) + raw
 
 
-def decode_step(body: bytes) -> list[StepRecord]:
+def decode_step(body: bytes | memoryview) -> list[StepRecord]:
     """The records of a step row's ``body`` (version 2, or 1 written before: every record named).
 
     ValueError("journal step body version ...") for an unknown version,
     ValueError("damaged journal step body: ...") for one that does not decode
     (cut, altered, or not zlib where it says so)."""
+    body = bytes(body)  # a driver may hand a bytea as a memoryview, which has no decode()
     if not body or body[0] not in (VERSION, VERSION_1):
         raise ValueError(f"journal step body version {body[:1]!r}: only versions {VERSION_1} and {VERSION} are known")
     try:

@@ -187,6 +187,7 @@ def test_a_small_step_is_stored_without_zlib_and_a_large_one_with_it() -> None:
     assert small[:2] == b"\x02\x00"
     assert large[:2] == b"\x02\x01"
     assert decode_step(small) == [StepRecord("output", None, {"start": 1, "token_ids": [5], "text": "x"}, 1)]
+    assert decode_step(memoryview(small)) == decode_step(small)  # how a driver may hand a bytea
 
 
 @pytest.mark.parametrize(
