@@ -129,14 +129,19 @@ class AdmissionNames:
     def name(self, first_seq: int, records: Sequence[StepRecord]) -> list[StepRecord]:
         """``records`` (a row's, seqs ``first_seq``, ...) with every ref this epoch's reading has learnt
         named; learns the row's ADMITs and FINISHes."""
+        by_seq = self.by_seq
         named = []
         for seq, record in enumerate(records, first_seq):
-            if record.kind == "admit" and record.request_id is not None:
-                self.by_seq[seq] = record.request_id
-            elif record.admit_seq is not None and record.request_id is not None:
-                self.by_seq.setdefault(record.admit_seq, record.request_id)
-            if record.request_id is None and record.admit_seq is not None:
-                record = record._replace(request_id=self.by_seq.get(record.admit_seq))
+            kind, request_id, data, admit_seq = record
+            if request_id is None:  # an OUTPUT by its ADMIT's seq (decode_step refuses a record with neither)
+                named.append(
+                    StepRecord(kind, by_seq.get(admit_seq) if admit_seq is not None else None, data, admit_seq)
+                )
+                continue
+            if kind == "admit":
+                by_seq[seq] = request_id
+            elif admit_seq is not None:
+                by_seq.setdefault(admit_seq, request_id)
             named.append(record)
         return named
 
@@ -259,7 +264,7 @@ def _read_deltas(reader: StepReader, deltas: list[dict[str, Any]]) -> None:
         data["start"] = start
     counts = [reader.varint() for _ in deltas]
     for data, num_tokens in zip(deltas, counts, strict=True):
-        data["token_ids"] = [reader.varint() for _ in range(num_tokens)]
+        data["token_ids"] = reader.varints(num_tokens)
     sizes = [reader.varint() for _ in deltas]
     for data, size in zip(deltas, sizes, strict=True):
         data["text"] = reader.take(size).decode()

@@ -96,18 +96,21 @@ def read_logprobs(reader: StepReader, datas: list[dict[str, Any]]) -> None:
                 token_id = data["token_ids"][index]
             elif sampled - _SAMPLED_TOP >= num_tops:
                 raise ValueError(f"the sampled token is top {sampled - _SAMPLED_TOP} of {num_tops}")
-            entries.append((token_id, sampled - _SAMPLED_TOP, [reader.varint() for _ in range(num_tops)]))
+            entries.append((token_id, sampled - _SAMPLED_TOP, reader.varints(num_tops)))
             num_values += num_tops + (token_id is not None)
         shapes.append(entries)
-    values = iter(_unpack_values(reader.take(num_values * width), width))
+    values = _unpack_values(reader.take(num_values * width), width)
+    position = 0  # of the next value
     for data, entries in zip(datas, shapes, strict=True):
         decoded = []
         for token_id, top_index, top_ids in entries:
-            logprob = next(values) if token_id is not None else 0.0
-            tops = [(top_id, next(values)) for top_id in top_ids]
+            if token_id is not None:
+                logprob, position = values[position], position + 1
+            tops = list(map(list, zip(top_ids, values[position : position + len(top_ids)], strict=True)))
+            position += len(top_ids)
             if token_id is None:
-                token_id, logprob = tops[top_index]
-            decoded.append([token_id, logprob, [list(top) for top in tops]])
+                token_id, logprob = top_ids[top_index], values[position - len(top_ids) + top_index]
+            decoded.append([token_id, logprob, tops])
         data["logprobs"] = decoded
 
 

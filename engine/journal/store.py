@@ -186,14 +186,13 @@ def step_entries(rows: Sequence[StepRow]) -> list[JournalEntry]:
     names = AdmissionNames()
     unnamed: list[tuple[int, int]] = []  # (index in entries, admit seq) of the epoch's refs not named yet
     for i, row in enumerate(rows):
-        for seq, record in enumerate(names.name(row.first_seq, decode_step(row.body)), row.first_seq):
-            if record.request_id is None:
-                assert record.admit_seq is not None, "a record is stored by its id or by its ADMIT's seq"
-                unnamed.append((len(entries), record.admit_seq))
-            entry = JournalEntry(
-                row.epoch, seq, record.request_id or "", record.kind, row.step, row.wall_ns, record.data
-            )
-            entries.append(entry)
+        for seq, (kind, request_id, data, admit_seq) in enumerate(
+            names.name(row.first_seq, decode_step(row.body)), row.first_seq
+        ):
+            if request_id is None:
+                assert admit_seq is not None, "a record is stored by its id or by its ADMIT's seq"
+                unnamed.append((len(entries), admit_seq))
+            entries.append(JournalEntry(row.epoch, seq, request_id or "", kind, row.step, row.wall_ns, data))
         if i + 1 == len(rows) or rows[i + 1].epoch != row.epoch:
             for index, admit_seq in unnamed:
                 request_id = names.by_seq.get(admit_seq, unnamed_request_id(admit_seq))
@@ -374,17 +373,19 @@ def _epoch_request_records(
         .order_by(table.c.first_seq)
     )
     records: list[_Record] = []
-    names = AdmissionNames()  # the id's OUTPUTs name its ADMIT, at ``first`` or after: read before them
+    admissions: set[int] = set()  # the seqs of the id's ADMITs: its OUTPUTs name one, at ``first`` or after
     for row in rows:
         step_row = StepRow(*row)
         damage = verify_journal_chain(pool_id, [step_row], previous=previous, first_seq=next_seq)
         if damage:
             raise JournalGapError(request_id, damage[0].describe())
         previous, next_seq = step_row.hash, step_row.last_seq + 1
-        for seq, record in enumerate(names.name(step_row.first_seq, decode_step(step_row.body)), step_row.first_seq):
-            if record.request_id == request_id and seq >= first:
-                records.append((epoch, seq, record.kind, record.data))
-                if record.kind == JournalKind.FINISH.value and seq >= last:
+        for seq, (kind, rid, data, admit_seq) in enumerate(decode_step(step_row.body), step_row.first_seq):
+            if rid == request_id and kind == JournalKind.ADMIT.value:
+                admissions.add(seq)
+            if (rid == request_id or (rid is None and admit_seq in admissions)) and seq >= first:
+                records.append((epoch, seq, kind, data))
+                if kind == JournalKind.FINISH.value and seq >= last:
                     return records
     return records
 
