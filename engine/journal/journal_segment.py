@@ -100,9 +100,9 @@ class JournalSegments:
             if step_row.first_seq != self._next_seq or expected != bytes(step_row.hash):
                 self.damaged = self._next_seq
                 return
-            for kind, request_id, _ in decode_step(step_row.body):
-                if kind == JournalKind.ADMIT.value:
-                    self._open.setdefault(request_id, (step_row.first_seq, self._previous))
-                elif kind == JournalKind.FINISH.value:
-                    self._open.pop(request_id, None)
+            for record in decode_step(step_row.body):  # an ADMIT or FINISH names its request
+                if record.kind == JournalKind.ADMIT.value and record.request_id is not None:
+                    self._open.setdefault(record.request_id, (step_row.first_seq, self._previous))
+                elif record.kind == JournalKind.FINISH.value and record.request_id is not None:
+                    self._open.pop(record.request_id, None)
             self._previous, self._next_seq = bytes(step_row.hash), step_row.last_seq + 1

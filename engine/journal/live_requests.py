@@ -26,7 +26,7 @@ import hashlib
 import json
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 __all__ = ["CheckpointRow", "LiveCheckpoints", "LiveRequests", "checkpoint_hash", "decode_live", "encode_live"]
@@ -104,6 +104,28 @@ class LiveCheckpoints:
         self.records_per_checkpoint = records_per_checkpoint
         # (pool_id, epoch) -> (its live requests, records since its last checkpoint)
         self._epochs: OrderedDict[tuple[str, int], tuple[LiveRequests, int]] = OrderedDict()
+
+    def admit_seqs(
+        self, pool_id: str, epoch: int, first_seq: int, records: Sequence[tuple[str, str]]
+    ) -> list[int | None]:
+        """Per ``(kind, request_id)`` record of the step row about to be built (seqs ``first_seq``, ...):
+        for an OUTPUT or FINISH, the journal seq of its request's ADMIT in the epoch, the one the live
+        requests hold (``step_codec`` stores the OUTPUT by it); None for other kinds, for a request not
+        live, or in an epoch not followed from its start. Changes nothing (``follow`` then does)."""
+        followed = (LiveRequests(), 0) if first_seq == 1 else self._epochs.get((pool_id, epoch))
+        if followed is None:
+            return [None] * len(records)
+        admitted = followed[0].admitted
+        changed: dict[str, int | None] = {}  # request id -> its ADMIT's seq after this row's records so far
+        seqs: list[int | None] = []
+        for seq, (kind, request_id) in enumerate(records, first_seq):
+            current = changed[request_id] if request_id in changed else admitted.get(request_id)
+            seqs.append(current if kind in ("output", "finish") else None)
+            if kind == "admit" and current is None:  # as LiveRequests.apply: the first ADMIT keeps its place
+                changed[request_id] = seq
+            elif kind == "finish":
+                changed[request_id] = None
+        return seqs
 
     def follow(
         self, pool_id: str, epoch: int, first_seq: int, records: Iterable[tuple[str, str]], step_hash: bytes

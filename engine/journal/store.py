@@ -12,6 +12,7 @@ checks the chain.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
@@ -41,7 +42,7 @@ from nanoserve.engine.journal.live_requests import (
 )
 from nanoserve.engine.journal.records import JournalEntry, JournalKind, RequestHistory, request_history
 from nanoserve.engine.journal.schema import journal_checkpoints, journal_requests, journal_steps, request_journal
-from nanoserve.engine.journal.step_codec import decode_step, encode_step
+from nanoserve.engine.journal.step_codec import AdmissionNames, decode_step, encode_step
 
 
 class JournalRecord(NamedTuple):
@@ -98,8 +99,10 @@ class JournalTable:
         row that ends at ``first_seq - 1``; the row carries its ADMITs' and FINISHes' index rows, then
         the checkpoint stored with it (or None), last."""
         last_seq = first_seq + len(records) - 1
-        body = encode_step([(record.kind.value, record.request_id, record.data) for record in records])
+        kinds = [(record.kind.value, record.request_id) for record in records]
         with self._lock:
+            admit_seqs = self.checkpoints.admit_seqs(pool_id, epoch, first_seq, kinds)
+            body = encode_step([(record.kind.value, record.request_id, record.data) for record in records], admit_seqs)
             previous = (
                 journal_genesis(pool_id, epoch) if first_seq == 1 else self._heads.get((pool_id, epoch, first_seq - 1))
             )
@@ -108,7 +111,6 @@ class JournalTable:
             self._heads[(pool_id, epoch, last_seq)] = digest
             while len(self._heads) > _NUM_HEADS_KEPT:
                 self._heads.popitem(last=False)
-            kinds = ((record.kind.value, record.request_id) for record in records)
             checkpoint = self.checkpoints.follow(pool_id, epoch, first_seq, kinds, digest)
         index = tuple(
             (pool_id, epoch, seq, record.request_id)
@@ -156,7 +158,8 @@ def read_request_history(conn: sa.Connection, pool_id: str, request_id: str) -> 
 
 
 def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) -> list[JournalEntry]:
-    """The journal records of one epoch (None: every epoch) of ``pool_id``, in order (old and new layout)."""
+    """The journal records of one epoch (None: every epoch) of ``pool_id``, in order (old and new layout),
+    each OUTPUT named as ``step_entries`` names it."""
     entries = []
     table = request_journal
     if sa.inspect(conn).has_table(table.name):
@@ -168,11 +171,39 @@ def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) ->
             for r in conn.execute(query)
         ]
     if _has_steps(conn):
-        for row in read_step_rows(conn, pool_id, epoch):
-            for seq, (kind, request_id, data) in enumerate(decode_step(row.body), row.first_seq):
-                entries.append(JournalEntry(row.epoch, seq, request_id, kind, row.step, row.wall_ns, data))
+        entries += step_entries(read_step_rows(conn, pool_id, epoch))
     entries.sort(key=lambda entry: (entry.epoch, entry.journal_seq))
     return entries
+
+
+def step_entries(rows: Sequence[StepRow]) -> list[JournalEntry]:
+    """The records of step rows (ordered by epoch, first_seq), each named: an OUTPUT stored by its
+    ADMIT's seq takes that ADMIT's id, or, where the ADMIT is not among ``rows``, its request's FINISH's
+    (the live table after a segment left: such a request had finished, its FINISH lies after the
+    cut). Failing both (a segment file whose request was admitted in an older file and finished in
+    a later part) it reads as ``unnamed_request_id(admit_seq)``."""
+    entries: list[JournalEntry] = []
+    names = AdmissionNames()
+    unnamed: list[tuple[int, int]] = []  # (index in entries, admit seq) of the epoch's refs not named yet
+    for i, row in enumerate(rows):
+        for seq, (kind, request_id, data, admit_seq) in enumerate(
+            names.name(row.first_seq, decode_step(row.body)), row.first_seq
+        ):
+            if request_id is None:
+                assert admit_seq is not None, "a record is stored by its id or by its ADMIT's seq"
+                unnamed.append((len(entries), admit_seq))
+            entries.append(JournalEntry(row.epoch, seq, request_id or "", kind, row.step, row.wall_ns, data))
+        if i + 1 == len(rows) or rows[i + 1].epoch != row.epoch:
+            for index, admit_seq in unnamed:
+                request_id = names.by_seq.get(admit_seq, unnamed_request_id(admit_seq))
+                entries[index] = dataclasses.replace(entries[index], request_id=request_id)
+            names, unnamed = AdmissionNames(), []
+    return entries
+
+
+def unnamed_request_id(admit_seq: int) -> str:
+    """What ``step_entries`` calls a request whose ADMIT (journal seq ``admit_seq``) and FINISH it did not read."""
+    return f"<ADMIT at journal seq {admit_seq}>"
 
 
 def read_step_rows(conn: sa.Connection, pool_id: str, epoch: int | None = None, from_seq: int = 1) -> list[StepRow]:
@@ -224,8 +255,9 @@ def read_live_requests(conn: sa.Connection, pool_id: str, epoch: int) -> tuple[L
     except ValueError:
         return None
     for row in rows[1:]:
-        for seq, (kind, request_id, _) in enumerate(decode_step(row.body), row.first_seq):
-            live.apply(seq, kind, request_id)
+        for seq, record in enumerate(decode_step(row.body), row.first_seq):
+            if record.request_id is not None:  # an ADMIT or FINISH is named; an OUTPUT changes nothing
+                live.apply(seq, record.kind, record.request_id)
     return live, last_seq
 
 
@@ -341,14 +373,17 @@ def _epoch_request_records(
         .order_by(table.c.first_seq)
     )
     records: list[_Record] = []
+    admissions: set[int] = set()  # the seqs of the id's ADMITs: its OUTPUTs name one, at ``first`` or after
     for row in rows:
         step_row = StepRow(*row)
         damage = verify_journal_chain(pool_id, [step_row], previous=previous, first_seq=next_seq)
         if damage:
             raise JournalGapError(request_id, damage[0].describe())
         previous, next_seq = step_row.hash, step_row.last_seq + 1
-        for seq, (kind, rid, data) in enumerate(decode_step(step_row.body), step_row.first_seq):
-            if rid == request_id and seq >= first:
+        for seq, (kind, rid, data, admit_seq) in enumerate(decode_step(step_row.body), step_row.first_seq):
+            if rid == request_id and kind == JournalKind.ADMIT.value:
+                admissions.add(seq)
+            if (rid == request_id or (rid is None and admit_seq in admissions)) and seq >= first:
                 records.append((epoch, seq, kind, data))
                 if kind == JournalKind.FINISH.value and seq >= last:
                     return records

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
-
 import grpc
 import pytest
 import sqlalchemy as sa
@@ -16,6 +14,7 @@ from nanoserve.engine.errors import JournalGapError
 from nanoserve.engine.journal.journal_chain import JournalDamage
 from nanoserve.engine.journal.records import JournalKind, encode_journal
 from nanoserve.engine.journal.schema import journal_requests, journal_steps, request_journal
+from nanoserve.engine.journal.step_codec import decode_step, encode_step
 from nanoserve.engine.journal.store import JournalRecord, audit_journal, read_journal, read_request_history
 from nanoserve.service.cli.main import main
 from nanoserve.service.grpc.interceptors import status_for
@@ -125,7 +124,16 @@ def test_an_altered_row_is_named(url: str, pool_id: str) -> None:
         body = conn.execute(
             sa.select(journal_steps.c.body).where(journal_steps.c.pool_id == pool_id, journal_steps.c.first_seq == 5)
         ).scalar_one()
-    forged = body[:1] + zlib.compress(zlib.decompress(body[1:]).replace(b"\x0c", b"\x0d"))
+    records = decode_step(body)  # a's token 12 becomes 13: a body that decodes, but not the one hashed
+    forged = encode_step(
+        [
+            (r.kind, r.request_id or "", {**r.data, "token_ids": [13]} if r.data["token_ids"] == [12] else r.data)
+            for r in records
+        ],
+        [r.admit_seq for r in records],
+    )
+    assert forged != body
+    assert [r.data["token_ids"] for r in decode_step(forged)] == [[13], [22]]
     execute(
         url,
         sa.update(journal_steps)

@@ -8,9 +8,11 @@ import sqlalchemy as sa
 from nanoserve.allocator.log import EventLog
 from nanoserve.allocator.log.reader import connect
 from nanoserve.engine.journal.journal_chain import JournalDamage
-from nanoserve.engine.journal.live_requests import LiveRequests, decode_live, encode_live
+from nanoserve.engine.journal.live_requests import LiveCheckpoints, LiveRequests, decode_live, encode_live
 from nanoserve.engine.journal.recovery import RecoveryPlanner
-from nanoserve.engine.journal.store import JOURNAL_TABLE, JournalRecord, audit_journal
+from nanoserve.engine.journal.schema import journal_steps
+from nanoserve.engine.journal.step_codec import decode_step
+from nanoserve.engine.journal.store import JOURNAL_TABLE, JournalRecord, audit_journal, read_journal
 
 from .test_journal import HOUR_S, admit, crash, finish, output
 
@@ -119,3 +121,37 @@ def test_the_journal_audit_names_a_checkpoint_that_does_not_link(url: str, pool_
         damages = audit_journal(conn, pool_id, 1)
     assert damages == [JournalDamage(1, "checkpoint", 8, 8)]
     assert damages[0].describe() == "epoch 1: journal checkpoint at record 8 altered (hash mismatch)"
+
+
+def test_admit_seqs_name_each_output_and_finish_by_its_live_admission() -> None:
+    checkpoints = LiveCheckpoints()
+    assert checkpoints.admit_seqs("p", 1, 1, [("admit", "a"), ("output", "a"), ("admit", "b")]) == [None, 1, None]
+    checkpoints.follow("p", 1, 1, [("admit", "a"), ("output", "a"), ("admit", "b")], b"h")
+    # b finishes and is admitted again (seq 6): its later output names the new admission; x was never admitted
+    step = [("output", "a"), ("finish", "b"), ("admit", "b"), ("output", "b"), ("output", "x"), ("recover", "")]
+    assert checkpoints.admit_seqs("p", 1, 4, step) == [1, 3, None, 6, None, None]
+    assert checkpoints.admit_seqs("p", 2, 9, [("output", "a")]) == [None]  # an epoch not followed from seq 1
+
+
+def test_the_log_stores_an_output_by_its_admission_not_its_id(log_url: str, pool_id: str) -> None:
+    log = EventLog.open(log_url, pool_id=pool_id, num_blocks=8, block_size=4)
+    uuid_id = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"
+    log.append_batch(1, [], journal=[admit(uuid_id), output(uuid_id, 0, [5])])
+    log.append_batch(2, [], journal=[output(uuid_id, 1, [6]), finish(uuid_id, 2)])
+    assert log.flush(10)
+    log.close(10)
+    with connect(log_url) as conn:
+        bodies = conn.execute(
+            sa.select(journal_steps.c.body)
+            .where(journal_steps.c.pool_id == pool_id)
+            .order_by(journal_steps.c.first_seq)
+        ).scalars()
+        rows = [[(r.kind, r.request_id, r.admit_seq) for r in decode_step(body)] for body in bodies]
+        entries = read_journal(conn, pool_id)
+    assert rows == [[("admit", uuid_id, None), ("output", None, 1)], [("output", None, 1), ("finish", uuid_id, 1)]]
+    assert [(e.journal_seq, e.kind, e.request_id) for e in entries] == [
+        (1, "admit", uuid_id),
+        (2, "output", uuid_id),
+        (3, "output", uuid_id),
+        (4, "finish", uuid_id),
+    ]

@@ -12,15 +12,26 @@ from nanoserve.allocator.log import EventLog
 from nanoserve.allocator.log.archive import RetentionPolicy
 from nanoserve.allocator.log.reader import connect
 from nanoserve.allocator.log.segment_archive import LiveSize, archive_due_segment
+from nanoserve.engine.journal.journal_chain import StepRow
 from nanoserve.engine.journal.journal_segment import JournalSegments
 from nanoserve.engine.journal.recovery import RecoveryPlanner
-from nanoserve.engine.journal.store import JournalRecord, audit_journal, read_journal, read_request_history
+from nanoserve.engine.journal.step_codec import encode_step
+from nanoserve.engine.journal.store import (
+    JournalRecord,
+    audit_journal,
+    read_journal,
+    read_request_history,
+    step_entries,
+    unnamed_request_id,
+)
 from nanoserve.migrations import upgrade
 from nanoserve.service.cli.main import main
 
 from .test_journal import HOUR_S, admit, crash, finish, output
 
 BY_SIZE = RetentionPolicy(retention_bytes=1)
+ADMIT = {"prompt_token_ids": [1], "sampling": {"seed": 7}}
+OUTPUT = {"start": 0, "token_ids": [5], "text": "x"}
 
 
 class Steps:
@@ -121,3 +132,46 @@ def test_log_audit_archive_names_a_changed_journal_row_in_a_segment_file(
     out = capsys.readouterr().out
     assert "request journal damaged: pool 'p' epoch 1: journal records 3..3 altered (hash mismatch)" in out
     steps.log.close(10)
+
+
+def test_outputs_after_the_cut_of_a_request_admitted_before_it_are_named_by_its_finish(
+    log_url: str, pool_id: str, tmp_path: Path
+) -> None:
+    upgrade(log_url)
+    steps = Steps(log_url, pool_id)
+    steps.run(admit("a"), admit("x"))  # 1-2: a's ADMIT leaves with the segment
+    steps.run(finish("x", 0))  # 3
+    steps.run(admit("b"))  # 4: the oldest request still running: the cut
+    steps.run(output("a", 0, [5]), output("b", 0, [7]))  # 5-6: a's OUTPUT is stored by a's ADMIT's seq (1)
+    steps.run(finish("a", 1))  # 7
+    assert steps.log.flush(10)
+    [segment] = archive_due_segment(
+        log_url, tmp_path, BY_SIZE, upgrade, pool_id, LiveSize(), companion=JournalSegments()
+    )
+    assert (segment.companion_first_seq, segment.companion_last_seq) == (1, 3)
+    with connect(log_url) as conn:
+        entries = read_journal(conn, pool_id)
+        b = read_request_history(conn, pool_id, "b")
+    assert [(e.journal_seq, e.kind, e.request_id) for e in entries] == [
+        (4, "admit", "b"),
+        (5, "output", "a"),
+        (6, "output", "b"),
+        (7, "finish", "a"),
+    ]
+    assert b is not None
+    assert b.token_ids == [7]
+    steps.log.close(10)
+
+
+def test_a_segment_file_names_an_output_whose_admit_and_finish_lie_in_other_parts_by_its_admit_seq() -> None:
+    # a's ADMIT (seq 1) is in an older segment file, its FINISH still live: this file holds seqs 2..4
+    rows = [
+        StepRow(1, 2, 3, 2, 20, encode_step([("admit", "c", ADMIT), ("output", "a", OUTPUT)], [None, 1]), b""),
+        StepRow(1, 4, 4, 3, 30, encode_step([("output", "c", OUTPUT)], [2]), b""),
+    ]
+    assert [(e.journal_seq, e.kind, e.request_id) for e in step_entries(rows)] == [
+        (2, "admit", "c"),
+        (3, "output", unnamed_request_id(1)),
+        (4, "output", "c"),
+    ]
+    assert unnamed_request_id(1) == "<ADMIT at journal seq 1>"

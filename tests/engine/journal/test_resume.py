@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -218,6 +219,26 @@ async def test_resume_joins_journaled_chunks_and_keeps_the_text_of_uncut_ones(en
     uncut = [chunk.text for chunk in history.chunks if chunk.start >= 7]
     assert resumed[0].delta_text == "".join(uncut)
     assert _tokens(resumed) == generated[-1].token_ids[7:]
+
+
+async def test_resume_streams_every_top_20_logprob_bit_for_bit_as_the_stream_sent_it(engine: AsyncLLMEngine) -> None:
+    # sampled at temperature 1.0 among 20 tops: the sampled token is sometimes no top, and its entry stored apart
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True, logprobs=20)
+    generated = await _collect(engine.generate(PROMPT, params, "tops"))
+    resumed = await _collect(engine.resume("tops", 0))
+
+    def bits(outputs: list[RequestOutput]) -> list[tuple[int, bytes, list[tuple[int, bytes]]]]:
+        return [
+            (e.token_id, struct.pack("<d", e.logprob), [(k, struct.pack("<d", v)) for k, v in e.top_logprobs.items()])
+            for output in outputs
+            for e in output.delta_logprobs or []
+        ]
+
+    sent = bits(generated)  # every delta's, the final output's last one included
+    assert len(sent) == 10
+    assert all(len(tops) == 20 for _, _, tops in sent)
+    assert bits(resumed) == sent
+    assert resumed[-1].outputs[0].logprobs == generated[-1].outputs[0].logprobs
 
 
 async def test_concurrent_resumes_of_a_finished_request_share_one_journal_read(engine: AsyncLLMEngine) -> None:
