@@ -27,7 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from nanoserve.allocator.events import EventKind, FreeReason
-from nanoserve.allocator.log.packed_rows import PACKED_KIND, expand_packed
+from nanoserve.allocator.log.packed_rows import PACKED_KIND, expand_packed, may_hold
 from nanoserve.allocator.log.reader import EpochInfo, to_event
 from nanoserve.allocator.log.row_scan import EVENT_COLUMNS, has_packed_rows
 from nanoserve.allocator.log.schema import allocator_events
@@ -38,6 +38,8 @@ _DRAFT = FreeReason.DRAFT.value
 _REJECTED = FreeReason.REJECTED_DRAFT.value
 _FREES = (EventKind.FREE.value, EventKind.FREE_ALL.value)
 _KINDS = (EventKind.ALLOCATE_FOR.value, *_FREES)
+# what a packed row's records hold when one of them names either reason
+_REASON_MARKS = (f"|{_DRAFT}|".encode(), f"|{_REJECTED}|".encode())
 
 
 class DraftSlots:
@@ -110,7 +112,7 @@ def _speculative_events(conn: sa.Connection, info: EpochInfo, from_seq: int) -> 
     for row in conn.execute(query):
         if row[5] is None:
             yield from _decoded(info, [tuple(row)[:5]])
-        else:  # a packed row: its events filtered here as SQL filters the others
+        elif may_hold(row[6], _REASON_MARKS):  # a packed row: its events filtered here as SQL filters the others
             events = expand_packed(row[0], row[5], row[6], row[4], None)
             yield from _decoded(info, [_unhashed(event) for event in events if _names_draft(event)])
 

@@ -101,6 +101,7 @@ def event_rows(
     # a packed row holding from_seq starts before it
     next_seq = _row_start(conn, pool_id, epoch, from_seq) if packed else max(from_seq, 1)
     raw_text = False
+    num_stored = num_rows_per_chunk  # stored rows to fetch at a time
     one_by_one = 0  # rows still to read one at a time, by primary key, to find the first unreadable one
     while True:
         selected = _as_bytes(columns) if raw_text else columns
@@ -124,13 +125,19 @@ def event_rows(
         try:
             try:
                 cursor.execute(*compile_for_driver(conn, query))
-                while chunk := cursor.fetchmany(num_rows_per_chunk):
+                while chunk := cursor.fetchmany(num_stored):
                     if raw_text:
                         chunk = DamagedChunk(_decoded(row, columns) for row in chunk)
                     rows = expander.expand(chunk, raw_text)
-                    if rows:
-                        yield rows
+                    if len(rows) <= num_rows_per_chunk:
+                        if rows:
+                            yield rows
+                    else:  # a DamagedChunk's parts stay DamagedChunks
+                        for start in range(0, len(rows), num_rows_per_chunk):
+                            yield type(rows)(rows[start : start + num_rows_per_chunk])
                     next_seq = _seq_after(chunk, next_seq)
+                    # packed rows hold many events: fetch about num_rows_per_chunk events at a time
+                    num_stored = max(1, num_rows_per_chunk * len(chunk) // max(len(rows), len(chunk)))
                 if not one_by_one:
                     return
                 next_seq = max(next_seq, seq + 1)
@@ -190,7 +197,8 @@ class _Expander:
                 rows += self._expanded(row)
             self._previous_hash = row[4]
         first, last = self._from_seq, self._until_seq
-        rows = [row for row in rows if first <= row[0] <= last]
+        if rows and not first <= rows[0][0] <= rows[-1][0] <= last:
+            rows = [row for row in rows if first <= row[0] <= last]
         if self._filtered:
             rows = [row for row in rows if self._matches(row)]
         if damaged or any(type(row[3]) is UnreadableRecords for row in rows):

@@ -120,6 +120,13 @@ def test_packed_rows_read_as_one_row_per_event_with_the_chain_hashes(log_url: st
     assert [event.batch_seq for event in events] == [1, 4, 4, 4, 7, 7, 7, 8]
 
 
+def test_packed_rows_come_in_chunks_of_at_most_the_chunk_size(log_url: str, pool_id: str) -> None:
+    write_log(log_url, pool_id)
+    with connect(log_url) as conn:
+        chunks = list(event_rows(conn, pool_id, 1, num_rows_per_chunk=2))
+    assert [[row[0] for row in chunk] for chunk in chunks] == [[1, 2], [3, 4], [5, 6], [7], [8]]
+
+
 def test_a_range_or_filter_inside_a_packed_row_reads_exactly_its_events(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     assert [event.seq for event in read_events(log_url, pool_id, from_seq=3, until_seq=5)] == [3, 4, 5]
@@ -228,3 +235,27 @@ def test_downgrading_below_0008_unpacks_every_row(tmp_path: Path) -> None:
     upgrade(url)
     assert audit(url, "p").clean
     assert replay(url, "p") == pool.state()
+
+
+def test_log_audit_show_and_state_name_a_damaged_packed_row_by_its_seqs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nanoserve.migrations import upgrade
+    from nanoserve.service.cli.main import main
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    write_log(url, "p")
+    blob = zlib.compress("\n".join(packed_records(url, "p", 2)).encode())
+    set_records(url, "p", 2, blob[:-4] + bytes([blob[-4] ^ 0x01]) + blob[-3:])  # its checksum no longer holds
+
+    assert main(["log", "audit", "--url", url]) == 1
+    out = capsys.readouterr().out
+    assert "first bad seq 2:" in out
+    assert "seq 2: bad_record: seqs 2..4 (one packed row): records do not inflate" in out
+    assert main(["log", "show", "--url", url]) == 1
+    out = capsys.readouterr().out
+    assert "damaged: seq 2: seqs 2..4 (one packed row): records do not inflate" in out
+    assert [line.split()[0] for line in out.splitlines() if line[:1].isdigit()] == ["1", "2", "5", "6", "7", "8"]
+    assert main(["log", "state", "--url", url, "--at", "6"]) == 1
+    assert "violation: seq 2: bad_record: seqs 2..4 (one packed row)" in capsys.readouterr().out
