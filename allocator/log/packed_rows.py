@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from nanoserve.allocator.log.store import Row
 
 __all__ = [
+    "MAX_EVENTS_PER_PACKED_ROW",
     "MIN_EVENTS_PER_PACKED_ROW",
     "PACKED_KIND",
     "STORED_COLUMNS",
@@ -56,6 +57,9 @@ __all__ = [
 PACKED_KIND = "packed"
 # a shorter run stays one row per event (a run of one gains nothing from packing)
 MIN_EVENTS_PER_PACKED_ROW = 2
+# a longer run is cut into rows of this many: zlib looks back 32 KiB (about 400 records), so larger rows
+# compress no better, and a reader expands at most this many events to reach one
+MAX_EVENTS_PER_PACKED_ROW = 1024
 # one stored row: an event row (``store.ROW_COLUMNS``) and its last_seq and records (None: one event)
 StoredRow = tuple[Any, ...]
 STORED_COLUMNS = ("pool_id", "epoch", "seq", "kind", "owner", "record", "hash", "block_key", "last_seq", "records")
@@ -87,8 +91,8 @@ class UnreadableRecords:
 
 def pack_rows(rows: Sequence[Row]) -> list[StoredRow]:
     """The stored rows of one commit's event rows (seqs in a run): each run of MIN_EVENTS_PER_PACKED_ROW
-    or more block events whose records hold no newline becomes one packed row, every other row stays as
-    it is."""
+    or more block events whose records hold no newline becomes one packed row (MAX_EVENTS_PER_PACKED_ROW
+    at most), every other row stays as it is."""
     stored: list[StoredRow] = []
     run: list[Row] = []
     for row in rows:
@@ -97,6 +101,8 @@ def pack_rows(rows: Sequence[Row]) -> list[StoredRow]:
             stored.append((*row, None, None))
         else:
             run.append(row)
+            if len(run) == MAX_EVENTS_PER_PACKED_ROW:
+                _flush(run, stored)
     _flush(run, stored)
     return stored
 

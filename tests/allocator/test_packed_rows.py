@@ -259,3 +259,13 @@ def test_log_audit_show_and_state_name_a_damaged_packed_row_by_its_seqs(
     assert [line.split()[0] for line in out.splitlines() if line[:1].isdigit()] == ["1", "2", "5", "6", "7", "8"]
     assert main(["log", "state", "--url", url, "--at", "6"]) == 1
     assert "violation: seq 2: bad_record: seqs 2..4 (one packed row)" in capsys.readouterr().out
+
+
+def test_a_long_run_is_cut_into_packed_rows_of_the_largest_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_rows, "MAX_EVENTS_PER_PACKED_ROW", 2)
+    rows = [
+        ("p", 1, seq, "allocate", "A", f"{seq}|6|allocate|{seq}||||5|6|A", bytes([seq]), None) for seq in range(2, 7)
+    ]
+    stored = packed_rows.pack_rows(rows)
+    assert [(row[2], row[3], row[8]) for row in stored] == [(2, "packed", 3), (4, "packed", 5), (6, "allocate", None)]
+    assert [row[6] for row in stored] == [bytes([3]), bytes([5]), bytes([6])]  # each row's hash: its last event's
