@@ -95,10 +95,13 @@ def log_volume(url: str) -> dict[str, tuple[int, int]]:
     try:
         with engine.connect() as conn:
             volume = {}
-            for table, column in (("allocator_events", "record"), ("journal_steps", "body")):
-                rows, size = conn.execute(
-                    sa.text(f"SELECT COUNT(*), COALESCE(SUM(LENGTH({column})), 0) FROM {table}")
-                ).one()
+            # an event row's record, or a packed row's records (migration 0008); a journal step's body
+            payloads = (
+                ("allocator_events", "LENGTH(record) + COALESCE(LENGTH(records), 0)"),
+                ("journal_steps", "LENGTH(body)"),
+            )
+            for table, payload in payloads:
+                rows, size = conn.execute(sa.text(f"SELECT COUNT(*), COALESCE(SUM({payload}), 0) FROM {table}")).one()
                 volume[table] = (int(rows), int(size))
             return volume
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -64,6 +65,15 @@ TINY_DIMS = {
     "rms_norm_eps": 1e-5,
     "initializer_range": 0.1,
 }
+
+
+@pytest.fixture
+def one_row_per_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log stores one row per event, as logs written before migration 0008 do (no packed rows):
+    for tests that damage one event's row by its seq."""
+    from nanoserve.allocator.log import packed_rows
+
+    monkeypatch.setattr(packed_rows, "MIN_EVENTS_PER_PACKED_ROW", sys.maxsize)
 
 
 @pytest.fixture(scope="session")

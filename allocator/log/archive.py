@@ -37,6 +37,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from nanoserve.allocator.log.errors import EventLogError
+from nanoserve.allocator.log.row_scan import has_packed_rows
 from nanoserve.allocator.log.schema import allocator_events, archived_epochs, pool_epochs
 from nanoserve.allocator.log.store import create_log_engine
 
@@ -116,12 +117,13 @@ def epoch_tables(conn: sa.Connection) -> list[sa.Table]:
 def epoch_bytes(
     conn: sa.Connection, tables: list[sa.Table], pool_id: str, epochs: list[int] | None = None
 ) -> dict[int, int]:
-    """epoch -> its stored bytes: record text (or a binary body) plus ROW_OVERHEAD_BYTES per row, over ``tables``
+    """epoch -> its stored bytes: record text (or packed records, a body) plus ROW_OVERHEAD_BYTES a row, over ``tables``
     (of ``epochs`` only, when given: one scan of their rows)."""
     sizes: dict[int, int] = {}
     for table in tables:
         size = sa.func.count() * ROW_OVERHEAD_BYTES
-        for payload in ("record", "body"):  # an event's record text; a companion table's binary body
+        # an event's record text, a packed row's records; a companion table's binary body
+        for payload in ("record", "records", "body"):
             if payload in table.columns:
                 size = size + sa.func.coalesce(sa.func.sum(sa.func.length(table.c[payload])), 0)
         query = sa.select(table.c.epoch, size).where(table.c.pool_id == pool_id).group_by(table.c.epoch)
@@ -208,10 +210,11 @@ def archive_epoch(
             raise ArchiveError(f"epoch {epoch} is the newest of pool {pool_id!r}: it is never archived")
         tables = epoch_tables(conn)
         head = conn.execute(_epoch_row(pool_id, epoch)).one()
+        events = allocator_events.c
+        # a packed row's key is its first seq: the epoch ends at its last row's last_seq
+        end = sa.func.coalesce(events.last_seq, events.seq) if has_packed_rows(conn) else events.seq
         first_seq, last_seq = conn.execute(
-            sa.select(sa.func.min(allocator_events.c.seq), sa.func.max(allocator_events.c.seq)).where(
-                allocator_events.c.pool_id == pool_id, allocator_events.c.epoch == epoch
-            )
+            sa.select(sa.func.min(events.seq), sa.func.max(end)).where(events.pool_id == pool_id, events.epoch == epoch)
         ).one()
 
     dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

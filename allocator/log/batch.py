@@ -2,7 +2,8 @@
 
 The caller's thread makes one ``Batch`` per step; the writer thread seals a
 group of them into event rows (``seal_event_rows``: each record encoded by
-``record_codec`` and chained to the one before) and companion rows
+``record_codec`` and chained to the one before; ``store.insert_rows`` packs
+each run of block events into one stored row, ``packed_rows``) and companion rows
 (``seal_companion_rows``: handed to their own table, ``companion``) and
 commits both in one transaction.
 """

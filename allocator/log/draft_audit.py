@@ -14,8 +14,9 @@ kept that way is held as any other, and a leak of it is named at POOL_CLOSE
 much, and never a block it did not take for drafts in that step.
 
 Only the rows whose record names one of the two reasons are read (a SQL filter on the
-record text, then the codec decides), so an epoch without speculation costs one indexed
-query and no decoding. The fold itself is ``DraftSlots`` (no SQL, testable on events).
+record text, then the codec decides), and the packed rows (``packed_rows``), whose events
+are filtered alike once inflated, so an epoch without speculation costs one indexed
+query and no decoding but the inflating. The fold itself is ``DraftSlots`` (no SQL, testable on events).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from nanoserve.allocator.events import EventKind, FreeReason
+from nanoserve.allocator.log.packed_rows import PACKED_KIND, expand_packed, may_hold
 from nanoserve.allocator.log.reader import EpochInfo, to_event
-from nanoserve.allocator.log.row_scan import EVENT_COLUMNS
+from nanoserve.allocator.log.row_scan import EVENT_COLUMNS, has_packed_rows
 from nanoserve.allocator.log.schema import allocator_events
 from nanoserve.allocator.log.stored_event import Event
 from nanoserve.allocator.pool_state import Violation
@@ -36,6 +38,8 @@ _DRAFT = FreeReason.DRAFT.value
 _REJECTED = FreeReason.REJECTED_DRAFT.value
 _FREES = (EventKind.FREE.value, EventKind.FREE_ALL.value)
 _KINDS = (EventKind.ALLOCATE_FOR.value, *_FREES)
+# what a packed row's records hold when one of them names either reason
+_REASON_MARKS = (f"|{_DRAFT}|".encode(), f"|{_REJECTED}|".encode())
 
 
 class DraftSlots:
@@ -92,21 +96,38 @@ def draft_violations(conn: sa.Connection, info: EpochInfo, from_seq: int = 1) ->
 
 def _speculative_events(conn: sa.Connection, info: EpochInfo, from_seq: int) -> Iterator[Event]:
     table = allocator_events.c
+    packed = has_packed_rows(conn)
+    names_reason = sa.or_(table.record.contains(f"|{_DRAFT}|"), table.record.contains(f"|{_REJECTED}|"))
+    wanted = sa.and_(table.kind.in_(_KINDS), names_reason)
     query = (
-        sa.select(*EVENT_COLUMNS)
+        sa.select(*EVENT_COLUMNS, *((table.last_seq, table.records) if packed else (sa.null(), sa.null())))
         .where(
             table.pool_id == info.pool_id,
             table.epoch == info.epoch,
             table.seq >= from_seq,
-            table.kind.in_(_KINDS),
-            sa.or_(table.record.contains(f"|{_DRAFT}|"), table.record.contains(f"|{_REJECTED}|")),
+            sa.or_(wanted, table.kind == PACKED_KIND) if packed else wanted,
         )
         .order_by(table.seq)
     )
-    yield from _decoded(info, conn.execute(query))
+    for row in conn.execute(query):
+        if row[5] is None:
+            yield from _decoded(info, [tuple(row)[:5]])
+        elif may_hold(row[6], _REASON_MARKS):  # a packed row: its events filtered here as SQL filters the others
+            events = expand_packed(row[0], row[5], row[6], row[4], None)
+            yield from _decoded(info, [_unhashed(event) for event in events if _names_draft(event)])
 
 
-def _decoded(info: EpochInfo, rows: Iterable[sa.Row[Any]]) -> Iterator[Event]:
+def _names_draft(row: tuple[Any, ...]) -> bool:
+    record = row[3]
+    return row[1] in _KINDS and type(record) is str and (f"|{_DRAFT}|" in record or f"|{_REJECTED}|" in record)
+
+
+def _unhashed(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An expanded row with an empty hash: this rule reads no hash (replay checks the chain)."""
+    return (*row[:4], b"")
+
+
+def _decoded(info: EpochInfo, rows: Iterable[Any]) -> Iterator[Event]:
     for row in rows:
         try:
             yield to_event(info.pool_id, info.epoch, tuple(row))

@@ -18,7 +18,8 @@ import sqlalchemy as sa
 
 from nanoserve.allocator.log.batch import Companions
 from nanoserve.allocator.log.errors import EventLogError, SecondWriterError
-from nanoserve.allocator.log.schema import allocator_events, pool_epochs
+from nanoserve.allocator.log.row_scan import stored_hash
+from nanoserve.allocator.log.schema import pool_epochs
 from nanoserve.allocator.log.store import Row, insert_rows
 
 
@@ -80,19 +81,13 @@ def check_own_commit(engine: sa.Engine, guard: EpochGuard, last_seq: int, head_h
                 pool_epochs.c.pool_id == guard.pool_id, pool_epochs.c.epoch == guard.epoch
             )
         ).one_or_none()
-        stored_hash = conn.execute(
-            sa.select(allocator_events.c.hash).where(
-                allocator_events.c.pool_id == guard.pool_id,
-                allocator_events.c.epoch == guard.epoch,
-                allocator_events.c.seq == last_seq,
-            )
-        ).scalar_one_or_none()
+        head_stored = stored_hash(conn, guard.pool_id, guard.epoch, last_seq)
     if row is None or row.writer_id != guard.writer_id:
         raise SecondWriterError(
             f"pool {guard.pool_id!r} epoch {guard.epoch} is held by another writer; "
             f"this writer ({guard.writer_id}) stops at seq {durable_seq}"
         )
-    if stored_hash != head_hash:
+    if head_stored != head_hash:
         raise EventLogError(
             f"pool {guard.pool_id!r} epoch {guard.epoch}: stored log diverged at seq <= {last_seq} "
             f"(durable_seq in the database is {row.durable_seq})"

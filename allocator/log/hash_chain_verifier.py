@@ -10,7 +10,9 @@ process meanwhile applies the same rows to the pool state, and takes the
 verdict before it trusts them (see ``replay``).
 
 The script imports only the standard library (no SQLAlchemy, no nanoserve),
-so it starts in milliseconds; the caller hands it the compiled SQL.
+so it starts in milliseconds; the caller hands it the compiled SQL. It
+therefore inflates packed rows itself (``_packed_records``: what
+``packed_rows.unpack_records`` does, a test holds the two alike).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import operator
 import sqlite3
 import subprocess
 import sys
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,7 @@ _digest = operator.methodcaller("digest")
 # columns of a (seq, record, hash) row, taken out of a whole chunk at C speed
 _seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 _FETCH_ROWS = 1_000  # small chunks stay in the CPU caches
+_last_seq_of = operator.itemgetter(3)
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,15 @@ class ChainResult:
 
 
 def verify_rows(cursor: sqlite3.Cursor, previous_hash: bytes, from_seq: int) -> ChainResult:
-    """Check the rows ``(seq, record as UTF-8 bytes, hash)`` left in ``cursor``, in seq order."""
+    """Check the rows ``(seq, record as UTF-8 bytes, hash, last_seq, records)`` left in ``cursor``, in seq
+    order; a packed row (``last_seq`` not NULL) counts as its events."""
     previous = previous_hash
     expected = from_seq
     num_rows = 0
-    while chunk := cursor.fetchmany(_FETCH_ROWS):
+    while stored := cursor.fetchmany(_FETCH_ROWS):
+        chunk = stored if list(map(_last_seq_of, stored)).count(None) == len(stored) else _expanded(stored, previous)
+        if chunk is None:
+            return ChainResult(False, num_rows, None)
         if list(map(_seq_of, chunk)) != list(range(expected, expected + len(chunk))):
             return ChainResult(False, num_rows, None)
         hashes = list(map(_hash_of, chunk))
@@ -64,8 +72,39 @@ def verify_rows(cursor: sqlite3.Cursor, previous_hash: bytes, from_seq: int) -> 
     return ChainResult(True, num_rows, previous if num_rows else None)
 
 
+def _expanded(stored: list[Any], previous: bytes) -> list[tuple[Any, ...]] | None:
+    """(seq, record, hash) per event of stored rows, packed ones chained from the row before; None when
+    a packed row cannot be read."""
+    rows: list[tuple[Any, ...]] = []
+    for seq, record, stored_hash, last_seq, blob in stored:
+        if last_seq is None:
+            rows.append((seq, record, stored_hash))
+        else:
+            records = _packed_records(seq, last_seq, blob)
+            if records is None:
+                return None
+            for offset, packed in enumerate(records[:-1]):
+                previous = hashlib.sha256(previous + packed).digest()
+                rows.append((seq + offset, packed, previous))
+            rows.append((last_seq, records[-1], stored_hash))
+        previous = stored_hash
+    return rows
+
+
+def _packed_records(first_seq: int, last_seq: Any, blob: Any) -> list[bytes] | None:
+    """A packed row's records as UTF-8 bytes (``packed_rows``); None when they cannot be read."""
+    try:
+        records = zlib.decompress(blob).split(b"\n")
+        for record in records:
+            record.decode()
+    except (zlib.error, TypeError, UnicodeDecodeError):
+        return None
+    return records if type(last_seq) is int and len(records) == last_seq - first_seq + 1 else None
+
+
 def start(database: str, sql: str, params: list[Any], previous_hash: bytes, from_seq: int) -> subprocess.Popen[str]:
-    """Launch the verifier on an SQLite file; ``sql`` selects (seq, record as BLOB, hash) in seq order."""
+    """Launch the verifier on an SQLite file; ``sql`` selects (seq, record as BLOB, hash, last_seq, records)
+    in seq order."""
     request = {
         "database": database,
         "sql": sql,

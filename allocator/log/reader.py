@@ -30,6 +30,7 @@ from nanoserve.allocator.log.errors import (
     safe_url,
     store_error,
 )
+from nanoserve.allocator.log.packed_rows import UnreadableRecords
 from nanoserve.allocator.log.record_codec import decode_event, split_record
 from nanoserve.allocator.log.row_scan import (
     EVENT_COLUMNS,
@@ -37,6 +38,7 @@ from nanoserve.allocator.log.row_scan import (
     DamagedChunk,
     compile_for_driver,
     event_rows,
+    has_packed_rows,
     last_stored_seq,
     latest_snapshot_seq,
     rows_query,
@@ -58,6 +60,7 @@ __all__ = [
     "compile_for_driver",
     "connect",
     "event_rows",
+    "has_packed_rows",
     "last_stored_seq",
     "latest_snapshot_seq",
     "list_epochs",
@@ -187,6 +190,8 @@ def to_event(pool_id: str, epoch: int, row: tuple[Any, ...]) -> Event:
     try:
         if type(seq) is not int:
             raise ValueError(f"the seq column holds {seq!r}, not an integer")
+        if type(record) is UnreadableRecords:
+            raise ValueError(f"seqs {seq}..{record.last_seq} (one packed row): {record.cause}")
         if type(record) is not str:
             raise ValueError(f"the record is not valid UTF-8 text: {_excerpt(record)}")
         if not isinstance(hash_, (bytes, memoryview)):

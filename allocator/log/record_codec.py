@@ -26,6 +26,10 @@ last, so it may hold any character. The record is what the hash chain covers
 a kind gains information only as an optional suffix of its entries (REGISTER's
 token ids), which older records lack.
 
+A record is stored as it is, in a row of its own or with the other block records of its
+commit in one packed row (``packed_rows``: joined and compressed, each line unchanged),
+so the text the chain covers is the same either way.
+
 Readers get an ``Event`` (``decode_event``), and views that fold the
 allocator's ``apply`` turn it into a ``BlockEvent`` (``block_event_of``);
 replay splits records into their fields (``split_record``, or

@@ -18,12 +18,12 @@ from nanoserve.allocator.log import hash_chain_verifier as chain_verifier
 from nanoserve.allocator.log.errors import LogNotFoundError, LogReadError, is_store_unavailable
 from nanoserve.allocator.log.hash_chain import genesis_hash
 from nanoserve.allocator.log.reader import (
-    EVENT_COLUMNS,
     DamagedChunk,
     EpochInfo,
     compile_for_driver,
     connect,
     event_rows,
+    has_packed_rows,
     last_stored_seq,
     latest_snapshot_seq,
     resolve_epoch,
@@ -43,13 +43,17 @@ __all__ = ["checkpoint_start", "replay", "replay_epoch"]
 NUM_EVENTS_FOR_VERIFIER = 100_000
 # rows per chunk of the one-process replay: small chunks stay in the CPU's caches (3-5 % less CPU than 10,000)
 _CHUNK_ROWS = 1_000
-# seq, kind, owner, record, NULL: the hash is the verifier's to read
-_REPLAY_COLUMNS = (*EVENT_COLUMNS[:4], sa.null())
-_CHAIN_COLUMNS = (allocator_events.c.seq, sa.cast(allocator_events.c.record, sa.LargeBinary), allocator_events.c.hash)
-# seq, record, hash: what the hash chain covers, read to verify the records before a snapshot
-_SEQ_RECORD_HASH = (allocator_events.c.seq, allocator_events.c.record, allocator_events.c.hash)
+# what the verifier reads: seq, record as UTF-8, hash, and a packed row's last seq and records
+_CHAIN_COLUMNS = (
+    allocator_events.c.seq,
+    sa.cast(allocator_events.c.record, sa.LargeBinary),
+    allocator_events.c.hash,
+    allocator_events.c.last_seq,
+    allocator_events.c.records,
+)
 _digest = operator.methodcaller("digest")
-_seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
+# seq, record, hash of an EVENT_COLUMNS row: what the hash chain covers
+_seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(3), operator.itemgetter(4)
 
 
 def replay(
@@ -154,6 +158,8 @@ def _has_idle_core() -> bool:
 def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replayer: Replayer, last_seq: int) -> bool:
     """Rows from_seq..last_seq applied here while chain_verifier checks their hashes; True when both agree."""
     from_seq = replayer.expected_seq
+    if not has_packed_rows(conn):
+        return False  # an archive file from before migration 0008: the one-process replay reads it
     sql, params = compile_for_driver(conn, rows_query(info.pool_id, info.epoch, from_seq, last_seq, _CHAIN_COLUMNS))
     try:
         verifier = chain_verifier.start(database, sql, list(params), replayer.previous_hash, from_seq)
@@ -161,7 +167,7 @@ def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replay
         return False
     in_line = True
     rows = event_rows(
-        conn, info.pool_id, info.epoch, from_seq, last_seq, columns=_REPLAY_COLUMNS, num_rows_per_chunk=_CHUNK_ROWS
+        conn, info.pool_id, info.epoch, from_seq, last_seq, with_hashes=False, num_rows_per_chunk=_CHUNK_ROWS
     )
     try:
         for chunk in rows:
@@ -274,7 +280,7 @@ def _chain_intact(conn: sa.Connection, info: EpochInfo, last_seq: int, cut: Cut 
     expected = 1 if cut is None else cut.first_seq
     if last_seq < expected:
         return last_seq == expected - 1
-    rows = event_rows(conn, info.pool_id, info.epoch, expected, last_seq, columns=_SEQ_RECORD_HASH)
+    rows = event_rows(conn, info.pool_id, info.epoch, expected, last_seq)
     try:
         for chunk in rows:
             if list(map(_seq_of, chunk)) != list(range(expected, expected + len(chunk))):

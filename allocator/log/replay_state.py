@@ -31,6 +31,7 @@ from typing import Any
 from nanoserve.allocator.events import EventKind
 from nanoserve.allocator.log import cache_replay
 from nanoserve.allocator.log.hash_chain import genesis_hash
+from nanoserve.allocator.log.packed_rows import UnreadableRecords
 from nanoserve.allocator.log.reader import EpochInfo
 from nanoserve.allocator.log.record_codec import (
     BLOCK_KINDS,
@@ -154,6 +155,9 @@ class Replayer:
                     if not verified and seq > expected:
                         violate(expected, "missing_events", f"seqs {expected}..{seq - 1} are missing")
                     expected = seq + 1
+                    if type(record) is UnreadableRecords:  # it stands for all the seqs of its packed row
+                        expected = record.last_seq + 1
+                        self.num_events += record.last_seq - seq
                     previous = stored if type(stored) is bytes else previous
                 continue
             if not verified:
@@ -220,6 +224,9 @@ class Replayer:
         """A row whose seq is not an integer or whose record is not text: reported, not applied."""
         if type(seq) is not int:
             self.violate(expected, "bad_record", f"a row after seq {expected - 1} has seq {seq!r}, not an integer")
+            return
+        if type(record) is UnreadableRecords:
+            self.violate(seq, "bad_record", f"seqs {seq}..{record.last_seq} (one packed row): {record.cause}")
             return
         if isinstance(record, bytes):
             try:

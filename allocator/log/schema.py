@@ -1,4 +1,4 @@
-"""SQLAlchemy models of the event log: one row per epoch, one row per event.
+"""SQLAlchemy models of the event log: one row per epoch; one row per event, or per run of block events.
 
 The tables are created only by the Alembic migrations in ``nanoserve.migrations``;
 ``Base.metadata`` is the migrations' ``target_metadata`` (``alembic check`` proves
@@ -59,15 +59,25 @@ class PoolEpoch(Base):
 
 
 class AllocatorEvent(Base):
-    """One allocator event. ``seq`` is assigned by the allocator's process: 1, 2, 3, ...
+    """One allocator event, or a packed run of them. ``seq`` is assigned by the allocator's process: 1, 2, 3, ...
 
-    ``record`` holds the whole event as one line (see ``event_chain.encode_record``):
-    the canonical payload that ``hash`` = sha256(previous hash + record) covers,
+    ``record`` holds the whole event as one line (see ``record_codec``): the
+    canonical payload that ``hash`` = sha256(previous hash + record) covers,
     so replay hashes the stored text as it is and parses it once. ``kind`` and
     ``owner`` repeat two of its fields so that SQL can filter on them; replay
     checks that they agree with the record. ``block_key`` repeats the first
     block key of a prefix-cache event likewise (NULL for other kinds and for
     rows written before migration 0002).
+
+    A packed row (migration 0008, ``packed_rows``) holds the block events
+    ``seq..last_seq`` of one group commit: ``records`` is their record lines,
+    each exactly as the chain covers it, joined by ``\\n`` and compressed;
+    ``hash`` is the chain's hash at ``last_seq`` (readers recompute the ones
+    between as they expand the row); ``kind`` is 'packed', ``record`` empty,
+    ``owner`` and ``block_key`` NULL. Every other row has ``last_seq`` and
+    ``records`` NULL: rows written before 0008, and every POOL_INIT, SNAPSHOT
+    and POOL_CLOSE row (recovery finds the newest SNAPSHOT by its ``kind``,
+    and a segment is cut at one, so a cut never splits a packed row).
     """
 
     __tablename__ = "allocator_events"
@@ -75,13 +85,15 @@ class AllocatorEvent(Base):
 
     pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
-    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # a packed row's first seq
     kind: Mapped[str] = mapped_column(String(32))
     owner: Mapped[str | None] = mapped_column(String(256))
     record: Mapped[str] = mapped_column(Text)
     hash: Mapped[bytes] = mapped_column(LargeBinary(32))
     # the first key of a prefix-cache event (migration 0002), for SQL; the record holds them all
     block_key: Mapped[str | None] = mapped_column(String(64), index=True)
+    last_seq: Mapped[int | None] = mapped_column(BigInteger)  # a packed row's last seq (migration 0008)
+    records: Mapped[bytes | None] = mapped_column(LargeBinary)  # a packed row's records, compressed
 
 
 # The Table objects: ``__table__`` is typed as a FromClause, which has no ``name`` and takes no INSERT.

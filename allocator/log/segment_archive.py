@@ -51,8 +51,15 @@ from nanoserve.allocator.log.archive import (
 )
 from nanoserve.allocator.log.companion import CompanionSegment, SegmentCompanion
 from nanoserve.allocator.log.hash_chain import genesis_hash
+from nanoserve.allocator.log.packed_rows import expand_packed
 from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
-from nanoserve.allocator.log.row_scan import latest_snapshot_seq, stored_hash
+from nanoserve.allocator.log.row_scan import (
+    has_packed_rows,
+    last_stored_seq,
+    latest_snapshot_seq,
+    record_at,
+    stored_hash,
+)
 from nanoserve.allocator.log.schema import allocator_events, archived_segments, pool_epochs
 from nanoserve.allocator.log.segment import epoch_cut, has_segments_table
 from nanoserve.allocator.log.store import create_log_engine
@@ -95,10 +102,13 @@ def measure_live(conn: sa.Connection, pool_id: str, epoch: int, size: LiveSize) 
     if size.epoch != epoch:
         size.epoch, size.through_seq, size.num_bytes = epoch, 0, 0
     events = allocator_events
+    payload: sa.ColumnElement[Any] = sa.func.length(events.c.record)
+    if has_packed_rows(conn):  # a packed row's records
+        payload = payload + sa.func.coalesce(sa.func.length(events.c.records), 0)
     count, text, last = conn.execute(
         sa.select(
             sa.func.count(),
-            sa.func.coalesce(sa.func.sum(sa.func.length(events.c.record)), 0),
+            sa.func.coalesce(sa.func.sum(payload), 0),
             sa.func.max(events.c.seq),
         ).where(events.c.pool_id == pool_id, events.c.epoch == epoch, events.c.seq > size.through_seq)
     ).one()
@@ -296,10 +306,7 @@ def _checkpoint_links(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -
 
 
 def _wall_ns(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> int | None:
-    events = allocator_events
-    record = conn.execute(
-        sa.select(events.c.record).where(events.c.pool_id == pool_id, events.c.epoch == epoch, events.c.seq == seq)
-    ).scalar()
+    record = record_at(conn, pool_id, epoch, seq)
     fields = split_record(record) if type(record) is str else []
     try:
         return int(fields[_WALL_FIELD]) if len(fields) == NUM_FIELDS else None
@@ -310,10 +317,7 @@ def _wall_ns(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> int | N
 def _last_seq_at_or_before(conn: sa.Connection, pool_id: str, epoch: int, start: int, cutoff_ns: int) -> int | None:
     """The highest stored seq written at or before ``cutoff_ns`` (records' times rise with seq): a binary
     search over the primary key, about log2(rows) reads. None when none is, or a record read is damaged."""
-    events = allocator_events
-    last = conn.execute(
-        sa.select(sa.func.max(events.c.seq)).where(events.c.pool_id == pool_id, events.c.epoch == epoch)
-    ).scalar()
+    last = last_stored_seq(conn, pool_id, epoch, None)
     if last is None:
         return None
     low, high, found = start, int(last), None
@@ -349,15 +353,19 @@ def _copy_segment(
                 out.execute(sa.insert(archived_segments), earlier)
             for chunk in _event_chunks(live, epoch_row["pool_id"], epoch_row["epoch"], first_seq, cut_seq):
                 for row in chunk:
-                    record = row["record"]
-                    if row["seq"] != expected or hashlib.sha256(previous + record.encode()).digest() != row["hash"]:
-                        raise ArchiveError(
-                            f"seq {expected} of pool {epoch_row['pool_id']!r} epoch {epoch_row['epoch']} is missing "
-                            "or does not chain: run `nanoserve log audit`; nothing was archived"
-                        )
-                    previous, expected = bytes(row["hash"]), expected + 1
+                    for seq, record, hash_ in _events_of(row, previous):
+                        if (
+                            seq != expected
+                            or type(record) is not str
+                            or hashlib.sha256(previous + record.encode()).digest() != hash_
+                        ):
+                            raise ArchiveError(
+                                f"seq {expected} of pool {epoch_row['pool_id']!r} epoch {epoch_row['epoch']} is "
+                                "missing or does not chain: run `nanoserve log audit`; nothing was archived"
+                            )
+                        previous, expected = bytes(hash_), expected + 1
                     if row["seq"] < cut_seq:
-                        num_row_bytes += len(record) + ROW_OVERHEAD_BYTES
+                        num_row_bytes += len(row["record"]) + len(row.get("records") or b"") + ROW_OVERHEAD_BYTES
                 out.execute(sa.insert(allocator_events), chunk)
             if expected != cut_seq + 1:
                 raise ArchiveError(f"seqs {expected}..{cut_seq} of epoch {epoch_row['epoch']} are missing")
@@ -366,6 +374,14 @@ def _copy_segment(
     finally:
         archive.dispose()
     return num_row_bytes
+
+
+def _events_of(row: dict[str, Any], previous: bytes) -> list[tuple[Any, Any, Any]]:
+    """(seq, record, hash) of each event a stored row holds (a packed row chained from ``previous``)."""
+    if row.get("last_seq") is None:
+        return [(row["seq"], row["record"], row["hash"])]
+    expanded = expand_packed(row["seq"], row["last_seq"], row["records"], row["hash"], previous)
+    return [(seq, record, hash_) for seq, _, _, record, hash_ in expanded]
 
 
 def _companion_tables(conn: sa.Connection, moved: CompanionSegment) -> list[tuple[sa.Table, str]]:

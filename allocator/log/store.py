@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from urllib.parse import quote
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from nanoserve.allocator.log.packed_rows import STORED_COLUMNS, pack_rows
 from nanoserve.allocator.log.schema import allocator_events
 
 # one stored event: (pool_id, epoch, seq, kind, owner, record, hash, block_key), in ROW_COLUMNS order
@@ -140,8 +142,27 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
 
 
 def insert_rows(conn: sa.Connection, rows: list[Row]) -> None:
-    """Insert event rows inside ``conn``'s transaction through the driver itself (``insert_through_driver``)."""
-    insert_through_driver(conn, allocator_events, ROW_COLUMNS, rows)
+    """Store event rows (seqs in a run) inside ``conn``'s transaction through the driver itself
+    (``insert_through_driver``), each run of block events packed into one row (``packed_rows``).
+
+    A log whose schema predates migration 0008 (its operator migrates it, not
+    the writer) is written one row per event, as before."""
+    if _stores_packed_rows(conn):
+        insert_through_driver(conn, allocator_events, STORED_COLUMNS, pack_rows(rows))
+    else:
+        insert_through_driver(conn, allocator_events, ROW_COLUMNS, rows)
+
+
+# engine -> whether its allocator_events has the packed rows' columns, looked up at its first insert
+_PACKED_SCHEMA: weakref.WeakKeyDictionary[Engine, bool] = weakref.WeakKeyDictionary()
+
+
+def _stores_packed_rows(conn: sa.Connection) -> bool:
+    packed = _PACKED_SCHEMA.get(conn.engine)
+    if packed is None:
+        columns = sa.inspect(conn).get_columns(allocator_events.name)
+        packed = _PACKED_SCHEMA[conn.engine] = any(column["name"] == "records" for column in columns)
+    return packed
 
 
 def insert_through_driver(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from nanoserve.allocator.log import audit_all
+from nanoserve.allocator.log import audit_all, read_events
 from nanoserve.allocator.log.archive import (
     ArchiveError,
     RetentionPolicy,
@@ -27,12 +27,14 @@ from .test_audit import write_log
 SECOND_NS = 1_000_000_000
 
 
-def _count(url: str, table: str, pool_id: str) -> int:
+def _count(url: str, table: str, pool_id: str, epoch: int | None = None) -> int:
+    """Rows of ``table`` of one pool (of one ``epoch`` when given)."""
     engine = sa.create_engine(url)
+    where = "WHERE pool_id = :p" + ("" if epoch is None else " AND epoch = :e")
     try:
         with engine.connect() as conn:
             return int(
-                conn.execute(sa.text(f"SELECT count(*) FROM {table} WHERE pool_id = :p"), {"p": pool_id}).scalar()
+                conn.execute(sa.text(f"SELECT count(*) FROM {table} {where}"), {"p": pool_id, "e": epoch}).scalar()
             )
     finally:
         engine.dispose()
@@ -75,7 +77,8 @@ def test_archived_epochs_leave_the_live_log_and_audit_clean_in_their_files(
     assert manifest(log_url, pool_id) == entries
     with connect(log_url) as conn:
         assert [info.epoch for info in list_epochs(conn, pool_id)] == [3]  # the newest stays
-    assert _count(log_url, "allocator_events", pool_id) == 12
+    assert [event.epoch for event in read_events(log_url, pool_id, epoch=3)] == [3] * 12  # the newest's events
+    assert _count(log_url, "allocator_events", pool_id) == _count(log_url, "allocator_events", pool_id, epoch=3)
     assert _count(log_url, "request_journal", pool_id) == 1
     for entry in entries:
         path = Path(entry.path)
@@ -115,6 +118,7 @@ def test_the_newest_epoch_is_never_archived(log_url: str, pool_id: str, tmp_path
         live.dispose()
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # identical epochs: no group commit packs them apart
 def test_due_epochs_by_age_and_by_size(log_url: str, pool_id: str) -> None:
     for _ in range(4):
         write_log(log_url, pool_id)

@@ -126,6 +126,7 @@ def test_missing_sqlite_file_is_refused(tmp_path: object) -> None:
         replay(f"sqlite:///{tmp_path}/none.db")
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_flipped_byte_in_payload_is_named(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     edit_record(log_url, pool_id, 7, "|aborted|", "|abortec|")
@@ -134,12 +135,14 @@ def test_flipped_byte_in_payload_is_named(log_url: str, pool_id: str) -> None:
     assert report.violations[0].rule == "hash_mismatch"
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_flipped_block_id_is_named(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     edit_record(log_url, pool_id, 6, "|0,1|", "|4,1|")
     assert audit(log_url, pool_id).first_bad_seq == 6
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_edited_filter_column_is_named(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     execute(log_url, "UPDATE allocator_events SET owner = 'X' WHERE pool_id = :p AND seq = 3", p=pool_id)
@@ -147,6 +150,7 @@ def test_edited_filter_column_is_named(log_url: str, pool_id: str) -> None:
     assert [(v.seq, v.rule) for v in report.violations] == [(3, "column_mismatch")]
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_deleted_row_is_named(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     execute(log_url, "DELETE FROM allocator_events WHERE pool_id = :p AND seq = 5", p=pool_id)
@@ -155,6 +159,7 @@ def test_deleted_row_is_named(log_url: str, pool_id: str) -> None:
     assert report.violations[0].rule == "missing_events"
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_swapped_rows_are_named(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     execute(log_url, "UPDATE allocator_events SET seq = -1 WHERE pool_id = :p AND seq = 4", p=pool_id)
@@ -163,6 +168,7 @@ def test_swapped_rows_are_named(log_url: str, pool_id: str) -> None:
     assert audit(log_url, pool_id).first_bad_seq == 4
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_cut_tail_is_named(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     execute(log_url, "DELETE FROM allocator_events WHERE pool_id = :p AND seq >= 9", p=pool_id)
@@ -171,6 +177,7 @@ def test_cut_tail_is_named(log_url: str, pool_id: str) -> None:
     assert report.violations[0].rule == "missing_events"
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_cut_tail_inside_a_batch_is_a_torn_batch(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id, close=False)._writer.stop()
     execute(log_url, "DELETE FROM allocator_events WHERE pool_id = :p AND seq = 11", p=pool_id)
@@ -178,6 +185,7 @@ def test_cut_tail_inside_a_batch_is_a_torn_batch(log_url: str, pool_id: str) -> 
     assert (report.first_bad_seq, report.violations[0].rule) == (11, "torn_batch")
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_state_violations_carry_block_and_owner(log_url: str, pool_id: str) -> None:
     write_log(log_url, pool_id)
     # a forged owner on a free: the chain breaks there, and the state check names blocks and owners
@@ -212,6 +220,7 @@ def test_large_epoch_is_verified_in_a_second_process(
     )
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_large_epoch_with_a_flipped_byte_is_named_like_a_small_one(
     log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

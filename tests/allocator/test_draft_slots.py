@@ -86,6 +86,7 @@ def test_a_rollback_of_a_block_not_taken_for_drafts_in_that_step_is_named_at_its
     ]
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_a_draft_record_that_is_not_utf8_is_named_by_replay_and_stops_no_audit(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'log.db'}"
     upgrade(url)

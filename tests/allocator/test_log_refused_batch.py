@@ -54,6 +54,7 @@ def _step(pool: BlockAllocator, log: EventLog, owner: str) -> None:
     log.append_batch(None, pool.take_events(), pool.snapshot)
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # the store refuses one event's row
 def test_a_refused_batch_fails_the_log_once_without_retrying(store: tuple[str, str]) -> None:
     kind, url = store
     pool_id = f"refused-{uuid.uuid4().hex[:8]}"

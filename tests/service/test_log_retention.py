@@ -6,10 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
 from nanoserve.allocator import BlockAllocator
-from nanoserve.allocator.log import EventLog, audit, audit_all
+from nanoserve.allocator.log import EventLog, audit, audit_all, read_events
 from nanoserve.allocator.log.archive import RetentionPolicy, manifest
 from nanoserve.allocator.log.reader import connect, list_epochs
 from nanoserve.migrations import upgrade
@@ -67,12 +66,8 @@ def test_a_failed_pass_is_retried_not_fatal(tmp_path: Path) -> None:
 
 
 def _count_allocations(url: str) -> int:
-    engine = sa.create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.text("SELECT count(*) FROM allocator_events WHERE kind = 'allocate'")).scalar())
-    finally:
-        engine.dispose()
+    """ALLOCATE events stored in pool p's epoch 1 (packed rows read as their events)."""
+    return len(read_events(url, "p", 1, kind="allocate"))
 
 
 def test_the_default_archive_folder() -> None:

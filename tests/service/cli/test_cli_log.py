@@ -75,6 +75,7 @@ def test_audit_of_unknown_epoch_exits_2(log_url: str, capsys: pytest.CaptureFixt
     assert "pool 'p' has no epoch 9; epochs: [1]" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_audit_of_tampered_log_names_first_bad_seq(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     engine = sa.create_engine(log_url)
     with engine.begin() as conn:

@@ -117,6 +117,7 @@ def _cut_epoch(tmp_path: Path) -> tuple[str, EventLog, BlockAllocator, SegmentEn
     return url, log, pool, segment
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_log_audit_archive_checks_a_segment_file_and_names_a_planted_change(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -25,6 +25,9 @@ from ...faults import Tmpfs, damage_page
 NUM_REQUESTS = 150  # 300 block events over a few dozen pages, three snapshots
 POOL = "p"
 
+# every test damages one event's row by its seq (packed rows: tests/allocator/test_packed_rows.py)
+pytestmark = pytest.mark.usefixtures("one_row_per_event")
+
 
 def build_log(folder: Path) -> tuple[str, Path]:
     """A closed epoch: request i allocates one block (one step) and frees it (the next step)."""

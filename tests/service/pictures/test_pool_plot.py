@@ -294,6 +294,7 @@ def _edit_record(url: str, seq: int, old: str, new: str) -> None:
     engine.dispose()
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_damaged_log_is_drawn_up_to_its_first_bad_seq(
     url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -310,6 +311,7 @@ def test_damaged_log_is_drawn_up_to_its_first_bad_seq(
     )
 
 
+@pytest.mark.usefixtures("one_row_per_event")  # damages one event's row
 def test_log_damaged_at_its_start_exits_1_without_a_picture(
     url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
