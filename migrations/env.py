@@ -38,6 +38,7 @@ assert journal_schema.request_journal.metadata is target_metadata, "the journal'
 # pg_advisory_xact_lock key held while migrating: the bytes "nsmigrat" as a signed 64-bit integer
 MIGRATION_LOCK_KEY = int.from_bytes(b"nsmigrat", "big", signed=True)
 SQLITE_BUSY_TIMEOUT_S = 30.0
+SQLITE_PAGE_SIZE = 8192  # bytes per page of a new file: allocator.log.store.SQLITE_PAGE_SIZE
 
 
 def _url() -> str:
@@ -82,6 +83,12 @@ def _create_private_file(path: str) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
+def _sqlite_page_size(dbapi_connection: Any, _record: Any) -> None:
+    """A new SQLite file's page size, set before the first table makes it permanent: the same
+    ``SQLITE_PAGE_SIZE`` as ``allocator.log.store`` (repeated here for the reason above)."""
+    dbapi_connection.execute(f"PRAGMA page_size={SQLITE_PAGE_SIZE}")
+
+
 def run_migrations_online() -> None:
     url = sa.engine.make_url(_url())
     if url.get_backend_name() == "sqlite":
@@ -90,6 +97,7 @@ def run_migrations_online() -> None:
         # the driver leaves transactions to us, and each begins by taking the write lock
         engine = sa.create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "isolation_level": None})
         sa.event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+        sa.event.listen(engine, "connect", _sqlite_page_size)
     else:
         engine = sa.create_engine(url)
     try:
