@@ -27,6 +27,7 @@ the log, and callers use torch's kernels instead.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import platform
 import sys
@@ -53,6 +54,8 @@ HEADERS = [
 # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (torch ships libgomp.so.1, which the loader reuses)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 LIBRARY_NAME = "nanoserve_kernels"
+BUILD_GUARD = "build.flock"  # the flock builders of one folder take turns on (_build)
+TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
 GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type ids, the kernel's quant_type argument
 
 _lock = threading.Lock()
@@ -79,20 +82,37 @@ def library_path() -> Path:
 
 
 def _build(target: Path) -> None:
-    """Compiles SOURCES into ``target``'s folder (ninja; raises on any failure)."""
+    """Compiles SOURCES into ``target``'s folder (ninja; raises on any failure), or loads what a
+    process that built it meanwhile left there.
+
+    Builders of one folder take turns on ``BUILD_GUARD``, an flock the kernel releases when its
+    holder dies. torch's own guard is a ``lock`` file that a build killed midway (SIGKILL, Ctrl-C
+    during the compile, a container stopped) leaves behind, and every later ``load`` waits on it
+    forever; holding the flock proves no builder of ours is alive, so such a file is stale and
+    is removed (``kernels.stale_build_lock_removed``).
+    """
     from torch.utils.cpp_extension import load
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    load(
-        name=LIBRARY_NAME,
-        sources=[str(s) for s in SOURCES],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(target.parent),
-        is_python_module=False,
-        verbose=False,
-    )
+    with (target.parent / BUILD_GUARD).open("a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # waits only for a live builder; released with the file or its process
+        if target.exists():  # built by the process we waited for
+            torch.ops.load_library(str(target))
+            return
+        stale = target.parent / TORCH_BUILD_LOCK
+        if stale.exists():
+            log.warning("kernels.stale_build_lock_removed", path=str(stale))
+            stale.unlink(missing_ok=True)
+        started = time.perf_counter()
+        load(
+            name=LIBRARY_NAME,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(target.parent),
+            is_python_module=False,
+            verbose=False,
+        )
     log.info("kernels.built", path=str(target), seconds=round(time.perf_counter() - started, 1))
 
 
