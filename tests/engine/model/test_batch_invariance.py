@@ -74,6 +74,32 @@ def test_int16_rows_do_not_depend_on_the_step_size(quant_type, layout, rows, in_
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    ("quant_type", "layout", "rows", "in_features"),
+    [("Q4_1", "groups", 52, 128), ("Q4_0", "groups", 100, 160), ("Q4_0", "rows", 45, 128),
+     ("Q8_0", "rows", 33, 160), ("Q4_1", "rows", 70, 128)],
+)  # fmt: skip
+def test_int16_every_step_from_9_to_40_rows_gives_the_one_row_bits(quant_type, layout, rows, in_features):
+    # every step size a tiling of x rows can split differently: the AVX-512 int16 panels' whole
+    # tiles and every remainder, the decode tiles' groups of 8 (AVX2: 4) rows and their remainders;
+    # weight rows not a multiple of a panel's 32 (or a tile's) leave a partial one
+    weight = random_blocks(quant_type, rows, in_features, seed=8)
+    blocks = weight.blocks
+    if layout == "groups":
+        blocks = kernels.group_rows(blocks, quant_type, in_features)
+    x = _x(40, in_features)
+    one_by_one = torch.cat(
+        [
+            kernels.gguf_linear(x[i : i + 1], blocks, quant_type, in_features, isa="int16", layout=layout)
+            for i in range(40)
+        ]
+    )
+    for num_tokens in range(9, 41):
+        got = kernels.gguf_linear(x[:num_tokens], blocks, quant_type, in_features, isa="int16", layout=layout)
+        assert torch.equal(got, one_by_one[:num_tokens]), num_tokens
+
+
+@needs_kernels
 @pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q8_0"])
 def test_int16_large_steps_are_x_times_gguf_weights_to_16_bit_activations(quant_type):
     weight = random_blocks(quant_type, 64, 256, seed=6)
