@@ -45,6 +45,23 @@ def _x(num_tokens: int, in_features: int) -> torch.Tensor:
     return x
 
 
+def _int16_one_row_at_a_time(
+    quant_type: str, layout: str, rows: int, in_features: int, num_tokens: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [num_tokens, in_features], the weight blocks in ``layout``, the int16 product of each row of x alone)."""
+    blocks = random_blocks(quant_type, rows, in_features, seed=seed).blocks
+    if layout == "groups":
+        blocks = kernels.group_rows(blocks, quant_type, in_features)
+    x = _x(num_tokens, in_features)
+    one_by_one = torch.cat(
+        [
+            kernels.gguf_linear(x[i : i + 1], blocks, quant_type, in_features, isa="int16", layout=layout)
+            for i in range(num_tokens)
+        ]
+    )
+    return x, blocks, one_by_one
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     ("quant_type", "layout", "rows", "in_features"),
@@ -52,17 +69,7 @@ def _x(num_tokens: int, in_features: int) -> torch.Tensor:
      ("Q8_0", "rows", 1001, 576), ("Q4_1", "rows", 36, 1536)],
 )  # fmt: skip
 def test_int16_rows_do_not_depend_on_the_step_size(quant_type, layout, rows, in_features):
-    weight = random_blocks(quant_type, rows, in_features, seed=5)
-    blocks = weight.blocks
-    if layout == "groups":
-        blocks = kernels.group_rows(blocks, quant_type, in_features)
-    x = _x(70, in_features)
-    one_by_one = torch.cat(
-        [
-            kernels.gguf_linear(x[i : i + 1], blocks, quant_type, in_features, isa="int16", layout=layout)
-            for i in range(70)
-        ]
-    )
+    x, blocks, one_by_one = _int16_one_row_at_a_time(quant_type, layout, rows, in_features, 70, seed=5)
     for num_tokens in (2, 3, 4, 5, 6, 7, 13, 64, 70):
         got = kernels.gguf_linear(x[:num_tokens], blocks, quant_type, in_features, isa="int16", layout=layout)
         assert torch.equal(got, one_by_one[:num_tokens]), num_tokens
@@ -83,17 +90,7 @@ def test_int16_every_step_from_9_to_40_rows_gives_the_one_row_bits(quant_type, l
     # every step size a tiling of x rows can split differently: the AVX-512 int16 panels' whole
     # tiles and every remainder, the decode tiles' groups of 8 (AVX2: 4) rows and their remainders;
     # weight rows not a multiple of a panel's 32 (or a tile's) leave a partial one
-    weight = random_blocks(quant_type, rows, in_features, seed=8)
-    blocks = weight.blocks
-    if layout == "groups":
-        blocks = kernels.group_rows(blocks, quant_type, in_features)
-    x = _x(40, in_features)
-    one_by_one = torch.cat(
-        [
-            kernels.gguf_linear(x[i : i + 1], blocks, quant_type, in_features, isa="int16", layout=layout)
-            for i in range(40)
-        ]
-    )
+    x, blocks, one_by_one = _int16_one_row_at_a_time(quant_type, layout, rows, in_features, 40, seed=8)
     for num_tokens in range(9, 41):
         got = kernels.gguf_linear(x[:num_tokens], blocks, quant_type, in_features, isa="int16", layout=layout)
         assert torch.equal(got, one_by_one[:num_tokens]), num_tokens
