@@ -101,8 +101,9 @@ def seal_event_rows(
     return SealedRows(rows, seq - 1, previous, closed_seq)
 
 
-def seal_companion_rows(batches: Sequence[Batch], pool_id: str, epoch: int) -> Companions:
-    """The companion rows of ``batches``, in companion seq order, with the one table that stores them."""
+def seal_companion_rows(batches: Sequence[Batch], pool_id: str, epoch: int, writer_id: str) -> Companions:
+    """The companion rows of ``batches``, in companion seq order, with the one table that stores them
+    (``writer_id``: the writing log's, see ``CompanionTable.rows``)."""
     table: CompanionTable | None = None
     rows: list[CompanionRow] = []
     last_seq = 0
@@ -110,7 +111,7 @@ def seal_companion_rows(batches: Sequence[Batch], pool_id: str, epoch: int) -> C
         if not batch.companions:
             continue
         batch_table, batch_rows = seal_companions(
-            batch.companions, pool_id, epoch, batch.first_companion_seq, batch.step, batch.wall_time_ns
+            batch.companions, pool_id, epoch, batch.first_companion_seq, batch.step, batch.wall_time_ns, writer_id
         )
         assert table is None or batch_table is table, "one commit's companion records name two tables"
         table = batch_table

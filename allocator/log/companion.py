@@ -31,11 +31,21 @@ class CompanionTable(Protocol):
     """Where companion records are stored: builds their rows, inserts them, finds them again."""
 
     def rows(
-        self, records: Sequence[Any], pool_id: str, epoch: int, first_seq: int, step: int | None, wall_ns: int
+        self,
+        records: Sequence[Any],
+        pool_id: str,
+        epoch: int,
+        first_seq: int,
+        step: int | None,
+        wall_ns: int,
+        writer_id: str,
     ) -> list[CompanionRow]:
         """The stored rows of one batch's ``records``, companion seqs ``first_seq``, ... of ``(pool_id,
         epoch)``; ``step`` and ``wall_ns`` are the batch's (None: outside any step). Called once per
-        batch, in companion seq order, on the writer's thread."""
+        batch, in companion seq order, on the writer's thread. ``writer_id`` names the log that
+        writes them (its writer's id, unique per ``EventLog.open``): a table that keeps state between
+        batches (a chain's head) keys it by the writer too, since one process may write two logs
+        whose pool ids and epochs are the same (two ``LLM``s, each with its own file)."""
         ...
 
     def insert(self, conn: sa.Connection, rows: Sequence[CompanionRow]) -> None:
@@ -59,7 +69,13 @@ class CompanionRecord(Protocol):
 
 
 def seal_companions(
-    records: Sequence[CompanionRecord], pool_id: str, epoch: int, first_seq: int, step: int | None, wall_ns: int
+    records: Sequence[CompanionRecord],
+    pool_id: str,
+    epoch: int,
+    first_seq: int,
+    step: int | None,
+    wall_ns: int,
+    writer_id: str,
 ) -> tuple[CompanionTable | None, list[CompanionRow]]:
     """The stored rows of one batch's ``records`` (seqs ``first_seq``, ...) and the table that holds
     them; (None, []) for none. Every record of a batch must name the same table."""
@@ -68,7 +84,7 @@ def seal_companions(
     table = records[0].table
     for seq, record in enumerate(records, first_seq):
         assert record.table is table, f"companion seq {seq} names another table than seq {first_seq}"
-    return table, table.rows(records, pool_id, epoch, first_seq, step, wall_ns)
+    return table, table.rows(records, pool_id, epoch, first_seq, step, wall_ns, writer_id)
 
 
 class CompanionSegment(NamedTuple):

@@ -284,7 +284,7 @@ class LogWriter:
 
     def seal_companions(self, batches: list[Batch]) -> Companions:
         """The companion rows of ``batches``, in companion seq order, with their table."""
-        return seal_companion_rows(batches, self.pool_id, self.epoch)
+        return seal_companion_rows(batches, self.pool_id, self.epoch, self.writer_id)
 
     def add_durable_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` on the writer thread after every commit (it must be quick)."""

@@ -102,17 +102,17 @@ class LiveCheckpoints:
         if records_per_checkpoint < 1:
             raise ValueError(f"records_per_checkpoint must be >= 1, got {records_per_checkpoint}")
         self.records_per_checkpoint = records_per_checkpoint
-        # (pool_id, epoch) -> (its live requests, records since its last checkpoint)
-        self._epochs: OrderedDict[tuple[str, int], tuple[LiveRequests, int]] = OrderedDict()
+        # (writer_id, pool_id, epoch) -> (its live requests, records since its last checkpoint)
+        self._epochs: OrderedDict[tuple[str, str, int], tuple[LiveRequests, int]] = OrderedDict()
 
     def admit_seqs(
-        self, pool_id: str, epoch: int, first_seq: int, records: Sequence[tuple[str, str]]
+        self, pool_id: str, epoch: int, first_seq: int, records: Sequence[tuple[str, str]], writer_id: str = ""
     ) -> list[int | None]:
         """Per ``(kind, request_id)`` record of the step row about to be built (seqs ``first_seq``, ...):
         for an OUTPUT or FINISH, the journal seq of its request's ADMIT in the epoch, the one the live
         requests hold (``step_codec`` stores the OUTPUT by it); None for other kinds, for a request not
         live, or in an epoch not followed from its start. Changes nothing (``follow`` then does)."""
-        followed = (LiveRequests(), 0) if first_seq == 1 else self._epochs.get((pool_id, epoch))
+        followed = (LiveRequests(), 0) if first_seq == 1 else self._epochs.get((writer_id, pool_id, epoch))
         if followed is None:
             return [None] * len(records)
         admitted = followed[0].admitted
@@ -128,11 +128,18 @@ class LiveCheckpoints:
         return seqs
 
     def follow(
-        self, pool_id: str, epoch: int, first_seq: int, records: Iterable[tuple[str, str]], step_hash: bytes
+        self,
+        pool_id: str,
+        epoch: int,
+        first_seq: int,
+        records: Iterable[tuple[str, str]],
+        step_hash: bytes,
+        writer_id: str = "",
     ) -> CheckpointRow | None:
         """Apply one step row's ``(kind, request_id)`` records (seqs ``first_seq``, ...), whose row hashes
-        to ``step_hash``; the checkpoint to store with that row, or None."""
-        key = (pool_id, epoch)
+        to ``step_hash``; the checkpoint to store with that row, or None. ``writer_id`` names the log
+        that writes the epoch (``CompanionTable.rows``): two logs of one pool id and epoch are two epochs."""
+        key = (writer_id, pool_id, epoch)
         if first_seq == 1:
             self._epochs[key] = (LiveRequests(), 0)
             while len(self._epochs) > _NUM_EPOCHS_KEPT:

@@ -74,15 +74,18 @@ _NUM_HEADS_KEPT = 256
 class JournalTable:
     """The request journal as the event log's companion table: one ``journal_steps`` row per batch.
 
-    Keeps the chain's head of each epoch it writes (``(pool_id, epoch, last_seq)
-    -> hash``, the last few only): the writer hands it an epoch's batches in seq
+    Keeps the chain's head of each epoch it writes (``(writer_id, pool_id, epoch,
+    last_seq) -> hash``, the last few only): the writer hands it an epoch's batches in seq
     order, so each row chains from the one built before it; a retry reuses its
     sealed rows and builds nothing again. Follows each epoch's live requests too
     (``checkpoints``), and stores them with a step row every
-    ``checkpoints.records_per_checkpoint`` records (``live_requests``)."""
+    ``checkpoints.records_per_checkpoint`` records (``live_requests``). One table serves
+    every log of the process, so both are keyed by the writing log (``writer_id``) as well:
+    two logs of one pool id and epoch (two ``LLM``s in one process, each with its own file)
+    once chained from each other's heads, and their journals audited as altered."""
 
     def __init__(self) -> None:
-        self._heads: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
+        self._heads: OrderedDict[tuple[str, str, int, int], bytes] = OrderedDict()
         self._lock = threading.Lock()
         self.checkpoints = LiveCheckpoints()
 
@@ -94,6 +97,7 @@ class JournalTable:
         first_seq: int,
         step: int | None,
         wall_ns: int,
+        writer_id: str,
     ) -> list[CompanionRow]:
         """One step row holding ``records`` (journal seqs ``first_seq``, ...), chained to the epoch's
         row that ends at ``first_seq - 1``; the row carries its ADMITs' and FINISHes' index rows, then
@@ -101,17 +105,19 @@ class JournalTable:
         last_seq = first_seq + len(records) - 1
         kinds = [(record.kind.value, record.request_id) for record in records]
         with self._lock:
-            admit_seqs = self.checkpoints.admit_seqs(pool_id, epoch, first_seq, kinds)
+            admit_seqs = self.checkpoints.admit_seqs(pool_id, epoch, first_seq, kinds, writer_id)
             body = encode_step([(record.kind.value, record.request_id, record.data) for record in records], admit_seqs)
             previous = (
-                journal_genesis(pool_id, epoch) if first_seq == 1 else self._heads.get((pool_id, epoch, first_seq - 1))
+                journal_genesis(pool_id, epoch)
+                if first_seq == 1
+                else self._heads.get((writer_id, pool_id, epoch, first_seq - 1))
             )
             assert previous is not None, f"journal seq {first_seq} of epoch {epoch} sealed before seq {first_seq - 1}"
             digest = step_hash(previous, first_seq, last_seq, step, wall_ns, body)
-            self._heads[(pool_id, epoch, last_seq)] = digest
+            self._heads[(writer_id, pool_id, epoch, last_seq)] = digest
             while len(self._heads) > _NUM_HEADS_KEPT:
                 self._heads.popitem(last=False)
-            checkpoint = self.checkpoints.follow(pool_id, epoch, first_seq, kinds, digest)
+            checkpoint = self.checkpoints.follow(pool_id, epoch, first_seq, kinds, digest, writer_id)
         index = tuple(
             (pool_id, epoch, seq, record.request_id)
             for seq, record in enumerate(records, first_seq)
