@@ -134,12 +134,15 @@ class TopologyConfig:
         for flag in ("--port", "--pool-id", "--host", "--grace-s", "--event-log-url"):
             if any(arg == flag or arg.startswith(flag + "=") for arg in self.serve_args):
                 raise ValueError(f"serve_args must not set {flag}: the topology sets it per replica")
-        for flag in replica_auth_flags():
-            if any(arg == flag or arg.startswith(flag + "=") for arg in self.serve_args):
+        refused = replica_auth_flags()
+        for arg in self.serve_args:
+            flag = serve_flag_of(arg)
+            if flag in refused:
+                written = arg.split("=", 1)[0]
                 raise ValueError(
-                    f"serve_args must not set {flag}: smg reaches the replicas in plaintext without credentials, "
-                    "so a replica that demands them is never routed to; require keys at the gateway "
-                    "(--tenant-api-key TENANT:KEY) instead"
+                    f"serve_args must not set {flag}{'' if written == flag else f' (written {written})'}: smg "
+                    "reaches the replicas in plaintext without credentials, so a replica that demands them or "
+                    "TLS is never routed to; require keys at the gateway (--tenant-api-key TENANT:KEY) instead"
                 )
         tenants: set[str] = set()
         for number, pair in enumerate(self.tenant_api_keys, 1):
@@ -431,6 +434,24 @@ def replica_auth_flags() -> tuple[str, ...]:
     from nanoserve.service.settings import SETTINGS
 
     return tuple(setting.flag for setting in SETTINGS if setting.name in REPLICA_AUTH_SETTINGS)
+
+
+def serve_flag_of(arg: str) -> str | None:
+    """The ``nanoserve serve`` flag ``arg`` sets as argparse reads it: ``--flag``, ``--flag=V``, or an
+    abbreviation that starts one flag only (``--auth-tokens-f`` is ``--auth-tokens-file``); None for
+    a value, an unknown or an ambiguous name (which serve refuses itself)."""
+    from nanoserve.service.settings import SETTINGS, parse_bool
+
+    if not arg.startswith("--"):
+        return None
+    name = arg.split("=", 1)[0]
+    flags = {setting.flag for setting in SETTINGS} | {
+        "--no-" + setting.flag[2:] for setting in SETTINGS if setting.parse is parse_bool
+    }
+    if name in flags:
+        return name
+    matches = [flag for flag in flags if flag.startswith(name)]
+    return matches[0] if len(matches) == 1 else None
 
 
 def replica_auth_in_environment(environ: Mapping[str, str]) -> list[str]:

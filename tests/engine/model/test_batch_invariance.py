@@ -169,8 +169,10 @@ def alone(runner, prompt) -> torch.Tensor:
     return _alone(runner, prompt)
 
 
-def _other(i: int) -> list[int]:
-    length = 2 + (i * 37) % 30  # never the prompt's 53 tokens: 2 .. 31 (63 of them: a step of about 1,000 rows)
+def _other(i: int, length: int | None = None) -> list[int]:
+    """Another request's prompt: ``length`` tokens, by default 2 .. 31 (never the prompt's 53; 63 of them
+    make a step of about 1,000 rows)."""
+    length = 2 + (i * 37) % 30 if length is None else length
     return [(i * 131 + j * 7) % 5000 + 100 for j in range(length)]
 
 
@@ -290,7 +292,7 @@ def test_seeded_sampling_same_tokens_uncached_cached_batched_and_preempted(runne
         num_kv_blocks=12, enable_prefix_caching=False, batch_invariant="on"
     )  # 192 slots: 4 requests need ~270
     small_engine = LLMEngine(small.config, runner=small)
-    crowd = [prompt, *(_other(i)[:50] for i in range(1, 4))]
+    crowd = [prompt, *(_other(i, 50) for i in range(1, 4))]
     preempted = _generate(small_engine, crowd, [SEEDED] * 4, "small")
     assert sum(o.metrics.num_preemptions for o in preempted) > 0
     assert preempted[0].token_ids == uncached.token_ids

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve.service.cli.main import main
-from nanoserve.service.gateway.replicas import Topology, TopologyConfig, replica_auth_flags
+from nanoserve.service.gateway.replicas import Topology, TopologyConfig, replica_auth_flags, serve_flag_of
 
 AUTH_FLAGS = ("--auth-token", "--auth-tokens", "--auth-tokens-file", "--tls-cert", "--tls-key", "--tls-client-ca")
 AUTH_ENV = (
@@ -39,6 +39,36 @@ def test_a_replica_auth_flag_is_refused_by_name(flag: str, form: str) -> None:
     serve_args = (flag, "value") if form == "separate" else (f"{flag}=value",)
     with pytest.raises(ValueError, match=f"serve_args must not set {flag}: smg reaches the replicas in plaintext"):
         TopologyConfig(serve_args=("--max-num-seqs", "4", *serve_args))
+
+
+@pytest.mark.parametrize(
+    ("written", "flag"),
+    [
+        ("--auth-tokens-f", "--auth-tokens-file"),
+        ("--auth-tokens-fi=F", "--auth-tokens-file"),
+        ("--tls-client", "--tls-client-ca"),
+        ("--tls-ce", "--tls-cert"),
+        ("--auth-to", None),  # --auth-token, --auth-tokens and --auth-tokens-file: serve refuses it as ambiguous
+    ],
+)
+def test_an_abbreviation_argparse_would_expand_to_an_auth_flag_is_refused_too(written: str, flag: str | None) -> None:
+    # the replica's argparse expands a unique prefix: a new user's --auth-tokens-f reached the replica
+    # and the gateway waited its whole start-up timeout
+    assert serve_flag_of(written) == flag
+    if flag is not None:
+        with pytest.raises(ValueError, match=f"must not set {flag} \\(written {written.split('=')[0]}\\)"):
+            TopologyConfig(serve_args=(written, "value"))
+    else:
+        TopologyConfig(serve_args=(written, "value"))
+
+
+def test_other_serve_flags_and_values_pass() -> None:
+    assert serve_flag_of("--max-num-se") == "--max-num-seqs"
+    assert serve_flag_of("--max-num") is None  # ambiguous: serve says so itself
+    assert serve_flag_of("--no-journal") == "--no-journal"
+    assert serve_flag_of("--auth-token-please") is None
+    assert serve_flag_of("auth-token") is None
+    TopologyConfig(serve_args=("--max-num-seqs", "4", "--model", "/models/auth-token", "--journal"))
 
 
 @pytest.mark.parametrize("name", AUTH_ENV)
