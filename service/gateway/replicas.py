@@ -132,12 +132,13 @@ class TopologyConfig:
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
         for flag in ("--port", "--pool-id", "--host", "--grace-s", "--event-log-url"):
-            if any(arg == flag or arg.startswith(flag + "=") for arg in self.serve_args):
+            if any(serve_flag_of(arg) == flag for arg in self.serve_args):
                 raise ValueError(f"serve_args must not set {flag}: the topology sets it per replica")
         refused = replica_auth_flags()
         for arg in self.serve_args:
-            flag = serve_flag_of(arg)
-            if flag in refused:
+            set_flag = serve_flag_of(arg)
+            if set_flag is not None and set_flag in refused:
+                flag = set_flag
                 written = arg.split("=", 1)[0]
                 raise ValueError(
                     f"serve_args must not set {flag}{'' if written == flag else f' (written {written})'}: smg "
@@ -440,7 +441,8 @@ def serve_flag_of(arg: str) -> str | None:
     """The ``nanoserve serve`` flag ``arg`` sets as argparse reads it: ``--flag``, ``--flag=V``, or an
     abbreviation that starts one flag only (``--auth-tokens-f`` is ``--auth-tokens-file``); None for
     a value, an unknown or an ambiguous name (which serve refuses itself)."""
-    from nanoserve.service.settings import SETTINGS, parse_bool
+    from nanoserve.service.setting import parse_bool
+    from nanoserve.service.settings import SETTINGS
 
     if not arg.startswith("--"):
         return None
