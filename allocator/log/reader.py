@@ -174,7 +174,9 @@ def resolve_epoch(conn: sa.Connection, pool_id: str | None, epoch: int | None) -
         raise LogNotFoundError("the log holds no pools" if pool_id is None else f"the log holds no pool {pool_id!r}")
     pools = sorted({info.pool_id for info in epochs})
     if len(pools) > 1:
-        raise LogNotFoundError(f"the log holds several pools, choose one with pool_id: {pools}")
+        raise LogNotFoundError(
+            f"the log holds several pools, choose one (--pool on the command line, pool_id in Python): {pools}"
+        )
     if epoch is None:
         return epochs[-1]
     for info in epochs:

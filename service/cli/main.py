@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 # sub-command module names under nanoserve.service.cli.commands, in --help order
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell shows for a command whose reader went away
 
 COMMANDS: tuple[str, ...] = ("serve", "generate", "health", "log", "db", "gateway")
 
@@ -45,9 +47,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         gc.enable()
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could only be reported as ignored
+        return status
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling: quiet, as shells expect
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `nanoserve log show | head`: the reader has what it wanted
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null, so that the interpreter's last flush of the dead pipe raises nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -258,3 +258,22 @@ def test_show_owner_lists_the_samples_forked_from_it_with_their_forks_and_copies
     ]
     assert "other" not in "\n".join(lines)
     assert any("<-r partial =2,2" in line for line in lines)
+
+
+@pytest.mark.parametrize("command", [("log", "show"), ("log", "state", "--at", "3"), ("log", "epochs")])
+def test_output_whose_reader_went_away_stops_quietly_with_141(log_url: str, command: tuple[str, ...]) -> None:
+    # `nanoserve log show | head -1`: once head exits, every write meets a closed pipe; here the reader
+    # is gone before the first one
+    import subprocess
+    import sys
+
+    nanoserve = subprocess.Popen(
+        [sys.executable, "-m", "nanoserve.service.cli.main", *command, "--url", log_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert nanoserve.stdout is not None
+    nanoserve.stdout.close()
+    _, stderr = nanoserve.communicate(timeout=60)
+    assert stderr.decode() == ""  # no traceback, no "Exception ignored ... BrokenPipeError"
+    assert nanoserve.returncode == 141
