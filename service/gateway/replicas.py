@@ -199,6 +199,8 @@ class Topology:
     gateway_port: int | None = None
     prometheus_port: int | None = None
     _log_files: list[IO[bytes]] = field(default_factory=list)
+    # log file name -> its size when this run opened it (log_dir set)
+    _log_starts: dict[str, int] = field(default_factory=dict)
     # process name -> (the thread copying its stderr through, its last lines), when log_dir is None
     _tails: dict[str, tuple[threading.Thread, deque[str]]] = field(default_factory=dict)
 
@@ -374,6 +376,8 @@ class Topology:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             output = (self.config.log_dir / log_name).open("ab")
             self._log_files.append(output)
+            # the file is appended to across runs: a failure quotes this run's lines only, from here on
+            self._log_starts[log_name] = output.seek(0, os.SEEK_END)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # a session of its own: Ctrl-C in a terminal reaches this process alone, which then stops the
         # gateway and the replicas in order (a replica signalled twice would cut its drain short)
@@ -406,8 +410,9 @@ class Topology:
     def _last_lines(self, name: str, log_name: str) -> list[str]:
         """An exited process's last lines of output: its log file's, or those its stderr copier kept."""
         if self.config.log_dir is not None:
-            with contextlib.suppress(OSError):
-                text = (self.config.log_dir / log_name).read_text(encoding="utf-8", errors="replace")
+            with contextlib.suppress(OSError), (self.config.log_dir / log_name).open("rb") as log_file:
+                log_file.seek(self._log_starts.get(log_name, 0))
+                text = log_file.read().decode("utf-8", errors="replace")
                 return text.splitlines()[-NUM_TAIL_LINES:]
             return []
         if name not in self._tails:

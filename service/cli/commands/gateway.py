@@ -59,7 +59,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--prometheus-port", type=int, default=29000, help="the gateway's /metrics port (default 29000; 0: any free)"
     )
-    parser.add_argument("--policy", choices=POLICIES, default="cache_aware", help="smg routing policy")
+    parser.add_argument(
+        "--policy", choices=POLICIES, default="cache_aware", help="smg routing policy (default cache_aware)"
+    )
     parser.add_argument(
         "--pool-id-prefix", default="replica", help="replica i logs under pool id PREFIX-i (default: replica)"
     )
@@ -73,10 +75,15 @@ def register(subparsers: Any) -> None:
         "--grace-s", type=float, default=10.0, help="seconds streams get to finish on shutdown (default 10)"
     )
     parser.add_argument(
-        "--startup-timeout-s", type=float, default=300.0, help="longest wait for the replicas and the gateway"
+        "--startup-timeout-s",
+        type=float,
+        default=300.0,
+        help="longest wait for the replicas and the gateway, seconds (default 300)",
     )
     parser.add_argument(
-        "--log-dir", default=None, help="write each process's output to DIR/replica-N.log and DIR/smg.log"
+        "--log-dir",
+        default=None,
+        help="append each process's output to DIR/replica-N.log and DIR/smg.log (a failure at start-up quotes this run's lines)",
     )
     parser.add_argument(
         "--tenant-api-key",
