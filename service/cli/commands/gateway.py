@@ -83,7 +83,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--log-dir",
         default=None,
-        help="append each process's output to DIR/replica-N.log and DIR/smg.log (a failure at start-up quotes this run's lines)",
+        help="append each process's output to DIR/replica-N.log and DIR/smg.log (a failure at start-up "
+        "quotes this run's lines)",
     )
     parser.add_argument(
         "--tenant-api-key",
