@@ -343,7 +343,8 @@ def run_state(args: argparse.Namespace) -> int:
         )
     print(
         f"pool {state.pool_id!r} epoch {state.epoch} at seq {state.last_seq}: "
-        f"{state.num_free} free, {state.num_allocated} allocated "
+        f"{state.num_free} free{f' ({state.num_cached_free} of them cached)' if state.num_cached_free else ''}, "
+        f"{state.num_allocated} allocated "
         f"of {state.num_blocks} blocks of {state.block_size} tokens"
     )
     held = state.blocks_by_owner()
@@ -356,7 +357,9 @@ def run_state(args: argparse.Namespace) -> int:
     if args.full:
         print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
     else:
-        print("free blocks: " + (log_format.block_ranges(state.free_block_ids) or "none"))
+        # the free stack and the cached-free list are disjoint; together they are the header's "N free"
+        cached = f"; cached: {log_format.block_ranges(state.cached_free)}" if state.cached_free else ""
+        print("free blocks: " + (log_format.block_ranges(state.free_block_ids) or "none") + cached)
     if state.block_keys or state.sharers:  # prefix-cache blocks, or forked ones (parallel sampling)
         log_format.print_cache(state, args.full)
     for violation in state.violations:

@@ -47,7 +47,7 @@ def print_cache(state: PoolState, full: bool) -> None:
             ]
             for b, h in shared.items()
         ]
-        print(table(["shared block", "count", "held by", "key", ""], rows))
+        print(table(["shared block", "count", "held by", "key", "copy"], rows))
     if full:
         rows = [
             [str(block_id), str(state.ref_count(block_id)), key, parent or ""]

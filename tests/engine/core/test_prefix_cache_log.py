@@ -78,3 +78,39 @@ def test_state_picture_titles_cached_free_and_shared_blocks(log_url: str, tmp_pa
         out = tmp_path / f"state-{seq}.svg"
         assert main(["log", "state", "--url", log_url, "--at", str(seq), "--svg", str(out)]) == 0
         assert expected in out.read_text()
+
+
+def test_state_free_blocks_add_up_to_the_header_count_with_cached_ones(
+    log_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a new user found the "free blocks:" ranges short of the header's "N free": cached-free blocks were left out
+    seq = next(e.seq for e in read_events(log_url) if e.kind == "release" and 0 in e.ref_counts)
+    state = replay(log_url, until_seq=seq)
+    assert main(["log", "state", "--url", log_url, "--at", str(seq)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    num_cached = len(state.cached_free)
+    assert num_cached > 0
+    assert f"{state.num_free} free ({num_cached} of them cached), {state.num_allocated} allocated" in lines[0]
+    free_line = next(line for line in lines if line.startswith("free blocks: "))
+    uncached, cached = free_line.removeprefix("free blocks: ").split("; cached: ")
+    listed = [_expand(uncached), _expand(cached)]
+    assert listed == [sorted(state.free_block_ids), sorted(state.cached_free)]
+    assert len(listed[0]) + len(listed[1]) == state.num_free
+
+
+def test_state_names_every_column_of_the_shared_block_table(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    seq = next(e.seq for e in read_events(log_url) if e.kind == "share" and e.ref_counts[0] == 3)
+    assert main(["log", "state", "--url", log_url, "--at", str(seq)]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("shared block"))
+    assert header.split() == ["shared", "block", "count", "held", "by", "key", "copy"]
+
+
+def _expand(ranges: str) -> list[int]:
+    """ "0-2, 5" -> [0, 1, 2, 5]; "none" -> []."""
+    if ranges == "none":
+        return []
+    ids: list[int] = []
+    for run in ranges.split(", "):
+        first, _, last = run.partition("-")
+        ids.extend(range(int(first), int(last or first) + 1))
+    return ids
