@@ -89,6 +89,8 @@ def draw_end_marks(
             facts.setdefault(owner_id, []).append(text)
         label = f"{words} (its blocks {freed}): {len(groups):,} time{'s' * (len(groups) != 1)}"
         label += f", {len(said):,} request{'s' * (len(said) != 1)}"
+        num_marks = sum(len(bars) for _, _, bars in groups)  # one mark per block (a new user counted 4 for "2 times")
+        label += f", {num_marks:,} block mark{'s' * (num_marks != 1)}"
         handles.append(_handle(marker, face, edge, label))
     return handles, facts
 
