@@ -716,7 +716,10 @@ def test_a_preemption_that_frees_and_releases_is_one_mark(url: str, tmp_path: Pa
     main(["log", "plot", "--url", url, "-o", str(out)])
     marks = {key: text for key, (_, text) in titled(out).items() if key.startswith("preempted-")}
     assert marks == {"preempted-0": "A preempted at seq 4 (step 1): blocks 0, 1, 2 freed for recompute"}
-    assert any("preempted (its blocks freed for recompute): 1 time, 1 request, 3 block marks" in text for text in svg_texts(out))
+    assert any(
+        "preempted (its blocks freed for recompute): 1 time, 1 request, 3 block marks" in text
+        for text in svg_texts(out)
+    )
 
 
 def test_a_cut_epoch_is_drawn_from_its_checkpoint_and_says_what_is_archived(url: str, tmp_path: Path) -> None:
