@@ -48,6 +48,9 @@ def request_rows(entries: list[JournalEntry]) -> list[list[str]]:
                 "num_prompt_tokens": len(entry.data.get("prompt_token_ids", [])),
                 "num_tokens": entry.data.get("num_prior_tokens", 0),
                 "state": None,
+                "num_samples": max(int(sampling.get("n") or 1), int(sampling.get("best_of") or 1))
+                if isinstance(sampling := entry.data.get("sampling"), dict)
+                else 1,
             }
             continue
         row = rows.setdefault(key, {"admitted": "-", "num_prompt_tokens": 0, "num_tokens": 0, "state": None})
@@ -62,9 +65,10 @@ def request_rows(entries: list[JournalEntry]) -> list[list[str]]:
         if state is None:
             taken = recovered_in.get((epoch, request_id))
             state = "running, or cut by a crash" if taken is None else f"recovered in epoch {taken}"
-        table.append(
-            [str(epoch), request_id, row["admitted"], str(row["num_prompt_tokens"]), str(row["num_tokens"]), state]
-        )
+        num_samples = row.get("num_samples", 1)
+        # parallel sampling: the samples' tokens are not journaled (docs/parallel-sampling.md), so none are counted
+        output = str(row["num_tokens"]) if num_samples == 1 else f"- ({num_samples} samples, not journaled)"
+        table.append([str(epoch), request_id, row["admitted"], str(row["num_prompt_tokens"]), output, state])
     return table
 
 
