@@ -1,4 +1,4 @@
-"""``nanoserve log requests`` of a parallel-sampling request: the samples' tokens are not journaled, and the row says so."""
+"""``nanoserve log requests`` of a parallel-sampling request: its samples' tokens are not journaled, as it says."""
 
 from __future__ import annotations
 
