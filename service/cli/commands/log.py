@@ -341,6 +341,14 @@ def run_state(args: argparse.Namespace) -> int:
             f"showing the pool there, not at --at {args.at_seq}",
             file=sys.stderr,
         )
+    if state.violations:
+        unread = [v.message.partition(" (one packed row)")[0] for v in state.violations if v.rule == "bad_record"]
+        print(
+            f"note: the log breaks its rules before seq {state.last_seq} (the violations below); the pool shown is "
+            "what the events that could be read give"
+            + (f", without the unreadable {', '.join(unread)}" if unread else ""),
+            file=sys.stderr,
+        )
     print(
         f"pool {state.pool_id!r} epoch {state.epoch} at seq {state.last_seq}: "
         f"{state.num_free} free{f' ({state.num_cached_free} of them cached)' if state.num_cached_free else ''}, "
