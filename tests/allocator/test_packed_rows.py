@@ -262,8 +262,8 @@ def test_log_audit_show_and_state_name_a_damaged_packed_row_by_its_seqs(
     assert "violation: seq 2: bad_record: seqs 2..4 (one packed row)" in captured.out
     # the header's "at seq 6" is a pool without seqs 2..4: stderr says so (a new user took it for the whole pool)
     assert captured.err == (
-        "note: the log breaks its rules before seq 6 (the violations below); the pool shown is what the events "
-        "that could be read give, without the unreadable seqs 2..4\n"
+        "note: the pool at seq 6 is what the records that could be read give, without the unreadable seqs 2..4 "
+        "(the violations below)\n"
     )
 
 

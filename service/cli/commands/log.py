@@ -341,12 +341,11 @@ def run_state(args: argparse.Namespace) -> int:
             f"showing the pool there, not at --at {args.at_seq}",
             file=sys.stderr,
         )
-    if state.violations:
-        unread = [v.message.partition(" (one packed row)")[0] for v in state.violations if v.rule == "bad_record"]
+    unread = [v.message.partition(" (one packed row)")[0] for v in state.violations if v.rule == "bad_record"]
+    if unread:  # records that could not be read are not in the pool shown (other violations' events are)
         print(
-            f"note: the log breaks its rules before seq {state.last_seq} (the violations below); the pool shown is "
-            "what the events that could be read give"
-            + (f", without the unreadable {', '.join(unread)}" if unread else ""),
+            f"note: the pool at seq {state.last_seq} is what the records that could be read give, without the "
+            f"unreadable {', '.join(unread)} (the violations below)",
             file=sys.stderr,
         )
     print(
