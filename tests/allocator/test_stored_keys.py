@@ -414,3 +414,24 @@ def test_a_key_the_writer_forgot_is_stored_again_under_a_new_id() -> None:
     assert referred == ["0;\x1f0", "1;\x1f1", "2;\x1f2", "3;\x1f3", "4;\x1f4"]
     assert [chunks.expand(text) for text in referred] == texts
     assert len(ids) == 5
+
+
+def test_the_verifier_process_verifies_rows_that_name_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from .conftest import replay_module
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    pool = cached_log(url, "p")
+    monkeypatch.setattr(replay_module, "NUM_EVENTS_FOR_VERIFIER", 1)
+    monkeypatch.setattr(replay_module, "_has_idle_core", lambda: True)
+    verdicts: list[chain_verifier.ChainResult | None] = []
+    real_result = chain_verifier.result
+
+    def kept(proc: object) -> chain_verifier.ChainResult | None:
+        verdict = real_result(proc)  # type: ignore[arg-type]
+        verdicts.append(verdict)
+        return verdict
+
+    monkeypatch.setattr(chain_verifier, "result", kept)
+    assert replay(url, "p", from_snapshot=False) == pool.state()
+    assert [(v.intact, v.num_rows) if v else None for v in verdicts] == [(True, 12)]
