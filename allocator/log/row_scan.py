@@ -31,7 +31,7 @@ from nanoserve.allocator.log.errors import LogReadError, is_decode_error, is_sto
 from nanoserve.allocator.log.hash_chain import genesis_hash
 from nanoserve.allocator.log.key_refs import KeyChunks
 from nanoserve.allocator.log.key_table import stored_keys
-from nanoserve.allocator.log.packed_rows import PACKED_KIND, UnreadableRecords, expand_packed
+from nanoserve.allocator.log.packed_rows import PACKED_KIND, UnreadableRecords, expand_packed, is_keyed
 from nanoserve.allocator.log.schema import allocator_events
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "event_rows",
     "last_stored_seq",
     "has_packed_rows",
+    "packed_row_holding",
     "latest_snapshot_seq",
     "record_at",
     "rows_query",
@@ -229,6 +230,18 @@ def has_packed_rows(conn: sa.Connection) -> bool:
     file written before lacks them)."""
     columns = sa.inspect(conn).get_columns(allocator_events.name)
     return any(column["name"] == "records" for column in columns)
+
+
+def packed_row_holding(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> tuple[int, int, bool] | None:
+    """(first seq, last seq, whether it names stored keys) of the packed row that holds ``seq``; None when
+    a row of its own holds it, or none does."""
+    if not has_packed_rows(conn):
+        return None
+    table = allocator_events.c
+    found = _row_at_or_before(conn, pool_id, epoch, seq, table.last_seq, sa.func.substr(table.records, 1, 1))
+    if found is None or type(found[1]) is not int or found[1] < seq:
+        return None
+    return found[0], found[1], is_keyed(found[2])
 
 
 def _row_start(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> int:

@@ -288,11 +288,15 @@ def test_an_altered_key_row_fails_the_hash_of_each_row_that_names_it(tmp_path: P
     assert isinstance(stored, bytes)
     query(url, "UPDATE allocator_keys SET block_keys = :b", b=stored[:40] + bytes([stored[40] ^ 1]) + stored[41:])
     report = audit(url, "p")
-    # key 1 (bytes 32..63) is named by each packed row: each fails at its last seq
-    assert [(v.seq, v.rule) for v in report.violations if v.rule == "hash_mismatch"] == [
-        (3, "hash_mismatch"),
-        (6, "hash_mismatch"),
-        (10, "hash_mismatch"),
+    # key 1 (bytes 32..63) is named by each packed row: each fails at its last seq, named with its seqs
+    altered = "one of its records, or a key it names by id (allocator_keys), changed)"
+    assert [(v.seq, v.rule, v.message) for v in report.violations if v.rule == "hash_mismatch"] == [
+        (seq, "hash_mismatch", f"stored hash does not match the record and the previous hash (seqs {seqs}: {altered}")
+        for seq, seqs in (
+            (3, "2..3 are one packed row"),
+            (6, "4..6 are one packed row"),
+            (10, "7..10 are one packed row"),
+        )
     ]
 
 
