@@ -18,13 +18,17 @@ from sqlalchemy.engine import Engine
 from nanoserve.allocator.log.key_refs import KEY_BYTES, KeyChunks
 from nanoserve.allocator.log.schema import allocator_keys
 
-__all__ = ["KEY_COLUMNS", "has_key_table", "insert_keys", "rows_holding", "stored_keys"]
+__all__ = ["KEY_COLUMNS", "MAX_KEYS_PER_ROW", "has_key_table", "insert_keys", "rows_holding", "stored_keys"]
 
 # the columns of one row, in insert order
 KEY_COLUMNS = ("pool_id", "epoch", "first_key_id", "block_keys")
 # a reader that misses a key id reads the rows up to this many ids past it too: the next packed rows
 # name the keys their commits stored next
 _READ_AHEAD_IDS = 1024
+# keys per row at most: a longer run of new keys is cut into rows of this many, so that a row (1.5 KB)
+# stays within an 8 KiB page of the table stored by its key (SQLite keeps a row above about 2 KB of
+# such a table partly on an overflow page of its own)
+MAX_KEYS_PER_ROW = 48
 # engine -> whether it has allocator_keys (migration 0009), looked up once
 _HAS_TABLE: weakref.WeakKeyDictionary[Engine, bool] = weakref.WeakKeyDictionary()
 
@@ -38,10 +42,19 @@ def has_key_table(conn: sa.Connection) -> bool:
 
 
 def insert_keys(conn: sa.Connection, pool_id: str, epoch: int, first_key_id: int, keys: bytes) -> None:
-    """Store one row of keys inside ``conn``'s transaction (that of the packed rows that refer to them)."""
-    conn.execute(
-        sa.insert(allocator_keys).values(pool_id=pool_id, epoch=epoch, first_key_id=first_key_id, block_keys=keys)
-    )
+    """Store keys ``first_key_id, ...`` (32 bytes each, back to back) inside ``conn``'s transaction (that of
+    the packed rows that refer to them), in rows of MAX_KEYS_PER_ROW keys at most."""
+    step = MAX_KEYS_PER_ROW * KEY_BYTES
+    rows = [
+        {
+            "pool_id": pool_id,
+            "epoch": epoch,
+            "first_key_id": first_key_id + start // KEY_BYTES,
+            "block_keys": keys[start : start + step],
+        }
+        for start in range(0, len(keys), step)
+    ]
+    conn.execute(sa.insert(allocator_keys), rows)
 
 
 def stored_keys(conn: sa.Connection, pool_id: str, epoch: int) -> KeyChunks:

@@ -106,11 +106,15 @@ class AllocatorKey(Base):
     packed rows name them by id (``key_refs``), so each key's bytes are
     stored once per epoch. Written in the transaction of the packed rows
     that first refer to them; deleted with their epoch (an archive file
-    carries the rows its events refer to).
+    carries the rows its events refer to). On SQLite the table is stored
+    by its primary key (WITHOUT ROWID): no index beside it repeats the key.
     """
 
     __tablename__ = "allocator_keys"
-    __table_args__ = (ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),)
+    __table_args__ = (
+        ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),
+        {"sqlite_with_rowid": False},
+    )
 
     pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     epoch: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -52,6 +52,7 @@ def upgrade() -> None:
             name=op.f("fk_allocator_keys_pool_id_pool_epochs"),
         ),
         sa.PrimaryKeyConstraint("pool_id", "epoch", "first_key_id", name=op.f("pk_allocator_keys")),
+        sqlite_with_rowid=False,  # stored by its key: no index beside the table repeats it
     )
 
 

@@ -439,3 +439,17 @@ def test_the_verifier_process_verifies_rows_that_name_keys(tmp_path: Path, monke
     monkeypatch.setattr(chain_verifier, "result", kept)
     assert replay(url, "p", from_snapshot=False) == pool.state()
     assert [(v.intact, v.num_rows) if v else None for v in verdicts] == [(True, 12)]
+
+
+def test_many_new_keys_of_one_commit_are_cut_into_rows_and_read_back(
+    log_url: str, pool_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("nanoserve.allocator.log.key_table.MAX_KEYS_PER_ROW", 2)
+    pool = cached_log(log_url, pool_id)
+    stored = query(
+        log_url, "SELECT first_key_id, block_keys FROM allocator_keys WHERE pool_id = :p ORDER BY 1", p=pool_id
+    )
+    assert stored == [(0, bytes.fromhex(HEX[0]) + bytes.fromhex(HEX[1])), (2, bytes.fromhex(HEX[2]))]
+    assert audit(log_url, pool_id).clean
+    assert replay(log_url, pool_id) == pool.state()
+    assert [event.keys for event in read_events(log_url, pool_id, kind="evict")] == [tuple(reversed(HEX))]
