@@ -138,7 +138,7 @@ class KeyChunks:
         self._fetch = fetch
         self._starts: list[int] = []  # first_key_id of each row held, ascending
         self._keys: list[bytes] = []  # its keys, back to back
-        self._texts: dict[str, str] = {}  # key id as written -> "~" + base64url of the key
+        self._texts: dict[str, str] = {MARKER: MARKER}  # key id as written -> "~" + base64url of the key
 
     def add(self, first_key_id: int, keys: bytes) -> None:
         """Hold one ``allocator_keys`` row (a row already held is kept as it was)."""
@@ -166,18 +166,22 @@ class KeyChunks:
         if MARKER not in packed:
             return packed
         if len(self._texts) > _NUM_TEXTS_HELD and self._fetch is not None:  # forget; read again what is needed
-            self._starts, self._keys, self._texts = [], [], {}
+            self._starts, self._keys, self._texts = [], [], {MARKER: MARKER}
         texts = self._texts
-        wanted = set(_REF.findall(packed))
-        wanted.discard(MARKER)
-        unknown = sorted(int(key_id) for key_id in wanted if key_id not in texts and not self._known(key_id))
-        if unknown and self._fetch is not None:
-            for first_key_id, keys in self._fetch(unknown):
-                self.add(first_key_id, keys)
-            unknown = [key_id for key_id in unknown if not self._known(str(key_id))]
-        if unknown:
-            raise MissingKeys(unknown)
-        return _REF.sub(self._text_of, packed)
+        # the text between references, then each reference's id (or the marker), alternately: joined at C speed
+        parts = _REF.split(packed)
+        written = parts[1::2]
+        new = set(written).difference(texts)
+        if new:
+            unknown = sorted(int(key_id) for key_id in new if not self._known(key_id))
+            if unknown and self._fetch is not None:
+                for first_key_id, keys in self._fetch(unknown):
+                    self.add(first_key_id, keys)
+                unknown = [key_id for key_id in unknown if not self._known(str(key_id))]
+            if unknown:
+                raise MissingKeys(unknown)
+        parts[1::2] = map(texts.__getitem__, written)
+        return "".join(parts)
 
     def _known(self, key_id: str) -> bool:
         """Whether a held row holds the id written ``key_id`` (its text then cached)."""
@@ -188,10 +192,6 @@ class KeyChunks:
             return False
         self._texts[key_id] = "~" + base64.urlsafe_b64encode(key).decode().rstrip("=")
         return True
-
-    def _text_of(self, match: re.Match[str]) -> str:
-        key_id = match.group(1)
-        return MARKER if key_id == MARKER else self._texts[key_id]
 
 
 def referenced_ids(packed: str) -> set[int]:
