@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from nanoserve.allocator import BlockAllocator, BlockTable, FreeReason, extend_block_keys
-from nanoserve.allocator.log import EventLog, audit, audit_all, key_refs, packed_rows, read_events, replay
+from nanoserve.allocator.log import EventLog, audit, audit_all, key_refs, packed_rows, read_events, replay, store
 from nanoserve.allocator.log import hash_chain_verifier as chain_verifier
 from nanoserve.allocator.log.archive import RetentionPolicy, archive_epoch
 from nanoserve.allocator.log.hash_chain import genesis_hash
@@ -202,21 +202,20 @@ def test_a_failed_commit_leaves_no_key_id_behind_and_its_retry_stores_the_same(
 ) -> None:
     log = EventLog.open(log_url, pool_id=pool_id, num_blocks=8, block_size=BLOCK_SIZE)
     writer = log._writer
-    real_insert = packed_rows.pack_rows
+    real_insert_keys = store.insert_keys
     failures: list[int] = []
 
-    def fail_after_the_keys(rows: list, key_ids: KeyIds | None = None) -> list:  # type: ignore[type-arg]
-        stored = real_insert(rows, key_ids)
-        if len(failures) < 2 and key_ids is not None and key_ids.staged_row() is not None:
-            failures.append(rows[0][2])
+    def fail_after_the_keys(conn: sa.Connection, pool: str, epoch: int, first_key_id: int, keys: bytes) -> None:
+        real_insert_keys(conn, pool, epoch, first_key_id, keys)  # in the transaction, which then fails
+        if len(failures) < 2:
+            failures.append(first_key_id)
             raise sa.exc.OperationalError("INSERT", {}, Exception("disk I/O error (test)"))
-        return stored
 
-    monkeypatch.setattr("nanoserve.allocator.log.store.pack_rows", fail_after_the_keys)
+    monkeypatch.setattr(store, "insert_keys", fail_after_the_keys)
     pool = BlockAllocator(8, BLOCK_SIZE)
     write_cached(log, pool)
     log.close(final_state=pool.snapshot())
-    assert failures == [2, 2]  # the first commit with keys failed twice, then went through
+    assert failures == [0, 0]  # the first commit with keys failed twice after storing them, then went through
     assert writer.num_retries == 2
     assert query(log_url, "SELECT first_key_id FROM allocator_keys WHERE pool_id = :p", p=pool_id) == [(0,)]
     assert audit(log_url, pool_id).clean
