@@ -70,7 +70,7 @@ WORDS = [
     "indexes",
     "bytes",
 ]
-TABLES = ("allocator_events", "journal_steps", "journal_requests", "request_journal", "pool_epochs")
+TABLES = ("allocator_events", "allocator_keys", "journal_steps", "journal_requests", "request_journal", "pool_epochs")
 
 
 def workload(num_requests: int, system_words: int, seed: int) -> list[tuple[ChatPrompt, int]]:

@@ -74,6 +74,7 @@ def one_row_per_event(monkeypatch: pytest.MonkeyPatch) -> None:
     from nanoserve.allocator.log import packed_rows
 
     monkeypatch.setattr(packed_rows, "MIN_EVENTS_PER_PACKED_ROW", sys.maxsize)
+    monkeypatch.setattr(packed_rows, "MIN_KEYED_EVENTS_PER_PACKED_ROW", sys.maxsize)
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ epochs a ``RetentionPolicy`` no longer keeps into ``DIR/<pool>-epoch-<N>.db``:
 1. the file is written beside its final name (``.partial``, mode 0600) with the
    log's schema (``prepare_archive``, the migrations, passed in by the caller:
    the log never imports them) and the epoch's rows copied exactly as stored:
-   its ``pool_epochs`` row, its events, the rows of every companion table keyed
-   by (pool_id, epoch) (the request journal), so the hash chain verifies there
+   its ``pool_epochs`` row, its events, its stored keys (``allocator_keys``), the
+   rows of every companion table keyed by (pool_id, epoch) (the request journal), so the hash chain verifies there
    as it did here and ``nanoserve log show/state/plot/audit --url sqlite:///FILE``
    read it like any log;
 2. its sha256 is taken and it is renamed to its final name;
@@ -122,8 +122,8 @@ def epoch_bytes(
     sizes: dict[int, int] = {}
     for table in tables:
         size = sa.func.count() * ROW_OVERHEAD_BYTES
-        # an event's record text, a packed row's records; a companion table's binary body
-        for payload in ("record", "records", "body"):
+        # an event's record text, a packed row's records; a companion table's binary body; stored keys
+        for payload in ("record", "records", "body", "block_keys"):
             if payload in table.columns:
                 size = size + sa.func.coalesce(sa.func.sum(sa.func.length(table.c[payload])), 0)
         query = sa.select(table.c.epoch, size).where(table.c.pool_id == pool_id).group_by(table.c.epoch)

@@ -31,6 +31,7 @@ from nanoserve.allocator.log.reader import (
     to_event,
 )
 from nanoserve.allocator.log.replay import checkpoint_start, replay_epoch
+from nanoserve.allocator.log.row_scan import packed_row_holding
 from nanoserve.allocator.log.segment import cut_start
 from nanoserve.allocator.pool_state import PoolState, Violation
 
@@ -117,7 +118,7 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
             replayer.violate(closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner)
     state = replayer.state()
     found = replayer.violations + draft_violations(conn, info, replayer.start_seq)
-    violations = sorted(found, key=lambda violation: violation.seq)
+    violations = _in_packed_rows(conn, info, sorted(found, key=lambda violation: violation.seq))
     return AuditReport(
         pool_id=info.pool_id,
         epoch=info.epoch,
@@ -130,6 +131,25 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
         from_seq=replayer.start_seq,
         num_archived=0 if from_checkpoint else replayer.start_seq - 1,
     )
+
+
+def _in_packed_rows(conn: sa.Connection, info: EpochInfo, violations: list[Violation]) -> list[Violation]:
+    """The violations, each ``hash_mismatch`` at the last seq of a packed row naming the row's seqs: its
+    stored hash covers them all (and the keys it names by id, ``key_refs``)."""
+    named = []
+    for violation in violations:
+        row = (
+            None
+            if violation.rule != "hash_mismatch"
+            else packed_row_holding(conn, info.pool_id, info.epoch, violation.seq)
+        )
+        if row is not None and (row[0] < row[1] or row[2]):
+            first, last, keyed = row
+            where = f"seqs {first}..{last} are one packed row" if first < last else f"seq {first} is a packed row"
+            what = "one of its records, or a key it names by id (allocator_keys)," if keyed else "one of its records"
+            violation = dataclasses.replace(violation, message=f"{violation.message} ({where}: {what} changed)")
+        named.append(violation)
+    return named
 
 
 def _with_plot_ranges(

@@ -27,6 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from nanoserve.allocator.events import EventKind, FreeReason
+from nanoserve.allocator.log.key_table import stored_keys
 from nanoserve.allocator.log.packed_rows import PACKED_KIND, expand_packed, may_hold
 from nanoserve.allocator.log.reader import EpochInfo, to_event
 from nanoserve.allocator.log.row_scan import EVENT_COLUMNS, has_packed_rows
@@ -109,11 +110,12 @@ def _speculative_events(conn: sa.Connection, info: EpochInfo, from_seq: int) -> 
         )
         .order_by(table.seq)
     )
+    keys = stored_keys(conn, info.pool_id, info.epoch)
     for row in conn.execute(query):
         if row[5] is None:
             yield from _decoded(info, [tuple(row)[:5]])
         elif may_hold(row[6], _REASON_MARKS):  # a packed row: its events filtered here as SQL filters the others
-            events = expand_packed(row[0], row[5], row[6], row[4], None)
+            events = expand_packed(row[0], row[5], row[6], row[4], None, keys)
             yield from _decoded(info, [_unhashed(event) for event in events if _names_draft(event)])
 
 

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from nanoserve.allocator.log.batch import Companions
 from nanoserve.allocator.log.errors import EventLogError, SecondWriterError
+from nanoserve.allocator.log.key_refs import KeyIds
 from nanoserve.allocator.log.row_scan import stored_hash
 from nanoserve.allocator.log.schema import pool_epochs
 from nanoserve.allocator.log.store import Row, insert_rows
@@ -45,10 +46,13 @@ def commit_group(
     closed_seq: int | None,
     companions: Companions,
     fence: sa.ColumnElement[bool] | sa.TextClause | None = None,
+    key_ids: KeyIds | None = None,
 ) -> None:
     """Move the guard to ``(last_seq, head_hash, closed_seq)`` and insert ``rows`` and ``companions``
     in one transaction. Raises GuardMoved (nothing committed) when the row no longer holds ``guard``
-    or ``fence`` (the pool lock's, when given) is false."""
+    or ``fence`` (the pool lock's, when given) is false. ``key_ids``: the writer's stored keys
+    (``store.insert_rows``), whose staged keys its caller commits once this returns, or once a
+    GuardMoved proves this attempt's earlier try committed (``check_own_commit``)."""
     table = pool_epochs
     move = (
         sa.update(table)
@@ -66,7 +70,7 @@ def commit_group(
         if conn.execute(move).rowcount != 1:
             raise GuardMoved
         if rows:
-            insert_rows(conn, rows)
+            insert_rows(conn, rows, key_ids)
         if companions.table is not None:
             companions.table.insert(conn, companions.rows)
 

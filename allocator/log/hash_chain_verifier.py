@@ -12,12 +12,15 @@ verdict before it trusts them (see ``replay``).
 The script imports only the standard library (no SQLAlchemy, no nanoserve),
 so it starts in milliseconds; the caller hands it the compiled SQL. It
 therefore inflates packed rows itself (``_packed_records``: what
-``packed_rows.unpack_records`` does, a test holds the two alike).
+``packed_rows.unpack_records`` does, a test holds the two alike); the keys
+of a row that names them by id it reads with the SQL it is handed and turns
+back with ``key_refs`` itself, a standard-library module it loads by path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import operator
 import sqlite3
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _digest = operator.methodcaller("digest")
@@ -32,6 +36,8 @@ _digest = operator.methodcaller("digest")
 _seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 _FETCH_ROWS = 1_000  # small chunks stay in the CPU caches
 _last_seq_of = operator.itemgetter(3)
+# the first byte of a packed row's blob that names its keys by id (``key_refs.KEYED_FORMAT``, a test holds them alike)
+_KEYED_FORMAT = b"\x01"
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,17 @@ class ChainResult:
     last_hash: bytes | None
 
 
-def verify_rows(cursor: sqlite3.Cursor, previous_hash: bytes, from_seq: int) -> ChainResult:
+def verify_rows(cursor: sqlite3.Cursor, previous_hash: bytes, from_seq: int, keys: Any = None) -> ChainResult:
     """Check the rows ``(seq, record as UTF-8 bytes, hash, last_seq, records)`` left in ``cursor``, in seq
-    order; a packed row (``last_seq`` not NULL) counts as its events."""
+    order; a packed row (``last_seq`` not NULL) counts as its events. ``keys``: the epoch's stored keys
+    (a ``key_refs.KeyChunks``), which a packed row naming its keys by id needs (None: such a row fails)."""
     previous = previous_hash
     expected = from_seq
     num_rows = 0
     while stored := cursor.fetchmany(_FETCH_ROWS):
-        chunk = stored if list(map(_last_seq_of, stored)).count(None) == len(stored) else _expanded(stored, previous)
+        chunk = (
+            stored if list(map(_last_seq_of, stored)).count(None) == len(stored) else _expanded(stored, previous, keys)
+        )
         if chunk is None:
             return ChainResult(False, num_rows, None)
         if list(map(_seq_of, chunk)) != list(range(expected, expected + len(chunk))):
@@ -72,7 +81,7 @@ def verify_rows(cursor: sqlite3.Cursor, previous_hash: bytes, from_seq: int) -> 
     return ChainResult(True, num_rows, previous if num_rows else None)
 
 
-def _expanded(stored: list[Any], previous: bytes) -> list[tuple[Any, ...]] | None:
+def _expanded(stored: list[Any], previous: bytes, keys: Any) -> list[tuple[Any, ...]] | None:
     """(seq, record, hash) per event of stored rows, packed ones chained from the row before; None when
     a packed row cannot be read."""
     rows: list[tuple[Any, ...]] = []
@@ -80,7 +89,7 @@ def _expanded(stored: list[Any], previous: bytes) -> list[tuple[Any, ...]] | Non
         if last_seq is None:
             rows.append((seq, record, stored_hash))
         else:
-            records = _packed_records(seq, last_seq, blob)
+            records = _packed_records(seq, last_seq, blob, keys)
             if records is None:
                 return None
             for offset, packed in enumerate(records[:-1]):
@@ -91,24 +100,39 @@ def _expanded(stored: list[Any], previous: bytes) -> list[tuple[Any, ...]] | Non
     return rows
 
 
-def _packed_records(first_seq: int, last_seq: Any, blob: Any) -> list[bytes] | None:
+def _packed_records(first_seq: int, last_seq: Any, blob: Any, keys: Any = None) -> list[bytes] | None:
     """A packed row's records as UTF-8 bytes (``packed_rows``); None when they cannot be read."""
     try:
-        records = zlib.decompress(blob).split(b"\n")
+        if isinstance(blob, bytes) and blob[:1] == _KEYED_FORMAT:
+            if keys is None:
+                return None
+            records = keys.expand(zlib.decompress(blob[1:]).decode()).encode().split(b"\n")
+        else:
+            records = zlib.decompress(blob).split(b"\n")
         for record in records:
             record.decode()
-    except (zlib.error, TypeError, UnicodeDecodeError):
+    except (zlib.error, TypeError, ValueError):  # ValueError: UnicodeDecodeError, key_refs.MissingKeys
         return None
     return records if type(last_seq) is int and len(records) == last_seq - first_seq + 1 else None
 
 
-def start(database: str, sql: str, params: list[Any], previous_hash: bytes, from_seq: int) -> subprocess.Popen[str]:
+def start(
+    database: str,
+    sql: str,
+    params: list[Any],
+    previous_hash: bytes,
+    from_seq: int,
+    keys_sql: str | None = None,
+    keys_params: list[Any] | None = None,
+) -> subprocess.Popen[str]:
     """Launch the verifier on an SQLite file; ``sql`` selects (seq, record as BLOB, hash, last_seq, records)
-    in seq order."""
+    in seq order, ``keys_sql`` (None: a log without stored keys) the epoch's (first_key_id, block_keys)."""
     request = {
         "database": database,
         "sql": sql,
         "params": params,
+        "keys_sql": keys_sql,
+        "keys_params": keys_params or [],
         "previous_hash": previous_hash.hex(),
         "from_seq": from_seq,
     }
@@ -134,12 +158,28 @@ def result(proc: subprocess.Popen[str]) -> ChainResult | None:
         return None
 
 
+def _key_refs() -> Any:
+    """``key_refs``, loaded by its path (this script imports no nanoserve package)."""
+    spec = importlib.util.spec_from_file_location("nanoserve_key_refs", Path(__file__).with_name("key_refs.py"))
+    assert spec is not None, "key_refs.py lies beside this file"
+    assert spec.loader is not None, "a source file has a loader"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass-free classes still resolve their module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _main() -> int:
     request = json.loads(sys.argv[1])
     connection = sqlite3.connect(request["database"])
     try:
+        keys = None
+        if request.get("keys_sql"):
+            keys = _key_refs().KeyChunks()
+            for first_key_id, stored in connection.execute(request["keys_sql"], request["keys_params"]):
+                keys.add(first_key_id, stored)
         cursor = connection.execute(request["sql"], request["params"])
-        verdict = verify_rows(cursor, bytes.fromhex(request["previous_hash"]), request["from_seq"])
+        verdict = verify_rows(cursor, bytes.fromhex(request["previous_hash"]), request["from_seq"], keys)
     finally:
         connection.close()
     last_hash = None if verdict.last_hash is None else verdict.last_hash.hex()

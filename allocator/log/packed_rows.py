@@ -19,10 +19,20 @@ hash: damage inside a packed row is found at its last seq (a hash that does
 not match) or, for bytes that no longer inflate, named for the whole row
 (``UnreadableRecords``).
 
+Written with a key table (migration 0009), a row's records name their
+prefix-cache keys by key id (``key_refs``: each key's 32 bytes stored once
+per epoch in ``allocator_keys``) and its blob is byte 1 then the zlib of that
+text (a zlib stream begins with 0x78, so rows written before read as they
+are). ``expand_packed`` turns the ids back into the keys, so the records it
+gives are the same text; a key id no stored row holds makes the row
+unreadable, and an altered key row shows as the chain's hash not matching
+at the row's last seq.
+
 POOL_INIT, SNAPSHOT and POOL_CLOSE stay rows of their own (recovery finds the
 newest SNAPSHOT by ``kind``, and a segment is cut at one, so a cut never
 splits a packed row), as does a record holding a newline (an owner may hold
-any character) and a run of one event.
+any character) and a run of one event (but one naming prefix-cache keys in a
+log that stores them: its row names them by id).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nanoserve.allocator.log.key_refs import KEYED_FORMAT, KeyChunks, KeyIds, referenced_ids
 from nanoserve.allocator.log.record_codec import DATA_KINDS, NUM_FIELDS
 
 if TYPE_CHECKING:
@@ -43,11 +54,14 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_EVENTS_PER_PACKED_ROW",
     "MIN_EVENTS_PER_PACKED_ROW",
+    "MIN_KEYED_EVENTS_PER_PACKED_ROW",
     "PACKED_KIND",
     "STORED_COLUMNS",
     "StoredRow",
     "UnreadableRecords",
     "expand_packed",
+    "is_keyed",
+    "key_ids_of",
     "may_hold",
     "pack_rows",
     "unpack_records",
@@ -57,6 +71,9 @@ __all__ = [
 PACKED_KIND = "packed"
 # a shorter run stays one row per event (a run of one gains nothing from packing)
 MIN_EVENTS_PER_PACKED_ROW = 2
+# ... unless it names prefix-cache keys and the log stores them (``key_refs``): a lone REGISTER's record
+# holds a key of 43 characters per block, which its packed row names by a short id
+MIN_KEYED_EVENTS_PER_PACKED_ROW = 1
 # a longer run is cut into rows of this many: zlib looks back 32 KiB (about 400 records), so larger rows
 # compress no better, and a reader expands at most this many events to reach one
 MAX_EVENTS_PER_PACKED_ROW = 1024
@@ -89,54 +106,77 @@ class UnreadableRecords:
         return f"packed records up to seq {self.last_seq} cannot be read: {self.cause}"
 
 
-def pack_rows(rows: Sequence[Row]) -> list[StoredRow]:
+def pack_rows(rows: Sequence[Row], key_ids: KeyIds | None = None) -> list[StoredRow]:
     """The stored rows of one commit's event rows (seqs in a run): each run of MIN_EVENTS_PER_PACKED_ROW
     or more block events whose records hold no newline becomes one packed row (MAX_EVENTS_PER_PACKED_ROW
-    at most), every other row stays as it is."""
+    at most), every other row stays as it is. With ``key_ids`` (a log with ``allocator_keys``) the packed
+    records name their keys by id, new keys staged there (``KeyIds.staged_row``), and a shorter run
+    (MIN_KEYED_EVENTS_PER_PACKED_ROW or more events) that names keys is packed too."""
     stored: list[StoredRow] = []
     run: list[Row] = []
     for row in rows:
         if row[3] in DATA_KINDS or _SEPARATOR in row[5]:
-            _flush(run, stored)
+            _flush(run, stored, key_ids)
             stored.append((*row, None, None))
         else:
             run.append(row)
             if len(run) == MAX_EVENTS_PER_PACKED_ROW:
-                _flush(run, stored)
-    _flush(run, stored)
+                _flush(run, stored, key_ids)
+    _flush(run, stored, key_ids)
     return stored
 
 
-def _flush(run: list[Row], stored: list[StoredRow]) -> None:
-    if len(run) < MIN_EVENTS_PER_PACKED_ROW:
+def _flush(run: list[Row], stored: list[StoredRow], key_ids: KeyIds | None) -> None:
+    if not run:
+        return
+    text = _SEPARATOR.join([row[5] for row in run])
+    referred = text if key_ids is None or len(run) < MIN_KEYED_EVENTS_PER_PACKED_ROW else key_ids.refer(text)
+    if len(run) < MIN_EVENTS_PER_PACKED_ROW and referred == text:
         stored += [(*row, None, None) for row in run]
     else:
         first, last = run[0], run[-1]
-        blob = zlib.compress(_SEPARATOR.join([row[5] for row in run]).encode(), _ZLIB_LEVEL)
+        if referred == text:  # no key, no marker: the form of rows written before 0009
+            blob = zlib.compress(text.encode(), _ZLIB_LEVEL)
+        else:
+            blob = KEYED_FORMAT + zlib.compress(referred.encode(), _ZLIB_LEVEL)
         stored.append((first[0], first[1], first[2], PACKED_KIND, None, "", last[6], None, last[2], blob))
     run.clear()
 
 
-def unpack_records(first_seq: int, last_seq: int, blob: Any) -> list[str]:
-    """The records of a packed row of seqs ``first_seq..last_seq``.
+def is_keyed(blob: Any) -> bool:
+    """Whether a packed row's records name their keys by id (``key_refs``: its reader needs the epoch's keys)."""
+    return isinstance(blob, (bytes, memoryview)) and bytes(blob[:1]) == KEYED_FORMAT
+
+
+def unpack_records(first_seq: int, last_seq: int, blob: Any, keys: KeyChunks | None = None) -> list[str]:
+    """The records of a packed row of seqs ``first_seq..last_seq``; ``keys``: the epoch's stored keys, for a
+    row that names its keys by id (``is_keyed``).
 
     ValueError naming what is wrong when ``blob`` is not bytes, does not
-    inflate, is not UTF-8, or holds another number of records.
+    inflate, is not UTF-8, holds another number of records, or names a key
+    id ``keys`` does not hold (``key_refs.MissingKeys``).
     """
-    return _unpacked(first_seq, last_seq, blob)[0]
+    return _unpacked(first_seq, last_seq, blob, keys)[0]
 
 
-def _unpacked(first_seq: int, last_seq: int, blob: Any) -> tuple[list[str], list[bytes]]:
+def _unpacked(first_seq: int, last_seq: int, blob: Any, keys: KeyChunks | None) -> tuple[list[str], list[bytes]]:
     """The records of a packed row as text and as UTF-8 (what the chain hashes); ValueError as ``unpack_records``."""
     if not isinstance(blob, (bytes, memoryview)):
         raise ValueError(f"records column holds {type(blob).__name__}, not bytes")
+    keyed = is_keyed(blob)
     try:
-        raw = zlib.decompress(blob)
-        records = raw.decode().split(_SEPARATOR)
+        raw = zlib.decompress(blob[1:] if keyed else blob)
+        text = raw.decode()
     except zlib.error as exc:
         raise ValueError(f"records do not inflate ({exc})") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"records are not UTF-8 (byte {exc.start})") from None
+    if keyed:
+        if keys is None:
+            raise ValueError("records name their keys by id and the epoch's stored keys were not read")
+        text = keys.expand(text)
+        raw = text.encode()
+    records = text.split(_SEPARATOR)
     if len(records) != last_seq - first_seq + 1:
         raise ValueError(f"{len(records)} records stored for seqs {first_seq}..{last_seq}")
     return records, raw.split(_SEPARATOR.encode())  # a newline byte is never inside a UTF-8 character
@@ -146,14 +186,30 @@ def may_hold(blob: Any, needles: tuple[bytes, ...]) -> bool:
     """Whether a packed row's records may contain one of ``needles`` (True when they cannot be read:
     ``expand_packed`` then names the row), without expanding it."""
     try:
-        raw = zlib.decompress(blob)
+        raw = zlib.decompress(blob[1:] if is_keyed(blob) else blob)
     except (zlib.error, TypeError):
         return True
     return any(needle in raw for needle in needles)
 
 
+def key_ids_of(blob: Any) -> set[int]:
+    """The key ids a packed row's records name (``key_refs``; none for a row that stores its keys, or
+    cannot be read: ``expand_packed`` names that one)."""
+    if not is_keyed(blob):
+        return set()
+    try:
+        return referenced_ids(zlib.decompress(blob[1:]).decode())
+    except (zlib.error, UnicodeDecodeError):
+        return set()
+
+
 def expand_packed(
-    first_seq: int, last_seq: Any, blob: Any, stored_hash: Any, previous_hash: bytes | None
+    first_seq: int,
+    last_seq: Any,
+    blob: Any,
+    stored_hash: Any,
+    previous_hash: bytes | None,
+    keys: KeyChunks | None = None,
 ) -> list[tuple[Any, ...]]:
     """The ``(seq, kind, owner, record, hash)`` rows of a packed row, as one row per event stored them.
 
@@ -161,14 +217,16 @@ def expand_packed(
     ``previous_hash`` (the stored hash of the row before); the last one is the
     stored ``hash``, so a record changed anywhere in the row shows as that
     hash not matching. ``previous_hash`` None: hashes are not wanted (every
-    row's is None). A row that cannot be read comes as one row at
-    ``first_seq`` whose record is an ``UnreadableRecords``. (Replay reads
+    row's is None). ``keys``: the epoch's stored keys (``key_table.stored_keys``),
+    which a row naming its keys by id needs. A row that cannot be read (one
+    of those ids not stored among them) comes as one row at ``first_seq``
+    whose record is an ``UnreadableRecords``. (Replay reads
     every event through here: the common case runs at C speed, in ``map``s.)
     """
     if type(last_seq) is not int or last_seq < first_seq:
         return [(first_seq, PACKED_KIND, None, UnreadableRecords(first_seq, f"last_seq {last_seq!r}"), stored_hash)]
     try:
-        records, encoded = _unpacked(first_seq, last_seq, blob)
+        records, encoded = _unpacked(first_seq, last_seq, blob, keys)
     except ValueError as exc:
         return [(first_seq, PACKED_KIND, None, UnreadableRecords(last_seq, str(exc)), stored_hash)]
     kinds: list[str | None]

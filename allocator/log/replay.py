@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from nanoserve.allocator.log import hash_chain_verifier as chain_verifier
 from nanoserve.allocator.log.errors import LogNotFoundError, LogReadError, is_store_unavailable
 from nanoserve.allocator.log.hash_chain import genesis_hash
+from nanoserve.allocator.log.key_table import has_key_table
 from nanoserve.allocator.log.reader import (
     DamagedChunk,
     EpochInfo,
@@ -32,7 +33,7 @@ from nanoserve.allocator.log.reader import (
 )
 from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
 from nanoserve.allocator.log.replay_state import Replayer
-from nanoserve.allocator.log.schema import allocator_events
+from nanoserve.allocator.log.schema import allocator_events, allocator_keys
 from nanoserve.allocator.log.segment import Cut, cut_start, epoch_cut, segment_path
 from nanoserve.allocator.pool_state import PoolState
 
@@ -161,8 +162,19 @@ def _replay_verified(conn: sa.Connection, database: str, info: EpochInfo, replay
     if not has_packed_rows(conn):
         return False  # an archive file from before migration 0008: the one-process replay reads it
     sql, params = compile_for_driver(conn, rows_query(info.pool_id, info.epoch, from_seq, last_seq, _CHAIN_COLUMNS))
+    keys_sql, keys_params = None, None
+    if has_key_table(conn):  # the stored keys that packed rows name by id (``key_refs``)
+        keys = allocator_keys.c
+        keys_query = (
+            sa.select(keys.first_key_id, keys.block_keys)
+            .where(keys.pool_id == info.pool_id, keys.epoch == info.epoch)
+            .order_by(keys.first_key_id)
+        )
+        keys_sql, keys_params = compile_for_driver(conn, keys_query)
     try:
-        verifier = chain_verifier.start(database, sql, list(params), replayer.previous_hash, from_seq)
+        verifier = chain_verifier.start(
+            database, sql, list(params), replayer.previous_hash, from_seq, keys_sql, list(keys_params or ())
+        )
     except OSError:
         return False
     in_line = True

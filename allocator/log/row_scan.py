@@ -2,7 +2,9 @@
 
 Every reader sees one row per event: a packed row (``packed_rows``) is
 expanded here into the rows of its events, with their seqs and chained
-hashes, so nothing above this module knows how events are stored. Queries
+hashes (and the keys its records name by id, ``key_refs``, read from the
+epoch's stored keys as they are needed), so nothing above this module knows
+how events are stored. Queries
 by seq find the row that holds the seq (a packed row's key is its first seq).
 
 Rows come in seq order and in chunks from the DBAPI cursor itself (a server-side
@@ -27,7 +29,9 @@ import sqlalchemy as sa
 
 from nanoserve.allocator.log.errors import LogReadError, is_decode_error, is_store_unavailable, store_cause
 from nanoserve.allocator.log.hash_chain import genesis_hash
-from nanoserve.allocator.log.packed_rows import PACKED_KIND, UnreadableRecords, expand_packed
+from nanoserve.allocator.log.key_refs import KeyChunks
+from nanoserve.allocator.log.key_table import stored_keys
+from nanoserve.allocator.log.packed_rows import PACKED_KIND, UnreadableRecords, expand_packed, is_keyed
 from nanoserve.allocator.log.schema import allocator_events
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "event_rows",
     "last_stored_seq",
     "has_packed_rows",
+    "packed_row_holding",
     "latest_snapshot_seq",
     "record_at",
     "rows_query",
@@ -181,6 +186,7 @@ class _Expander:
         self._with_hashes = with_hashes
         self._filtered = owner is not None or kind is not None
         self._previous_hash: Any = None  # stored hash of the row read last (None: none read yet)
+        self._keys: KeyChunks = stored_keys(conn, pool_id, epoch)
 
     def expand(self, chunk: list[tuple[Any, ...]], damaged: bool) -> list[tuple[Any, ...]]:
         """The event rows of a chunk of stored rows, those outside the range or the filter left out."""
@@ -213,7 +219,7 @@ class _Expander:
             if not isinstance(previous, (bytes, memoryview)):
                 previous = _hash_of_row_before(self._conn, self._pool_id, self._epoch, seq)
             previous = bytes(previous)
-        return expand_packed(seq, last_seq, records, stored_hash, previous)
+        return expand_packed(seq, last_seq, records, stored_hash, previous, self._keys)
 
     def _matches(self, row: tuple[Any, ...]) -> bool:
         return (self._owner is None or row[2] == self._owner) and (self._kind is None or row[1] == self._kind)
@@ -224,6 +230,18 @@ def has_packed_rows(conn: sa.Connection) -> bool:
     file written before lacks them)."""
     columns = sa.inspect(conn).get_columns(allocator_events.name)
     return any(column["name"] == "records" for column in columns)
+
+
+def packed_row_holding(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> tuple[int, int, bool] | None:
+    """(first seq, last seq, whether it names stored keys) of the packed row that holds ``seq``; None when
+    a row of its own holds it, or none does."""
+    if not has_packed_rows(conn):
+        return None
+    table = allocator_events.c
+    found = _row_at_or_before(conn, pool_id, epoch, seq, table.last_seq, sa.func.substr(table.records, 1, 1))
+    if found is None or type(found[1]) is not int or found[1] < seq:
+        return None
+    return found[0], found[1], is_keyed(found[2])
 
 
 def _row_start(conn: sa.Connection, pool_id: str, epoch: int, seq: int) -> int:

@@ -78,6 +78,8 @@ class AllocatorEvent(Base):
     ``records`` NULL: rows written before 0008, and every POOL_INIT, SNAPSHOT
     and POOL_CLOSE row (recovery finds the newest SNAPSHOT by its ``kind``,
     and a segment is cut at one, so a cut never splits a packed row).
+    A packed row whose ``records`` begin with byte 1 (migration 0009) names
+    its prefix-cache keys by key id (``key_refs``, ``allocator_keys``).
     """
 
     __tablename__ = "allocator_events"
@@ -96,9 +98,34 @@ class AllocatorEvent(Base):
     records: Mapped[bytes | None] = mapped_column(LargeBinary)  # a packed row's records, compressed
 
 
+class AllocatorKey(Base):
+    """The prefix-cache keys one group commit stored first in its epoch (migration 0009, ``key_refs``).
+
+    Key ids ``first_key_id, first_key_id + 1, ...`` are the keys in
+    ``block_keys``, 32 bytes each, back to back; the records of the epoch's
+    packed rows name them by id (``key_refs``), so each key's bytes are
+    stored once per epoch. Written in the transaction of the packed rows
+    that first refer to them; deleted with their epoch (an archive file
+    carries the rows its events refer to). On SQLite the table is stored
+    by its primary key (WITHOUT ROWID): no index beside it repeats the key.
+    """
+
+    __tablename__ = "allocator_keys"
+    __table_args__ = (
+        ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),
+        {"sqlite_with_rowid": False},
+    )
+
+    pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_key_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    block_keys: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 # The Table objects: ``__table__`` is typed as a FromClause, which has no ``name`` and takes no INSERT.
 pool_epochs = Base.metadata.tables[PoolEpoch.__tablename__]
 allocator_events = Base.metadata.tables[AllocatorEvent.__tablename__]
+allocator_keys = Base.metadata.tables[AllocatorKey.__tablename__]
 
 
 class ArchivedEpoch(Base):

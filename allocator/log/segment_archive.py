@@ -13,7 +13,9 @@ or once the checkpoint is older than ``retention_s``, and moves seqs
    cut (``durable_seq`` c, ``head_hash`` hash[c], open), the epoch's earlier
    ``archived_segments`` rows (so the file starts at its own cut, as the live
    log does), and seqs ``first..c`` as stored: the checkpoint row too, so the
-   file ends with a whole batch and audits clean alone. The rows' hash chain is
+   file ends with a whole batch and audits clean alone, and the ``allocator_keys``
+   rows holding the keys those rows name by id (``key_refs``; the live log keeps
+   them, as rows after the cut may name the same keys). The rows' hash chain is
    checked while they are copied; a break is ``ArchiveError`` and nothing moves;
 2. its sha256 is taken and it is renamed to its final name;
 3. one transaction of the live log writes the ``archived_segments`` row
@@ -51,7 +53,9 @@ from nanoserve.allocator.log.archive import (
 )
 from nanoserve.allocator.log.companion import CompanionSegment, SegmentCompanion
 from nanoserve.allocator.log.hash_chain import genesis_hash
-from nanoserve.allocator.log.packed_rows import expand_packed
+from nanoserve.allocator.log.key_refs import KeyChunks
+from nanoserve.allocator.log.key_table import KEY_COLUMNS, has_key_table, rows_holding, stored_keys
+from nanoserve.allocator.log.packed_rows import expand_packed, key_ids_of
 from nanoserve.allocator.log.record_codec import NUM_FIELDS, split_record
 from nanoserve.allocator.log.row_scan import (
     has_packed_rows,
@@ -60,7 +64,7 @@ from nanoserve.allocator.log.row_scan import (
     record_at,
     stored_hash,
 )
-from nanoserve.allocator.log.schema import allocator_events, archived_segments, pool_epochs
+from nanoserve.allocator.log.schema import allocator_events, allocator_keys, archived_segments, pool_epochs
 from nanoserve.allocator.log.segment import epoch_cut, has_segments_table
 from nanoserve.allocator.log.store import create_log_engine
 
@@ -342,18 +346,22 @@ def _copy_segment(
     cut_seq: int,
     previous: bytes,
 ) -> int:
-    """Writes the file's rows (step 1), checking the chain; the bytes of seqs first_seq..cut_seq - 1."""
+    """Writes the file's rows (step 1), checking the chain, and the stored keys they name (``key_refs``: kept
+    in the live log too, for the rows after the cut); the bytes of seqs first_seq..cut_seq - 1."""
     archive = sa.create_engine(archive_url)
     num_row_bytes = 0
     expected = first_seq
+    pool_id, epoch = epoch_row["pool_id"], epoch_row["epoch"]
+    key_ids: set[int] = set()
     try:
-        with archive.begin() as out:
+        with archive.begin() as out, live.connect() as keys_conn:
+            keys = stored_keys(keys_conn, pool_id, epoch)
             out.execute(sa.insert(pool_epochs), [epoch_row])
             if earlier:
                 out.execute(sa.insert(archived_segments), earlier)
             for chunk in _event_chunks(live, epoch_row["pool_id"], epoch_row["epoch"], first_seq, cut_seq):
                 for row in chunk:
-                    for seq, record, hash_ in _events_of(row, previous):
+                    for seq, record, hash_ in _events_of(row, previous, keys):
                         if (
                             seq != expected
                             or type(record) is not str
@@ -366,9 +374,14 @@ def _copy_segment(
                         previous, expected = bytes(hash_), expected + 1
                     if row["seq"] < cut_seq:
                         num_row_bytes += len(row["record"]) + len(row.get("records") or b"") + ROW_OVERHEAD_BYTES
+                    key_ids |= key_ids_of(row.get("records"))
                 out.execute(sa.insert(allocator_events), chunk)
             if expected != cut_seq + 1:
                 raise ArchiveError(f"seqs {expected}..{cut_seq} of epoch {epoch_row['epoch']} are missing")
+            if key_ids and has_key_table(keys_conn):
+                held = rows_holding(keys_conn, pool_id, epoch, key_ids)
+                held_rows = [dict(zip(KEY_COLUMNS, (pool_id, epoch, *row), strict=True)) for row in held]
+                out.execute(sa.insert(allocator_keys), held_rows)
         with archive.connect() as out:
             out.exec_driver_sql("PRAGMA journal_mode=DELETE")  # one file: no -wal beside it
     finally:
@@ -376,11 +389,11 @@ def _copy_segment(
     return num_row_bytes
 
 
-def _events_of(row: dict[str, Any], previous: bytes) -> list[tuple[Any, Any, Any]]:
+def _events_of(row: dict[str, Any], previous: bytes, keys: KeyChunks) -> list[tuple[Any, Any, Any]]:
     """(seq, record, hash) of each event a stored row holds (a packed row chained from ``previous``)."""
     if row.get("last_seq") is None:
         return [(row["seq"], row["record"], row["hash"])]
-    expanded = expand_packed(row["seq"], row["last_seq"], row["records"], row["hash"], previous)
+    expanded = expand_packed(row["seq"], row["last_seq"], row["records"], row["hash"], previous, keys)
     return [(seq, record, hash_) for seq, _, _, record, hash_ in expanded]
 
 

@@ -14,6 +14,8 @@ from urllib.parse import quote
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from nanoserve.allocator.log.key_refs import KeyIds
+from nanoserve.allocator.log.key_table import has_key_table, insert_keys
 from nanoserve.allocator.log.packed_rows import STORED_COLUMNS, pack_rows
 from nanoserve.allocator.log.schema import allocator_events
 
@@ -146,14 +148,26 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
     return connection
 
 
-def insert_rows(conn: sa.Connection, rows: list[Row]) -> None:
+def insert_rows(conn: sa.Connection, rows: list[Row], key_ids: KeyIds | None = None) -> None:
     """Store event rows (seqs in a run) inside ``conn``'s transaction through the driver itself
     (``insert_through_driver``), each run of block events packed into one row (``packed_rows``).
 
-    A log whose schema predates migration 0008 (its operator migrates it, not
-    the writer) is written one row per event, as before."""
+    key_ids: the writer's keys of this epoch (``key_refs``): the packed
+    records name their keys by id, and the keys stored first here go into
+    ``allocator_keys`` in this transaction. The attempt starts over in
+    ``key_ids`` (``KeyIds.begin``); its caller commits them once the
+    transaction is committed. A log whose schema predates migration 0009
+    stores the keys in the records, as before; one that predates 0008 (its
+    operator migrates it, not the writer) is written one row per event."""
     if _stores_packed_rows(conn):
-        insert_through_driver(conn, allocator_events, STORED_COLUMNS, pack_rows(rows))
+        keyed = key_ids if key_ids is not None and has_key_table(conn) else None
+        if keyed is not None:
+            keyed.begin()
+        stored = pack_rows(rows, keyed)
+        staged = None if keyed is None else keyed.staged_row()
+        if staged is not None:
+            insert_keys(conn, rows[0][0], rows[0][1], *staged)
+        insert_through_driver(conn, allocator_events, STORED_COLUMNS, stored)
     else:
         insert_through_driver(conn, allocator_events, ROW_COLUMNS, rows)
 

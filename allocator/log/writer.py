@@ -56,6 +56,7 @@ from nanoserve.allocator.log.errors import (
     is_refused_as_data,
     store_cause,
 )
+from nanoserve.allocator.log.key_refs import KeyIds
 from nanoserve.allocator.log.pool_lock import PoolLock
 from nanoserve.allocator.log.store import Row
 from nanoserve.allocator.log.subscription import Subscriber, Subscribers
@@ -116,6 +117,7 @@ class LogWriter:
         # companion records committed (they move with durable_seq: the same commits, under the same lock)
         self.durable_companion_seq = 0
         self._companion: Companions = Companions(None, [], 0)  # companion rows of the group being committed
+        self._key_ids = KeyIds()  # the epoch's stored keys (``key_refs``): committed, and staged by the group's try
         self._durable_listeners: list[Callable[[], None]] = []
         self._written_seq = durable_seq  # the durable_seq this writer last stored in the epoch row
         self._head_hash = head_hash  # hash of the last event handed to a commit
@@ -314,7 +316,7 @@ class LogWriter:
                 if self._pool_lock is not None and self._pool_lock.session != session:
                     continue  # the fence was down: the lock is held again, the commit is tried again
                 self._check_already_committed(last_seq, head_hash)
-                break
+                break  # the try whose acknowledgement was lost committed what is still staged
             except (sa.exc.SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error) as exc:
                 self._lock_suspect = self._pool_lock is not None
                 # a companion-only commit leaves the guard where it was: a retry after a lost
@@ -326,6 +328,7 @@ class LogWriter:
                 self._note_failure(exc, last_seq, attempt)
                 self._sleep(RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)])
                 attempt += 1
+        self._key_ids.commit()  # the group is committed, and with it the keys its last try staged
         self._check_file()  # a commit into a deleted file is not durable
         if not self.healthy:
             log.info(
@@ -420,7 +423,7 @@ class LogWriter:
     def _commit(self, rows: list[Row], last_seq: int, head_hash: bytes, closed_seq: int | None) -> None:
         guard = EpochGuard(self.pool_id, self.epoch, self.writer_id, self._written_seq)
         fence = self._pool_lock.fence if self._pool_lock is not None else None
-        commit_group(self._engine, guard, rows, last_seq, head_hash, closed_seq, self._companion, fence)
+        commit_group(self._engine, guard, rows, last_seq, head_hash, closed_seq, self._companion, fence, self._key_ids)
 
     def _companion_committed(self, companion: Companions) -> bool:
         """Whether this epoch's companion table already holds the group's last row (our own earlier attempt)."""

@@ -29,7 +29,7 @@ def test_upgrade_creates_the_log_tables(db_url: str) -> None:
         tables = set(sa.inspect(engine).get_table_names())
     finally:
         engine.dispose()
-    assert {"pool_epochs", "allocator_events", "alembic_version"} <= tables
+    assert {"pool_epochs", "allocator_events", "allocator_keys", "alembic_version"} <= tables
 
 
 def test_script_location_is_the_installed_package() -> None:
