@@ -29,7 +29,7 @@ from typing import TypeVar
 import sqlalchemy as sa
 import structlog
 
-from nanoserve.allocator.log.errors import EventLogError
+from nanoserve.allocator.log.errors import EventLogError, is_store_unavailable
 from nanoserve.allocator.log.schema import (
     EPOCH_PARTITION_KEY,
     create_epoch_partition,
@@ -110,11 +110,19 @@ def create_epoch_partitions(engine: sa.Engine, pool_id: str, epoch: int) -> bool
         if tables:
             run_with_partition_locks(engine, tables, lambda conn: _create(conn, tables, pool_id, epoch))
     except (sa.exc.SQLAlchemyError, PartitionLocksBusy) as exc:
+        if _store_away(exc):
+            raise  # open reports the store as unavailable, as it would at the epoch's first rows
         report = log.debug if _warned else log.warning
         _warned = True
         report("event_log_epoch_partitions_not_made", pool_id=pool_id, epoch=epoch, error=str(exc).splitlines()[0])
         return False
     return True
+
+
+def _store_away(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store is away (not a busy lock, a rolled-back transaction or a refusal)."""
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
+    return is_store_unavailable(exc) and not sqlstate.startswith(("40", "55"))
 
 
 def _create(conn: sa.Connection, tables: list[str], pool_id: str, epoch: int) -> None:
@@ -128,6 +136,8 @@ def drop_epoch_partitions(conn: sa.Connection, tables: list[str], pool_id: str, 
     ``conn`` holds the locks of ``run_with_partition_locks``. A table whose
     partition is missing (its rows are in DEFAULT) is left to the caller's DELETE.
     """
+    if not tables:  # SQLite, or a schema before 0010
+        return []
     quote = conn.dialect.identifier_preparer.quote
     wanted = {epoch_partition_name(table, pool_id, epoch): table for table in tables}
     query = sa.text(

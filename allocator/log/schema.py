@@ -6,6 +6,9 @@ they agree), shared with the tables of the log's companion rows, which their
 owners declare on this ``Base`` (the engine's request journal:
 ``nanoserve.engine.journal.schema``). Constraint names follow one naming
 convention so that migrations are portable between SQLite and PostgreSQL.
+On PostgreSQL the tables keyed by (pool_id, epoch) are partitioned per epoch
+(migration 0010); the partitions' names and the statement that makes one live
+here, beside the tables, for the migration and the log alike.
 """
 
 from __future__ import annotations
