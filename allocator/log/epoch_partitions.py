@@ -42,7 +42,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 LOCK_ATTEMPTS = 40
-FIRST_PAUSE_S = 0.005  # doubled after each busy try, up to MAX_PAUSE_S: about 6 s over all tries
+FIRST_PAUSE_S = 0.005  # doubled after each busy try, up to MAX_PAUSE_S: about 7 s over all tries
 MAX_PAUSE_S = 0.2
 # bound on any lock the statements take besides the ones locked NOWAIT (the DEFAULT partition's)
 LOCK_TIMEOUT_MS = 2_000
@@ -72,11 +72,14 @@ def run_with_partition_locks(engine: sa.Engine, tables: list[str], work: Callabl
     (ACCESS EXCLUSIVE, the partitioned tables only, not their partitions), taken NOWAIT in that order.
 
     Raises PartitionLocksBusy when a lock was busy on each of ``LOCK_ATTEMPTS`` tries
-    (about 6 s); any other database error as it comes.
+    (about 7 s); any other database error as it comes.
     """
     quote = engine.dialect.identifier_preparer.quote
     pause_s = FIRST_PAUSE_S
-    for _ in range(LOCK_ATTEMPTS):
+    for attempt in range(LOCK_ATTEMPTS):
+        if attempt:
+            time.sleep(pause_s)
+            pause_s = min(2 * pause_s, MAX_PAUSE_S)
         try:
             with engine.begin() as conn:
                 conn.exec_driver_sql(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}")
@@ -88,8 +91,6 @@ def run_with_partition_locks(engine: sa.Engine, tables: list[str], work: Callabl
         except sa.exc.OperationalError as exc:
             if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
                 raise
-        time.sleep(pause_s)
-        pause_s = min(2 * pause_s, MAX_PAUSE_S)
     raise PartitionLocksBusy(f"the locks on {pool_epochs.name} and {', '.join(tables)} stayed busy")
 
 
