@@ -13,9 +13,12 @@ epochs a ``RetentionPolicy`` no longer keeps into ``DIR/<pool>-epoch-<N>.db``:
    read it like any log;
 2. its sha256 is taken and it is renamed to its final name;
 3. one transaction of the live log writes the manifest row (``archived_epochs``:
-   seq range, head hash, path, digest, size) and deletes the epoch's rows
-   (by (pool_id, epoch), the leading columns of every such table's primary
-   key: an index range on SQLite and PostgreSQL alike, no partitions).
+   seq range, head hash, path, digest, size) and removes the epoch's rows: on
+   PostgreSQL it detaches and drops the epoch's partitions (migration 0010,
+   ``epoch_partitions``), then, there as on SQLite, deletes the rows left by
+   (pool_id, epoch), the leading columns of every such table's primary key (an
+   index range): on PostgreSQL only those in a DEFAULT partition (an epoch whose
+   partitions could not be made) and its ``pool_epochs`` row.
 
 A crash before 3 leaves a file the next run overwrites; after 3 the epoch is in
 the archive only. Invariant: a pool's newest epoch is never archived (it is the
@@ -36,6 +39,12 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from nanoserve.allocator.log.epoch_partitions import (
+    drop_epoch_partitions,
+    not_a_partition,
+    partitioned_tables,
+    run_with_partition_locks,
+)
 from nanoserve.allocator.log.errors import EventLogError
 from nanoserve.allocator.log.row_scan import has_packed_rows
 from nanoserve.allocator.log.schema import allocator_events, archived_epochs, pool_epochs
@@ -101,10 +110,11 @@ def epoch_tables(conn: sa.Connection) -> list[sa.Table]:
     """The live log's tables whose rows belong to one (pool_id, epoch), ``pool_epochs`` first.
 
     Found by reflection, so a companion table (the request journal) is moved
-    with its epoch without the log importing its owner.
+    with its epoch without the log importing its owner; on PostgreSQL a
+    partitioned table is one table (its partitions are left out).
     """
     metadata = sa.MetaData()
-    metadata.reflect(conn)
+    metadata.reflect(conn, only=not_a_partition(conn))
     tables = [pool_epochs.name]
     for name, table in sorted(metadata.tables.items()):
         if name in (pool_epochs.name, archived_epochs.name):
@@ -199,7 +209,8 @@ def archive_epoch(
     live: an engine on the live log (migrated to 0004 or later).
     prepare_archive: called with the archive's SQLite URL; creates the log's schema there.
     Raises ArchiveError for the pool's newest epoch, an epoch not in the log,
-    or an archive whose schema lacks one of the epoch's tables.
+    or an archive whose schema lacks one of the epoch's tables; PartitionLocksBusy
+    (PostgreSQL) when the tables stayed locked (the file is written again next time).
     """
     with live.connect() as conn:
         newest = conn.execute(sa.select(sa.func.max(pool_epochs.c.epoch)).where(pool_epochs.c.pool_id == pool_id))
@@ -209,6 +220,7 @@ def archive_epoch(
         if epoch == newest_epoch:
             raise ArchiveError(f"epoch {epoch} is the newest of pool {pool_id!r}: it is never archived")
         tables = epoch_tables(conn)
+        partitioned = partitioned_tables(conn)
         head = conn.execute(_epoch_row(pool_id, epoch)).one()
         events = allocator_events.c
         # a packed row's key is its first seq: the epoch ends at its last row's last_seq
@@ -240,10 +252,18 @@ def archive_epoch(
         num_bytes=num_bytes,
         archived_wall_ns=time.time_ns(),
     )
-    with live.begin() as conn:
+
+    def remove(conn: sa.Connection) -> None:
         conn.execute(sa.insert(archived_epochs).values(**entry.__dict__))
+        drop_epoch_partitions(conn, partitioned, pool_id, epoch)
         for table in reversed(tables):  # pool_epochs, which the others reference, last
             conn.execute(sa.delete(table).where(table.c.pool_id == pool_id, table.c.epoch == epoch))
+
+    if partitioned:
+        run_with_partition_locks(live, partitioned, remove)
+    else:
+        with live.begin() as conn:
+            remove(conn)
     return entry
 
 

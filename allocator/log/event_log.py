@@ -46,6 +46,7 @@ import sqlalchemy as sa
 from nanoserve.allocator.events import BlockEvent, EventKind
 from nanoserve.allocator.log.batch import Batch
 from nanoserve.allocator.log.companion import CompanionRecord
+from nanoserve.allocator.log.epoch_partitions import create_epoch_partitions
 from nanoserve.allocator.log.epoch_row import check_open_args, insert_epoch, newest_epoch
 from nanoserve.allocator.log.errors import (
     EventLogError,
@@ -136,6 +137,10 @@ class EventLog:
         ``RETAKE_GRACE_S`` for the epoch's writer to come back first
         (``pool_lock.yield_to_reconnecting_writer``).
 
+        On PostgreSQL the new epoch's partitions are made first
+        (``epoch_partitions``); where they cannot be, its rows go to the DEFAULT
+        partitions (a warning, once) and the epoch opens all the same.
+
         epoch: None takes the pool's newest epoch + 1 (1 for a new pool).
         config: JSON-serialisable settings stored in POOL_INIT (URLs in it through ``safe_url``: no password).
         max_pending_batches: batches that may wait for the writer before
@@ -179,6 +184,7 @@ class EventLog:
                 database_file=sqlite_file(url),
                 pool_lock=pool_lock,
             )
+            create_epoch_partitions(engine, pool_id, epoch)  # PostgreSQL; where it cannot, rows go to DEFAULT
             journal = tuple(prepare_journal(engine, pool_id, epoch)) if prepare_journal is not None else ()
             init = Batch(1, None, _time_ns(), _monotonic_ns(), (), EventKind.POOL_INIT, init_data, journal, 1)
             rows, head_hash = writer.seal_first(init)

@@ -6,10 +6,16 @@ they agree), shared with the tables of the log's companion rows, which their
 owners declare on this ``Base`` (the engine's request journal:
 ``nanoserve.engine.journal.schema``). Constraint names follow one naming
 convention so that migrations are portable between SQLite and PostgreSQL.
+On PostgreSQL the tables keyed by (pool_id, epoch) are partitioned per epoch
+(migration 0010); the partitions' names and the statement that makes one live
+here, beside the tables, for the migration and the log alike.
 """
 
 from __future__ import annotations
 
+import hashlib
+
+import sqlalchemy as sa
 from sqlalchemy import (
     BigInteger,
     ForeignKeyConstraint,
@@ -32,6 +38,39 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+# On PostgreSQL (migration 0010) every table keyed by (pool_id, epoch) but pool_epochs is partitioned
+# by this key: one partition per epoch, named by ``epoch_partition_name``, and a DEFAULT one.
+EPOCH_PARTITION_KEY = "RANGE (pool_id, epoch)"
+MAX_IDENTIFIER_BYTES = 63  # PostgreSQL's NAMEDATALEN - 1
+# the statement creating one epoch's partition; format()ed by the server, which quotes each part
+_PARTITION_DDL = "CREATE TABLE IF NOT EXISTS %I PARTITION OF %I FOR VALUES FROM (%L, %s) TO (%L, %s)"
+
+
+def epoch_partition_name(table: str, pool_id: str, epoch: int) -> str:
+    """``<table>_p<12 hex of sha256(pool_id)>_e<epoch>``: the partition of ``table`` holding one epoch's rows.
+
+    A pool id is any string of up to 128 characters; its digest makes the name a plain
+    identifier of at most 63 bytes (the table's name is shortened, never the suffix).
+    """
+    suffix = f"_p{hashlib.sha256(pool_id.encode()).hexdigest()[:12]}_e{epoch}"
+    return table[: MAX_IDENTIFIER_BYTES - len(suffix)] + suffix
+
+
+def default_partition_name(table: str) -> str:
+    """``<table>_default``: the partition of ``table`` holding rows of an epoch without a partition of its own."""
+    return f"{table}_default"
+
+
+def create_epoch_partition(conn: sa.Connection, table: str, pool_id: str, epoch: int) -> None:
+    """``CREATE TABLE IF NOT EXISTS <partition> PARTITION OF <table> FOR VALUES FROM (pool_id, epoch) TO
+    (pool_id, epoch + 1)`` (PostgreSQL). The statement is written by the server's ``format``, which quotes
+    the names and the pool id (no injection), and sent without parameters, so that a ``%`` in the pool
+    id stays itself (the driver rewrites placeholders only in a statement sent with parameters)."""
+    name = epoch_partition_name(table, pool_id, epoch)
+    ddl = conn.execute(sa.select(sa.func.format(_PARTITION_DDL, name, table, pool_id, epoch, pool_id, epoch + 1)))
+    conn.execution_options(no_parameters=True).exec_driver_sql(ddl.scalar_one())
 
 
 class PoolEpoch(Base):

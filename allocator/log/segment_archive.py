@@ -223,6 +223,9 @@ def archive_segment(
     )
     events = allocator_events
     with live.begin() as conn:
+        # pool_epochs before the tables, as every writer of them locks them (epoch_partitions)
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"LOCK TABLE ONLY {pool_epochs.name} IN ROW EXCLUSIVE MODE")
         conn.execute(sa.insert(archived_segments).values(**entry.manifest_row()))
         conn.execute(
             sa.delete(events).where(events.c.pool_id == pool_id, events.c.epoch == epoch, events.c.seq < cut_seq)
