@@ -25,7 +25,14 @@ from .test_audit import write_log
 
 pytestmark = pytest.mark.postgres
 
-EPOCH_TABLES = ("allocator_events", "journal_checkpoints", "journal_requests", "journal_steps", "request_journal")
+EPOCH_TABLES = (
+    "allocator_events",
+    "allocator_keys",
+    "journal_checkpoints",
+    "journal_requests",
+    "journal_steps",
+    "request_journal",
+)
 ODD_POOL_ID = "o'k\\ %s :x é;--"  # a quote, a backslash, a driver placeholder, a bind-parameter colon
 
 
@@ -108,7 +115,7 @@ def test_downgrade_and_upgrade_keep_every_row_of_two_pools(url: str) -> None:
     assert len(before["allocator_events"]) > 3
     assert len(before["request_journal"]) == 3
 
-    command.downgrade(alembic_config(url), "0008")
+    command.downgrade(alembic_config(url), "0009")
     assert _relkinds(url) == {(table, "r") for table in EPOCH_TABLES}  # plain tables
     assert _partitions(url) == {}
     assert _all_rows(url) == before
@@ -232,3 +239,31 @@ def test_pools_opening_at_once_each_get_their_partitions(url: str) -> None:
     assert _partitions(url) == _expected([(p, e) for p in pools for e in (1, 2, 3)])
     assert _query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(0,)]
     assert _query(url, "SELECT count(*) FROM allocator_events") == [(4 * 3 * 12,)]
+
+
+def test_stored_keys_move_into_their_epochs_partition_and_leave_with_it(url: str, tmp_path: Path) -> None:
+    from .test_stored_keys import cached_log, records
+
+    cached_log(url, "pool-a")  # epoch 1: packed rows naming prefix-cache keys by id (migration 0009)
+    cached_log(url, "pool-a")  # epoch 2
+    keys = _query(url, "SELECT epoch, count(*) FROM allocator_keys GROUP BY epoch ORDER BY epoch")
+    assert [epoch for epoch, _ in keys] == [1, 2]
+    records_before = records(url, "pool-a")
+    command.downgrade(alembic_config(url), "0009")
+    upgrade(url)
+    for epoch, num_rows in keys:
+        partition = epoch_partition_name("allocator_keys", "pool-a", epoch)
+        assert _query(url, f"SELECT count(*) FROM {partition}") == [(num_rows,)]
+    assert _query(url, "SELECT count(*) FROM ONLY allocator_keys_default") == [(0,)]
+    assert records(url, "pool-a") == records_before
+    assert [r.clean for r in audit_all(url)] == [True, True]
+
+    engine = sa.create_engine(url)
+    try:
+        entry = archive_epoch(engine, "pool-a", 1, tmp_path, upgrade)
+    finally:
+        engine.dispose()
+    assert epoch_partition_name("allocator_keys", "pool-a", 1) not in _partitions(url)["allocator_keys"]
+    assert _query(url, "SELECT epoch FROM allocator_keys GROUP BY epoch") == [(2,)]
+    [report] = audit_all(f"sqlite:///{entry.path}")
+    assert report.clean
