@@ -785,9 +785,11 @@ using avx512_pairs::transpose16;
 constexpr int64_t kIntPanelRows = 32;  // weight rows per panel: two registers of sixteen
 
 // x rows per micro-kernel call: 2 x 12 integer sums in registers, the float chains in memory (one
-// load, fma and store per block). Measured on Zen 5 (bench.gguf_linear, one thread) against the
-// former 6-row loop, whose intrinsic vpdpwssd GCC 12 wrapped in two register copies each and whose
-// chains it spilled anyway: 0.84-0.86x its time at T = 16 and 24, 0.81x at 64, 0.78x at 256.
+// load, fma and store per block). Measured on Zen 5 (bench.gguf_linear's layers, one thread, three
+// alternating rounds) against the former loop of 6 rows, whose intrinsic vpdpwssd GCC 12 wrapped in
+// two register copies each and whose chains it spilled anyway: 0.85-0.90x its time at T = 16,
+// 0.80-0.86x at 24, 0.80-0.82x at 64, 0.76-0.81x at 256. What is left above the bf16 body there
+// (1.15x at 64, 1.3x at 256) is the arithmetic: without the float chains 1.05-1.1x.
 constexpr int kIntTileTokens = 12;
 
 // x [T, K] float32 -> its 16-bit codes by pairs, scales and scaled sums, kIntTileTokens rows side
