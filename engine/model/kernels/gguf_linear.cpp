@@ -784,13 +784,16 @@ using avx512_pairs::transpose16;
 
 constexpr int64_t kIntPanelRows = 32;  // weight rows per panel: two registers of sixteen
 
-// x rows per micro-kernel call: 2 x 12 integer sums in registers, the float chains in memory (one
-// load, fma and store per block). Measured on Zen 5 (bench.gguf_linear's layers, one thread, three
-// alternating rounds) against the former loop of 6 rows, whose intrinsic vpdpwssd GCC 12 wrapped in
-// two register copies each and whose chains it spilled anyway: 0.85-0.90x its time at T = 16,
-// 0.80-0.86x at 24, 0.80-0.82x at 64, 0.76-0.81x at 256. What is left above the bf16 body there
-// (1.15x at 64, 1.3x at 256) is the arithmetic: without the float chains 1.05-1.1x.
-constexpr int kIntTileTokens = 12;
+// x rows per micro-kernel call: 2 x 6 integer sums and 2 x 6 float chains, all in registers
+// (with the pairs unrolled and vpdpwssd's accumulator tied, GCC 12 keeps them there; 12 rows put
+// the chains in memory, a load, fma and store each per block, and measured slower: 0.85-0.94x at
+// T = 256 and the lm_head's 0.87-0.98x at 64 for 6). Measured on Zen 5 (bench.gguf_linear's
+// layers, one thread, three alternating rounds) against the former loop of 6 rows, whose
+// intrinsic vpdpwssd GCC 12 wrapped in two register copies each and whose chains it spilled:
+// 0.85-0.94x its time at T = 16, 0.81-0.84x at 24, 0.78-0.89x at 64, 0.75-0.77x at 256. What is
+// left above the bf16 body (1.15-1.25x at 64 and 256) is the arithmetic: the 12-row kernel
+// without its float chains ran 1.05-1.1x the bf16 body at 256.
+constexpr int kIntTileTokens = 6;
 
 // x [T, K] float32 -> its 16-bit codes by pairs, scales and scaled sums, kIntTileTokens rows side
 // by side: words [tiles, nb, 16, kIntTileTokens], scale and scaled_sum [tiles, nb, kIntTileTokens]
@@ -955,7 +958,7 @@ void panel_kernel(const PackedX& x, int64_t tile, const uint32_t* panel, const f
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
       const __m512i w0 = _mm512_loadu_si512(wb + p * kIntPanelRows), w1 = _mm512_loadu_si512(wb + p * kIntPanelRows + 16);
-#pragma GCC unroll 12
+#pragma GCC unroll 16
       for (int i = 0; i < TM; ++i) {
         const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(xb[p * kT + i]));
         if (p == 0) {
