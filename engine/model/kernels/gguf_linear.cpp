@@ -784,24 +784,46 @@ using avx512_pairs::transpose16;
 
 constexpr int64_t kIntPanelRows = 32;  // weight rows per panel: two registers of sixteen
 
-// x [T, K] float32 -> its 16-bit codes by pairs ([T, K / 2] words), scales and scaled sums ([T, nb]).
+// x rows per micro-kernel call: 2 x 6 integer sums and 2 x 6 float chains, all in registers
+// (with the pairs unrolled and vpdpwssd's accumulator tied, GCC 12 keeps them there; 12 rows put
+// the chains in memory, a load, fma and store each per block, and measured slower: 0.85-0.94x at
+// T = 256 and the lm_head's 0.87-0.98x at 64 for 6). Measured on Zen 5 (bench.gguf_linear's
+// layers, one thread, three alternating rounds) against the former loop of 6 rows, whose
+// intrinsic vpdpwssd GCC 12 wrapped in two register copies each and whose chains it spilled:
+// 0.85-0.94x its time at T = 16, 0.81-0.84x at 24, 0.78-0.89x at 64, 0.75-0.77x at 256. What is
+// left above the bf16 body (1.15-1.25x at 64 and 256) is the arithmetic: the 12-row kernel
+// without its float chains ran 1.05-1.1x the bf16 body at 256.
+constexpr int kIntTileTokens = 6;
+
+// x [T, K] float32 -> its 16-bit codes by pairs, scales and scaled sums, kIntTileTokens rows side
+// by side: words [tiles, nb, 16, kIntTileTokens], scale and scaled_sum [tiles, nb, kIntTileTokens]
+// (a last partial tile's missing rows zero), so a tile's pair p of block b is one run of words
+// for every row and the micro-kernel addresses all of its rows from one pointer.
 struct PackedX {
   std::vector<uint32_t> words;
   std::vector<float> scale, scaled_sum;
-  int64_t half_k, nb;
+  int64_t nb;
 };
 
 PackedX pack_x(const float* x, int64_t num_tokens, int64_t k) {
   const int64_t nb = k / kGroup;
-  PackedX packed{std::vector<uint32_t>(num_tokens * k / 2), std::vector<float>(num_tokens * nb),
-                 std::vector<float>(num_tokens * nb), k / 2, nb};
+  const int64_t tiles = (num_tokens + kIntTileTokens - 1) / kIntTileTokens;
+  PackedX packed{std::vector<uint32_t>(tiles * nb * 16 * kIntTileTokens),
+                 std::vector<float>(tiles * nb * kIntTileTokens), std::vector<float>(tiles * nb * kIntTileTokens), nb};
   at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<int16_t> codes(k);
+    std::vector<float> scale(nb), scaled_sum(nb);
+    alignas(64) uint32_t pairs[16];
     for (int64_t t = begin; t < end; ++t) {
-      quantize_row(x + t * k, nb, codes.data(), packed.scale.data() + t * nb, packed.scaled_sum.data() + t * nb);
-      for (int64_t b = 0; b < nb; ++b)
-        _mm512_storeu_si512(packed.words.data() + t * k / 2 + b * 16,
-                            _mm512_permutexvar_epi16(pair_order(), _mm512_loadu_si512(codes.data() + b * kGroup)));
+      quantize_row(x + t * k, nb, codes.data(), scale.data(), scaled_sum.data());
+      const int64_t tile = t / kIntTileTokens, i = t % kIntTileTokens;
+      for (int64_t b = 0; b < nb; ++b) {
+        _mm512_store_si512(pairs, _mm512_permutexvar_epi16(pair_order(), _mm512_loadu_si512(codes.data() + b * kGroup)));
+        uint32_t* out = packed.words.data() + ((tile * nb + b) * 16) * kIntTileTokens + i;
+        for (int q = 0; q < 16; ++q) out[q * kIntTileTokens] = pairs[q];
+        packed.scale[(tile * nb + b) * kIntTileTokens + i] = scale[b];
+        packed.scaled_sum[(tile * nb + b) * kIntTileTokens + i] = scaled_sum[b];
+      }
     }
   });
   return packed;
@@ -907,28 +929,50 @@ void any_codes_panel(const uint8_t* weights, int64_t n0, int64_t rows, int64_t n
   codes_panel<Type, Grouped>(weights, n0, rows, nb, panel, d, m);
 }
 
-// y[i, 0 .. 31] for TM rows of x against one panel; columns >= `rows` are not stored.
+// acc + the pairwise products of a and b (vpdpwssd), the accumulator tied to the result: GCC 12
+// compiles the intrinsic with two register copies around each instruction.
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+#ifdef SIMDE_VERSION  // scripts/avx512_emulated.sh: SIMDe's lanes, no register to tie
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+#endif
+}
+
+// y[i, 0 .. 31] for the first TM rows of x's tile `tile` against one panel; columns >= `rows` are
+// not stored. A block's sixteen pairs are unrolled into 2 x TM integer sums; the float chains
+// then take one fma per block, in block order.
 template <int TM, bool Min>
-void panel_kernel(const PackedX& x, int64_t t0, const uint32_t* panel, const float* d, const float* m, int64_t rows,
+void panel_kernel(const PackedX& x, int64_t tile, const uint32_t* panel, const float* d, const float* m, int64_t rows,
                   float* y, int64_t ldy) {
+  constexpr int64_t kT = kIntTileTokens;
   __m512 acc[TM][2];
   for (int i = 0; i < TM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  const uint32_t* xw = x.words.data() + t0 * x.half_k;
+  const uint32_t* xw = x.words.data() + tile * x.nb * 16 * kT;
+  const float* xs = x.scale.data() + tile * x.nb * kT;
   for (int64_t b = 0; b < x.nb; ++b) {
+    const uint32_t* wb = panel + b * 16 * kIntPanelRows;
+    const uint32_t* xb = xw + b * 16 * kT;
     __m512i sums[TM][2];
-    for (int i = 0; i < TM; ++i) sums[i][0] = sums[i][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
-      const uint32_t* w = panel + (b * 16 + p) * kIntPanelRows;
-      const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 16);
+      const __m512i w0 = _mm512_loadu_si512(wb + p * kIntPanelRows), w1 = _mm512_loadu_si512(wb + p * kIntPanelRows + 16);
+#pragma GCC unroll 16
       for (int i = 0; i < TM; ++i) {
-        const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(xw[i * x.half_k + b * 16 + p]));
-        sums[i][0] = _mm512_dpwssd_epi32(sums[i][0], xv, w0);
-        sums[i][1] = _mm512_dpwssd_epi32(sums[i][1], xv, w1);
+        const __m512i xv = _mm512_set1_epi32(static_cast<int32_t>(xb[p * kT + i]));
+        if (p == 0) {
+          sums[i][0] = _mm512_madd_epi16(xv, w0);  // the same pairwise products, from zero
+          sums[i][1] = _mm512_madd_epi16(xv, w1);
+        } else {
+          sums[i][0] = dpwssd(sums[i][0], xv, w0);
+          sums[i][1] = dpwssd(sums[i][1], xv, w1);
+        }
       }
     }
     const __m512 d0 = _mm512_loadu_ps(d + b * kIntPanelRows), d1 = _mm512_loadu_ps(d + b * kIntPanelRows + 16);
     for (int i = 0; i < TM; ++i) {
-      const __m512 dx = _mm512_set1_ps(x.scale[(t0 + i) * x.nb + b]);
+      const __m512 dx = _mm512_set1_ps(xs[b * kT + i]);
       acc[i][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[i][0]), d0), dx, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[i][1]), d1), dx, acc[i][1]);
     }
@@ -936,10 +980,11 @@ void panel_kernel(const PackedX& x, int64_t t0, const uint32_t* panel, const flo
   __m512 min_acc[TM][2];  // Q4_1's minimum: its chains after the products' (independent), fewer live registers
   for (int i = 0; i < TM; ++i) min_acc[i][0] = min_acc[i][1] = _mm512_setzero_ps();
   if constexpr (Min) {
+    const float* xss = x.scaled_sum.data() + tile * x.nb * kT;
     for (int64_t b = 0; b < x.nb; ++b) {
       const __m512 m0 = _mm512_loadu_ps(m + b * kIntPanelRows), m1 = _mm512_loadu_ps(m + b * kIntPanelRows + 16);
       for (int i = 0; i < TM; ++i) {
-        const __m512 sx = _mm512_set1_ps(x.scaled_sum[(t0 + i) * x.nb + b]);
+        const __m512 sx = _mm512_set1_ps(xss[b * kT + i]);
         min_acc[i][0] = _mm512_fmadd_ps(m0, sx, min_acc[i][0]);
         min_acc[i][1] = _mm512_fmadd_ps(m1, sx, min_acc[i][1]);
       }
@@ -956,24 +1001,22 @@ void panel_kernel(const PackedX& x, int64_t t0, const uint32_t* panel, const flo
 }
 
 template <int TM, bool Min>
-void tile_rest(const PackedX& x, int64_t t0, const uint32_t* panel, const float* d, const float* m, int64_t rows,
+void tile_rest(const PackedX& x, int64_t tile, const uint32_t* panel, const float* d, const float* m, int64_t rows,
                float* y, int64_t ldy, int64_t tm) {
   if constexpr (TM > 0) {
-    if (tm == TM) return panel_kernel<TM, Min>(x, t0, panel, d, m, rows, y, ldy);
-    tile_rest<TM - 1, Min>(x, t0, panel, d, m, rows, y, ldy, tm);
+    if (tm == TM) return panel_kernel<TM, Min>(x, tile, panel, d, m, rows, y, ldy);
+    tile_rest<TM - 1, Min>(x, tile, panel, d, m, rows, y, ldy, tm);
   }
 }
 
-// All T rows of x against one panel, kIntTileTokens at a time: 2 x kIntTileTokens integer and as
-// many float accumulators.
-constexpr int kIntTileTokens = 6;
+// All T rows of x against one panel, a tile of kIntTileTokens rows at a time.
 template <bool Min>
 void tokens_times_panel(const PackedX& x, int64_t num_tokens, const uint32_t* panel, const float* d, const float* m,
                         int64_t rows, float* y, int64_t ldy) {
   constexpr int kTile = kIntTileTokens;
   int64_t t = 0;
-  for (; t + kTile <= num_tokens; t += kTile) panel_kernel<kTile, Min>(x, t, panel, d, m, rows, y + t * ldy, ldy);
-  if (t < num_tokens) tile_rest<kTile - 1, Min>(x, t, panel, d, m, rows, y + t * ldy, ldy, num_tokens - t);
+  for (; t + kTile <= num_tokens; t += kTile) panel_kernel<kTile, Min>(x, t / kTile, panel, d, m, rows, y + t * ldy, ldy);
+  if (t < num_tokens) tile_rest<kTile - 1, Min>(x, t / kTile, panel, d, m, rows, y + t * ldy, ldy, num_tokens - t);
 }
 
 template <int64_t Type, bool Grouped>
