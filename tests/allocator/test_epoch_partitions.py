@@ -273,7 +273,8 @@ def _block_key_indexes(url: str) -> dict[str, str]:
     """table or partition of allocator_events -> the definition of its index on block_key."""
     rows = _query(
         url,
-        "SELECT tablename, indexdef FROM pg_indexes WHERE tablename LIKE 'allocator_events%' AND indexdef LIKE '%block_key%'",
+        "SELECT tablename, indexdef FROM pg_indexes "
+        "WHERE tablename LIKE 'allocator_events%' AND indexdef LIKE '%block_key%'",
     )
     return {str(table): str(definition) for table, definition in rows}
 

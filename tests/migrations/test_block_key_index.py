@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from alembic import command
 
-from nanoserve.allocator.log import EventLog
 from nanoserve.allocator.block_allocator import BlockAllocator
+from nanoserve.allocator.log import EventLog
 from nanoserve.migrations import alembic_config, upgrade
 
 from ..allocator.test_stored_keys import BLOCK_SIZE, query, write_cached
