@@ -26,14 +26,33 @@ from __future__ import annotations
 import base64
 import bisect
 import re
+import zlib
 from collections.abc import Callable, Iterable
 
-__all__ = ["KEYED_FORMAT", "KEY_BYTES", "MARKER", "KeyChunks", "KeyIds", "MissingKeys", "referenced_ids"]
+__all__ = [
+    "DEFLATED_KEYED_FORMAT",
+    "KEYED_FORMAT",
+    "KEY_BYTES",
+    "MARKER",
+    "KeyChunks",
+    "KeyIds",
+    "MissingKeys",
+    "ZLIB_LEVEL",
+    "deflate_records",
+    "inflate_records",
+    "referenced_ids",
+]
 
 # the marker before a key id in packed text; a marker in the record is written twice
 MARKER = "\x1f"
-# the first byte of a packed row's blob whose text names its keys by id; a zlib stream's is 0x78
+# the first byte of a packed row's blob whose text names its keys by id, the rest a zlib stream (rows written
+# from migration 0009 until raw deflate); a zlib stream's own first byte is 0x78
 KEYED_FORMAT = b"\x01"
+# ... the rest raw deflate: no zlib header and Adler-32 (6 bytes a row), as the hash chain covers the records
+DEFLATED_KEYED_FORMAT = b"\x02"
+_KEYED_FORMATS = (KEYED_FORMAT, DEFLATED_KEYED_FORMAT)
+# packed rows' deflate level: zlib's default; 9 saves under 0.1 % on bench.log_bytes' records
+ZLIB_LEVEL = 6
 # bytes of one stored key (a sha256 digest)
 KEY_BYTES = 32
 # a key in a record: "~" and 43 base64url characters (32 bytes), not followed by another one
@@ -192,6 +211,30 @@ class KeyChunks:
             return False
         self._texts[key_id] = "~" + base64.urlsafe_b64encode(key).decode().rstrip("=")
         return True
+
+
+def deflate_records(packed: str) -> bytes:
+    """The blob of a packed row whose text ``packed`` names its keys by id: DEFLATED_KEYED_FORMAT, raw deflate."""
+    deflate = zlib.compressobj(ZLIB_LEVEL, zlib.DEFLATED, -15)
+    return DEFLATED_KEYED_FORMAT + deflate.compress(packed.encode()) + deflate.flush()
+
+
+def inflate_records(blob: bytes | memoryview) -> tuple[bool, bytes]:
+    """(whether its text names keys by id, the text's UTF-8) of a packed row's blob, in any of its forms:
+    a zlib stream (rows written before 0009 or naming no key), or KEYED_FORMAT or DEFLATED_KEYED_FORMAT and
+    the stream. zlib.error when it does not inflate, or a raw deflate stream is cut or followed by more bytes.
+    A raw deflate stream has no checksum: an altered one may inflate to other text, which the hash chain
+    then does not match."""
+    form = bytes(blob[:1])
+    if form not in _KEYED_FORMATS:
+        return False, zlib.decompress(blob)
+    if form == KEYED_FORMAT:
+        return True, zlib.decompress(blob[1:])
+    inflate = zlib.decompressobj(-15)
+    raw = inflate.decompress(blob[1:])
+    if not inflate.eof or inflate.unused_data:
+        raise zlib.error("raw deflate stream cut short or followed by other bytes")
+    return True, raw
 
 
 def referenced_ids(packed: str) -> set[int]:
