@@ -9,13 +9,22 @@ its records name the key by its *key id*::
     the record (what the chain covers)   ...|;~<43 base64url characters>=2,...|...
     the packed text (what the row holds)  ...|;\\x1f<key id in decimal>=2,...|...
 
+A REGISTER entry names its parent's key without the ``~`` (``~KEY:PARENT:TOKENS``,
+``record_codec``): since byte 2 (raw deflate) such a bare key, 43 characters
+between two ``:``, is named ``\\x1f^<key id>``; a block registered in decode
+names the block before it, registered by an earlier commit, so its row held
+the parent's 43 random characters (about 32 bytes deflated) where it now
+holds a few. (``\\x1f^`` never occurs in byte-1 text, where a marker in the
+record is written twice, so one reader reads both.)
+
 An epoch's key ids are 0, 1, 2, ... in the order its keys are first stored;
 the keys one group commit stores first are one ``allocator_keys`` row, their
 32 bytes back to back from its ``first_key_id``. Only ``~`` and the canonical
-unpadded base64url of 32 bytes, not followed by another base64url character,
-becomes a reference, and the marker ``\\x1f`` itself is written twice, so any
-text comes back exactly: ``expand(refer(text)) == text``. What the chain
-covers is therefore unchanged; this is a storage encoding only.
+unpadded base64url of 32 bytes, not followed by another base64url character
+(or those 43 characters alone between two ``:``), becomes a reference, and
+the marker ``\\x1f`` itself is written twice, so any text comes back
+exactly: ``expand(refer(text)) == text``. What the chain covers is therefore
+unchanged; this is a storage encoding only.
 
 Imports only the standard library: the chain verifier, which runs as a
 script of its own (``hash_chain_verifier``), loads this file by its path.
@@ -30,6 +39,7 @@ import zlib
 from collections.abc import Callable, Iterable
 
 __all__ = [
+    "BARE",
     "DEFLATED_KEYED_FORMAT",
     "KEYED_FORMAT",
     "KEY_BYTES",
@@ -56,9 +66,12 @@ ZLIB_LEVEL = 6
 # bytes of one stored key (a sha256 digest)
 KEY_BYTES = 32
 # a key in a record: "~" and 43 base64url characters (32 bytes), not followed by another one
-_KEY = re.compile(r"~([A-Za-z0-9_-]{43})(?![A-Za-z0-9_-])")
+# ... or (group 2) 43 base64url characters alone between two ":": a REGISTER entry's parent
+_KEY = re.compile(r"~([A-Za-z0-9_-]{43})(?![A-Za-z0-9_-])|(?<=:)([A-Za-z0-9_-]{43})(?=:)")
 # a reference in packed text: the marker and a key id, or the marker written twice
-_REF = re.compile("\x1f(\x1f|[0-9]+)")
+_REF = re.compile("\x1f(\x1f|\\^?[0-9]+)")
+# after the marker: the key id names the key's 43 characters without the "~"
+BARE = "^"
 _ESCAPED = MARKER + MARKER
 # keys a writer keeps ids for, in each of its two generations: a key named by no record for longer is
 # stored again under a new id (the pool's cached blocks bound the keys records name at a time)
@@ -116,7 +129,7 @@ class KeyIds:
         return _KEY.sub(self._reference, text)
 
     def _reference(self, match: re.Match[str]) -> str:
-        key = match.group(1)
+        key = match.group(1) or match.group(2)
         key_id = self._recent.get(key)
         if key_id is None:
             key_id = self._older.get(key)
@@ -128,7 +141,7 @@ class KeyIds:
             if _key_bytes(key) is None:
                 return match.group(0)  # not the canonical text of 32 bytes: stays as it is
             key_id = self._staged[key] = self._num_committed + len(self._staged)
-        return f"{MARKER}{key_id}"
+        return f"{MARKER}{key_id}" if match.group(1) else f"{MARKER}{BARE}{key_id}"
 
     def staged_row(self) -> tuple[int, bytes] | None:
         """(first key id, the staged keys' bytes back to back, in id order); None when nothing is staged."""
@@ -192,13 +205,13 @@ class KeyChunks:
         written = parts[1::2]
         new = set(written).difference(texts)
         if new:
-            unknown = sorted(int(key_id) for key_id in new if not self._known(key_id))
+            unknown = [key_id for key_id in new if not self._known(key_id)]
             if unknown and self._fetch is not None:
-                for first_key_id, keys in self._fetch(unknown):
+                for first_key_id, keys in self._fetch(sorted({_id_of(key_id) for key_id in unknown})):
                     self.add(first_key_id, keys)
-                unknown = [key_id for key_id in unknown if not self._known(str(key_id))]
+                unknown = [key_id for key_id in unknown if not self._known(key_id)]
             if unknown:
-                raise MissingKeys(unknown)
+                raise MissingKeys(sorted({_id_of(key_id) for key_id in unknown}))
         parts[1::2] = map(texts.__getitem__, written)
         return "".join(parts)
 
@@ -206,10 +219,11 @@ class KeyChunks:
         """Whether a held row holds the id written ``key_id`` (its text then cached)."""
         if key_id in self._texts:
             return True
-        key = self.key_of(int(key_id))
+        key = self.key_of(_id_of(key_id))
         if key is None:
             return False
-        self._texts[key_id] = "~" + base64.urlsafe_b64encode(key).decode().rstrip("=")
+        text = base64.urlsafe_b64encode(key).decode().rstrip("=")
+        self._texts[key_id] = text if key_id.startswith(BARE) else "~" + text
         return True
 
 
@@ -239,7 +253,12 @@ def inflate_records(blob: bytes | memoryview) -> tuple[bool, bytes]:
 
 def referenced_ids(packed: str) -> set[int]:
     """The key ids packed text refers to."""
-    return {int(key_id) for key_id in _REF.findall(packed) if key_id != MARKER}
+    return {_id_of(key_id) for key_id in _REF.findall(packed) if key_id != MARKER}
+
+
+def _id_of(written: str) -> int:
+    """The key id of a reference as written after the marker (``123``, or ``^123`` for a bare key)."""
+    return int(written.removeprefix(BARE))
 
 
 def _key_bytes(key: str) -> bytes | None:

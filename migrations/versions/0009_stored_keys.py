@@ -6,7 +6,8 @@ ids ``first_key_id, first_key_id + 1, ...``. A packed row written after it
 may name its keys by id (``allocator.log.key_refs``): its ``records`` blob is
 byte 1 then the zlib of its records with each ``~`` + base64url key written
 ``\\x1f`` + key id (and a ``\\x1f`` of the text written twice); later
-nanoserve writes byte 2 then the raw deflate of that text. Rows written
+nanoserve writes byte 2 then the raw deflate of that text, where a REGISTER's
+parent key (written without ``~``) is named ``\\x1f^`` + key id too. Rows written
 before keep their form (a zlib stream begins with 0x78) and read as they are;
 an older nanoserve reading such a row finds it unreadable (it does not
 inflate) rather than wrong.
@@ -38,7 +39,7 @@ depends_on: str | Sequence[str] | None = None
 _KEYED_FORMAT = b"\x01"  # then a zlib stream
 _DEFLATED_KEYED_FORMAT = b"\x02"  # then a raw deflate stream (written since, ``key_refs.deflate_records``)
 _KEY_BYTES = 32
-_REF = re.compile("\x1f(\x1f|[0-9]+)")
+_REF = re.compile("\x1f(\x1f|\\^?[0-9]+)")  # "^": a key written without its "~" (byte 2 rows only)
 
 
 def upgrade() -> None:
@@ -109,9 +110,11 @@ def _inlined(text: str, texts: dict[str, str], where: str) -> str:
         key_id = match.group(1)
         if key_id == "\x1f":
             return key_id
+        bare = key_id.startswith("^")
+        key_id = key_id.removeprefix("^")
         if key_id not in texts:
             raise RuntimeError(f"{where} names key id {key_id}, which no allocator_keys row holds")
-        return texts[key_id]
+        return texts[key_id][1:] if bare else texts[key_id]
 
     return _REF.sub(text_of, text)
 

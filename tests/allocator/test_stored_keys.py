@@ -522,3 +522,66 @@ def test_a_raw_deflated_row_altered_is_a_hash_mismatch_and_one_cut_does_not_infl
             "(raw deflate stream cut short or followed by other bytes)",
         )
     ]
+
+
+def parent_log(url: str, pool_id: str) -> list[tuple[object, ...]]:
+    """A registers two blocks, then (a commit later) the third, whose parent's key the record writes without
+    its "~" (``~KEY:PARENT:TOKENS``); then releases them. The records of epoch 1, as readers get them."""
+    log = EventLog.open(url, pool_id=pool_id, num_blocks=8, block_size=BLOCK_SIZE)
+    pool = BlockAllocator(8, BLOCK_SIZE)
+    a = BlockTable(pool, "A")
+    a.append_tokens(4)
+    a.register(KEYS[:2], 4)
+    log.append_batch(1, pool.take_events(), pool.snapshot)
+    assert log.flush(10)
+    a.append_tokens(2)
+    a.register(KEYS, 6)
+    log.append_batch(2, pool.take_events(), pool.snapshot)
+    assert log.flush(10)
+    a.release(FreeReason.FINISHED)
+    log.append_batch(3, pool.take_events(), pool.snapshot)
+    log.close(final_state=pool.snapshot())
+    return records(url, pool_id)
+
+
+def test_a_registers_parent_key_is_named_by_its_id_too(log_url: str, pool_id: str) -> None:
+    rows = parent_log(log_url, pool_id)
+    register = str(rows[4][3])
+    assert f";{key_text(HEX[2])}:{key_text(HEX[1])[1:]}:" in register  # the parent: no "~"
+    [(seq,)] = query(
+        log_url, "SELECT seq FROM allocator_events WHERE pool_id = :p AND seq <= 5 AND last_seq >= 5", p=pool_id
+    )
+    packed = stored_text(log_url, pool_id, int(seq))  # type: ignore[call-overload]
+    assert ";\x1f2:\x1f^1:" in packed  # about 5 bytes where the parent's 43 random characters were
+    keys = query(
+        log_url, "SELECT first_key_id, block_keys FROM allocator_keys WHERE pool_id = :p ORDER BY 1", p=pool_id
+    )
+    assert keys == [(0, bytes.fromhex(HEX[0]) + bytes.fromhex(HEX[1])), (2, bytes.fromhex(HEX[2]))]
+    report = audit(log_url, pool_id)
+    assert (report.clean, report.num_events) == (True, len(rows))
+
+
+def test_a_bare_key_comes_back_exactly_and_downgrades_into_its_record(tmp_path: Path) -> None:
+    from alembic import command
+
+    from nanoserve.migrations import alembic_config
+
+    bare = key_text(HEX[0])[1:]
+    texts = [f"x:{bare}:y", f"x:{bare}", f"{bare}:y", f"::{bare}::{bare}A:", f"x:~{bare}:{bare}:z"]
+    ids = KeyIds()
+    referred = [ids.refer(text) for text in texts]
+    assert referred == ["x:\x1f^0:y", texts[1], texts[2], f"::\x1f^0::{bare}A:", "x:\x1f0:\x1f^0:z"]
+    chunks = KeyChunks()
+    chunks.add(*ids.staged_row())  # type: ignore[misc]
+    assert [chunks.expand(text) for text in referred] == texts
+    assert key_refs.referenced_ids(referred[4]) == {0}
+    with pytest.raises(MissingKeys, match=r"key id\(s\) 0,"):
+        KeyChunks().expand(referred[0])
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    rows = parent_log(url, "p")
+    events = read_events(url, "p")
+    command.downgrade(alembic_config(url), "0008")
+    assert records(url, "p") == rows
+    assert read_events(url, "p") == events
