@@ -11,14 +11,16 @@ verdict before it trusts them (see ``replay``).
 
 The script imports only the standard library (no SQLAlchemy, no nanoserve),
 so it starts in milliseconds; the caller hands it the compiled SQL. It
-therefore inflates packed rows itself (``_packed_records``: what
-``packed_rows.unpack_records`` does, a test holds the two alike); the keys
-of a row that names them by id it reads with the SQL it is handed and turns
-back with ``key_refs`` itself, a standard-library module it loads by path.
+therefore reads packed rows itself (``_packed_records``: what
+``packed_rows.unpack_records`` does, a test holds the two alike), inflating
+them and turning back the keys of a row that names them by id (read with
+the SQL it is handed) with ``key_refs``, a standard-library module it loads
+by path.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -36,8 +38,6 @@ _digest = operator.methodcaller("digest")
 _seq_of, _record_of, _hash_of = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 _FETCH_ROWS = 1_000  # small chunks stay in the CPU caches
 _last_seq_of = operator.itemgetter(3)
-# the first byte of a packed row's blob that names its keys by id (``key_refs.KEYED_FORMAT``, a test holds them alike)
-_KEYED_FORMAT = b"\x01"
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,13 @@ def _expanded(stored: list[Any], previous: bytes, keys: Any) -> list[tuple[Any, 
 def _packed_records(first_seq: int, last_seq: Any, blob: Any, keys: Any = None) -> list[bytes] | None:
     """A packed row's records as UTF-8 bytes (``packed_rows``); None when they cannot be read."""
     try:
-        if isinstance(blob, bytes) and blob[:1] == _KEYED_FORMAT:
+        keyed, raw = _key_refs().inflate_records(blob)
+        if keyed:
             if keys is None:
                 return None
-            records = keys.expand(zlib.decompress(blob[1:]).decode()).encode().split(b"\n")
+            records = keys.expand(raw.decode()).encode().split(b"\n")
         else:
-            records = zlib.decompress(blob).split(b"\n")
+            records = raw.split(b"\n")
         for record in records:
             record.decode()
     except (zlib.error, TypeError, ValueError):  # ValueError: UnicodeDecodeError, key_refs.MissingKeys
@@ -158,6 +159,7 @@ def result(proc: subprocess.Popen[str]) -> ChainResult | None:
         return None
 
 
+@functools.cache
 def _key_refs() -> Any:
     """``key_refs``, loaded by its path (this script imports no nanoserve package)."""
     spec = importlib.util.spec_from_file_location("nanoserve_key_refs", Path(__file__).with_name("key_refs.py"))

@@ -9,13 +9,22 @@ its records name the key by its *key id*::
     the record (what the chain covers)   ...|;~<43 base64url characters>=2,...|...
     the packed text (what the row holds)  ...|;\\x1f<key id in decimal>=2,...|...
 
+A REGISTER entry names its parent's key without the ``~`` (``~KEY:PARENT:TOKENS``,
+``record_codec``): since byte 2 (raw deflate) such a bare key, 43 characters
+between two ``:``, is named ``\\x1f^<key id>``; a block registered in decode
+names the block before it, registered by an earlier commit, so its row held
+the parent's 43 random characters (about 32 bytes deflated) where it now
+holds a few. (``\\x1f^`` never occurs in byte-1 text, where a marker in the
+record is written twice, so one reader reads both.)
+
 An epoch's key ids are 0, 1, 2, ... in the order its keys are first stored;
 the keys one group commit stores first are one ``allocator_keys`` row, their
 32 bytes back to back from its ``first_key_id``. Only ``~`` and the canonical
-unpadded base64url of 32 bytes, not followed by another base64url character,
-becomes a reference, and the marker ``\\x1f`` itself is written twice, so any
-text comes back exactly: ``expand(refer(text)) == text``. What the chain
-covers is therefore unchanged; this is a storage encoding only.
+unpadded base64url of 32 bytes, not followed by another base64url character
+(or those 43 characters alone between two ``:``), becomes a reference, and
+the marker ``\\x1f`` itself is written twice, so any text comes back
+exactly: ``expand(refer(text)) == text``. What the chain covers is therefore
+unchanged; this is a storage encoding only.
 
 Imports only the standard library: the chain verifier, which runs as a
 script of its own (``hash_chain_verifier``), loads this file by its path.
@@ -26,20 +35,43 @@ from __future__ import annotations
 import base64
 import bisect
 import re
+import zlib
 from collections.abc import Callable, Iterable
 
-__all__ = ["KEYED_FORMAT", "KEY_BYTES", "MARKER", "KeyChunks", "KeyIds", "MissingKeys", "referenced_ids"]
+__all__ = [
+    "BARE",
+    "DEFLATED_KEYED_FORMAT",
+    "KEYED_FORMAT",
+    "KEY_BYTES",
+    "MARKER",
+    "KeyChunks",
+    "KeyIds",
+    "MissingKeys",
+    "ZLIB_LEVEL",
+    "deflate_records",
+    "inflate_records",
+    "referenced_ids",
+]
 
 # the marker before a key id in packed text; a marker in the record is written twice
 MARKER = "\x1f"
-# the first byte of a packed row's blob whose text names its keys by id; a zlib stream's is 0x78
+# the first byte of a packed row's blob whose text names its keys by id, the rest a zlib stream (rows written
+# from migration 0009 until raw deflate); a zlib stream's own first byte is 0x78
 KEYED_FORMAT = b"\x01"
+# ... the rest raw deflate: no zlib header and Adler-32 (6 bytes a row), as the hash chain covers the records
+DEFLATED_KEYED_FORMAT = b"\x02"
+_KEYED_FORMATS = (KEYED_FORMAT, DEFLATED_KEYED_FORMAT)
+# packed rows' deflate level: zlib's default; 9 saves under 0.1 % on bench.log_bytes' records
+ZLIB_LEVEL = 6
 # bytes of one stored key (a sha256 digest)
 KEY_BYTES = 32
 # a key in a record: "~" and 43 base64url characters (32 bytes), not followed by another one
-_KEY = re.compile(r"~([A-Za-z0-9_-]{43})(?![A-Za-z0-9_-])")
+# ... or (group 2) 43 base64url characters alone between two ":": a REGISTER entry's parent
+_KEY = re.compile(r"~([A-Za-z0-9_-]{43})(?![A-Za-z0-9_-])|(?<=:)([A-Za-z0-9_-]{43})(?=:)")
 # a reference in packed text: the marker and a key id, or the marker written twice
-_REF = re.compile("\x1f(\x1f|[0-9]+)")
+_REF = re.compile("\x1f(\x1f|\\^?[0-9]+)")
+# after the marker: the key id names the key's 43 characters without the "~"
+BARE = "^"
 _ESCAPED = MARKER + MARKER
 # keys a writer keeps ids for, in each of its two generations: a key named by no record for longer is
 # stored again under a new id (the pool's cached blocks bound the keys records name at a time)
@@ -97,7 +129,7 @@ class KeyIds:
         return _KEY.sub(self._reference, text)
 
     def _reference(self, match: re.Match[str]) -> str:
-        key = match.group(1)
+        key = match.group(1) or match.group(2)
         key_id = self._recent.get(key)
         if key_id is None:
             key_id = self._older.get(key)
@@ -109,7 +141,7 @@ class KeyIds:
             if _key_bytes(key) is None:
                 return match.group(0)  # not the canonical text of 32 bytes: stays as it is
             key_id = self._staged[key] = self._num_committed + len(self._staged)
-        return f"{MARKER}{key_id}"
+        return f"{MARKER}{key_id}" if match.group(1) else f"{MARKER}{BARE}{key_id}"
 
     def staged_row(self) -> tuple[int, bytes] | None:
         """(first key id, the staged keys' bytes back to back, in id order); None when nothing is staged."""
@@ -173,13 +205,13 @@ class KeyChunks:
         written = parts[1::2]
         new = set(written).difference(texts)
         if new:
-            unknown = sorted(int(key_id) for key_id in new if not self._known(key_id))
+            unknown = [key_id for key_id in new if not self._known(key_id)]
             if unknown and self._fetch is not None:
-                for first_key_id, keys in self._fetch(unknown):
+                for first_key_id, keys in self._fetch(sorted({_id_of(key_id) for key_id in unknown})):
                     self.add(first_key_id, keys)
-                unknown = [key_id for key_id in unknown if not self._known(str(key_id))]
+                unknown = [key_id for key_id in unknown if not self._known(key_id)]
             if unknown:
-                raise MissingKeys(unknown)
+                raise MissingKeys(sorted({_id_of(key_id) for key_id in unknown}))
         parts[1::2] = map(texts.__getitem__, written)
         return "".join(parts)
 
@@ -187,16 +219,46 @@ class KeyChunks:
         """Whether a held row holds the id written ``key_id`` (its text then cached)."""
         if key_id in self._texts:
             return True
-        key = self.key_of(int(key_id))
+        key = self.key_of(_id_of(key_id))
         if key is None:
             return False
-        self._texts[key_id] = "~" + base64.urlsafe_b64encode(key).decode().rstrip("=")
+        text = base64.urlsafe_b64encode(key).decode().rstrip("=")
+        self._texts[key_id] = text if key_id.startswith(BARE) else "~" + text
         return True
+
+
+def deflate_records(packed: str) -> bytes:
+    """The blob of a packed row whose text ``packed`` names its keys by id: DEFLATED_KEYED_FORMAT, raw deflate."""
+    deflate = zlib.compressobj(ZLIB_LEVEL, zlib.DEFLATED, -15)
+    return DEFLATED_KEYED_FORMAT + deflate.compress(packed.encode()) + deflate.flush()
+
+
+def inflate_records(blob: bytes | memoryview) -> tuple[bool, bytes]:
+    """(whether its text names keys by id, the text's UTF-8) of a packed row's blob, in any of its forms:
+    a zlib stream (rows written before 0009 or naming no key), or KEYED_FORMAT or DEFLATED_KEYED_FORMAT and
+    the stream. zlib.error when it does not inflate, or a raw deflate stream is cut or followed by more bytes.
+    A raw deflate stream has no checksum: an altered one may inflate to other text, which the hash chain
+    then does not match."""
+    form = bytes(blob[:1])
+    if form not in _KEYED_FORMATS:
+        return False, zlib.decompress(blob)
+    if form == KEYED_FORMAT:
+        return True, zlib.decompress(blob[1:])
+    inflate = zlib.decompressobj(-15)
+    raw = inflate.decompress(blob[1:])
+    if not inflate.eof or inflate.unused_data:
+        raise zlib.error("raw deflate stream cut short or followed by other bytes")
+    return True, raw
 
 
 def referenced_ids(packed: str) -> set[int]:
     """The key ids packed text refers to."""
-    return {int(key_id) for key_id in _REF.findall(packed) if key_id != MARKER}
+    return {_id_of(key_id) for key_id in _REF.findall(packed) if key_id != MARKER}
+
+
+def _id_of(written: str) -> int:
+    """The key id of a reference as written after the marker (``123``, or ``^123`` for a bare key)."""
+    return int(written.removeprefix(BARE))
 
 
 def _key_bytes(key: str) -> bytes | None:

@@ -21,9 +21,10 @@ not match) or, for bytes that no longer inflate, named for the whole row
 
 Written with a key table (migration 0009), a row's records name their
 prefix-cache keys by key id (``key_refs``: each key's 32 bytes stored once
-per epoch in ``allocator_keys``) and its blob is byte 1 then the zlib of that
-text (a zlib stream begins with 0x78, so rows written before read as they
-are). ``expand_packed`` turns the ids back into the keys, so the records it
+per epoch in ``allocator_keys``) and its blob is byte 2 then the raw deflate
+of that text (``key_refs.deflate_records``; byte 1 then its zlib stream in rows
+written before; a zlib stream begins with 0x78, so rows written before 0009
+read as they are). ``expand_packed`` turns the ids back into the keys, so the records it
 gives are the same text; a key id no stored row holds makes the row
 unreadable, and an altered key row shows as the chain's hash not matching
 at the row's last seq.
@@ -45,7 +46,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nanoserve.allocator.log.key_refs import KEYED_FORMAT, KeyChunks, KeyIds, referenced_ids
+from nanoserve.allocator.log.key_refs import (
+    DEFLATED_KEYED_FORMAT,
+    KEYED_FORMAT,
+    ZLIB_LEVEL,
+    KeyChunks,
+    KeyIds,
+    deflate_records,
+    inflate_records,
+    referenced_ids,
+)
 from nanoserve.allocator.log.record_codec import DATA_KINDS, NUM_FIELDS
 
 if TYPE_CHECKING:
@@ -87,8 +97,6 @@ _split_kind = operator.methodcaller("split", "|", 3)
 _count_separators = operator.methodcaller("count", "|")
 _kind_of, _tail_of = operator.itemgetter(2), operator.itemgetter(NUM_FIELDS - 1)
 _sha256 = hashlib.sha256
-# zlib's level: its default; 9 saves under 0.1 % on bench.log_bytes' records
-_ZLIB_LEVEL = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,17 +143,15 @@ def _flush(run: list[Row], stored: list[StoredRow], key_ids: KeyIds | None) -> N
         stored += [(*row, None, None) for row in run]
     else:
         first, last = run[0], run[-1]
-        if referred == text:  # no key, no marker: the form of rows written before 0009
-            blob = zlib.compress(text.encode(), _ZLIB_LEVEL)
-        else:
-            blob = KEYED_FORMAT + zlib.compress(referred.encode(), _ZLIB_LEVEL)
+        # no key, no marker: the form of rows written before 0009
+        blob = zlib.compress(text.encode(), ZLIB_LEVEL) if referred == text else deflate_records(referred)
         stored.append((first[0], first[1], first[2], PACKED_KIND, None, "", last[6], None, last[2], blob))
     run.clear()
 
 
 def is_keyed(blob: Any) -> bool:
     """Whether a packed row's records name their keys by id (``key_refs``: its reader needs the epoch's keys)."""
-    return isinstance(blob, (bytes, memoryview)) and bytes(blob[:1]) == KEYED_FORMAT
+    return isinstance(blob, (bytes, memoryview)) and bytes(blob[:1]) in (KEYED_FORMAT, DEFLATED_KEYED_FORMAT)
 
 
 def unpack_records(first_seq: int, last_seq: int, blob: Any, keys: KeyChunks | None = None) -> list[str]:
@@ -163,9 +169,8 @@ def _unpacked(first_seq: int, last_seq: int, blob: Any, keys: KeyChunks | None) 
     """The records of a packed row as text and as UTF-8 (what the chain hashes); ValueError as ``unpack_records``."""
     if not isinstance(blob, (bytes, memoryview)):
         raise ValueError(f"records column holds {type(blob).__name__}, not bytes")
-    keyed = is_keyed(blob)
     try:
-        raw = zlib.decompress(blob[1:] if keyed else blob)
+        keyed, raw = inflate_records(blob)
         text = raw.decode()
     except zlib.error as exc:
         raise ValueError(f"records do not inflate ({exc})") from None
@@ -186,7 +191,7 @@ def may_hold(blob: Any, needles: tuple[bytes, ...]) -> bool:
     """Whether a packed row's records may contain one of ``needles`` (True when they cannot be read:
     ``expand_packed`` then names the row), without expanding it."""
     try:
-        raw = zlib.decompress(blob[1:] if is_keyed(blob) else blob)
+        _, raw = inflate_records(blob)
     except (zlib.error, TypeError):
         return True
     return any(needle in raw for needle in needles)
@@ -198,7 +203,7 @@ def key_ids_of(blob: Any) -> set[int]:
     if not is_keyed(blob):
         return set()
     try:
-        return referenced_ids(zlib.decompress(blob[1:]).decode())
+        return referenced_ids(inflate_records(blob)[1].decode())
     except (zlib.error, UnicodeDecodeError):
         return set()
 

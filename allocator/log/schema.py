@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy import (
     BigInteger,
     ForeignKeyConstraint,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -122,7 +123,16 @@ class AllocatorEvent(Base):
     """
 
     __tablename__ = "allocator_events"
-    __table_args__ = (ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),)
+    __table_args__ = (
+        ForeignKeyConstraint(["pool_id", "epoch"], ["pool_epochs.pool_id", "pool_epochs.epoch"]),
+        # only the rows with a key (migration 0011): a packed row's is NULL, and a query for a key implies one
+        Index(
+            "ix_allocator_events_block_key",
+            "block_key",
+            sqlite_where=sa.text("block_key IS NOT NULL"),
+            postgresql_where=sa.text("block_key IS NOT NULL"),
+        ),
+    )
 
     pool_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -132,7 +142,7 @@ class AllocatorEvent(Base):
     record: Mapped[str] = mapped_column(Text)
     hash: Mapped[bytes] = mapped_column(LargeBinary(32))
     # the first key of a prefix-cache event (migration 0002), for SQL; the record holds them all
-    block_key: Mapped[str | None] = mapped_column(String(64), index=True)
+    block_key: Mapped[str | None] = mapped_column(String(64))
     last_seq: Mapped[int | None] = mapped_column(BigInteger)  # a packed row's last seq (migration 0008)
     records: Mapped[bytes | None] = mapped_column(LargeBinary)  # a packed row's records, compressed
 

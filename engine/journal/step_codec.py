@@ -11,8 +11,9 @@ made 33 bytes per request per step.
 
 Layout (integers unsigned LEB128 varints, ``str`` a varint byte length + UTF-8)::
 
-    body     = version:u8 (2) | packing:u8 (0: stored, 1: zlib) | columns (zlib'd when packing is 1)
-    columns  = count | head:u8 * count | names | refs | prompts | deltas | logprobs | rests
+    body     = version:u8 (3) | packing:u8 (0: stored, 2: raw deflate; 1: zlib, as version 2 wrote)
+               | columns (deflated when packing is 1 or 2)
+    columns  = count | head:u8 * count | names | refs | prompts | deltas | logprobs | endings | rests
     head     = kind (bits 0-1: KIND_CODES) | NAME 4 | REF 8 | PROMPT 16 | DELTA 32 | LOGPROBS 64 | REST 128
     names    = request_id:str per NAME record
     refs     = zigzag(admit_seq - the previous REF's admit_seq) per REF record (the first's from 0)
@@ -20,6 +21,11 @@ Layout (integers unsigned LEB128 varints, ``str`` a varint byte length + UTF-8):
     deltas   = zigzag(start - the previous DELTA's start) per DELTA record (the first's from 0)
                | n per DELTA record | every token id | text byte length per DELTA record | every text byte
     logprobs = the LOGPROBS records' logprobs (``step_logprobs``; nothing when none has them)
+    endings  = ending per FINISH record
+    ending   = form:u8 (0: the fields are in its rest) | 1: reason | 2: reason | metrics
+    reason   = finish_reason:value | stop_reason:value | abort_cause:value
+    value    = 0 (None) | 1 str | 2 varint (an int >= 0)
+    metrics  = (queue_s, ttft_s, total_s each: 0 (None) | 1 float64 little-endian) | num_preemptions
     rests    = JSON str per REST record
 
 Who is named how (``encode_step``'s ``admit_seqs``): an ADMIT, a RECOVER and
@@ -29,17 +35,26 @@ None, which ``AdmissionNames`` fills from the epoch's ADMITs); a FINISH carries
 both, so a reader of an epoch whose older rows are archived still names the
 outputs after the cut of a request admitted before it (its FINISH lies after
 them). ``rest`` is the JSON of the payload's other keys: an ADMIT's sampling
-parameters, a FINISH's reasons and timings, a RECOVER's payload. A FINISH
-carries an OUTPUT's fields (its last delta) as well.
+parameters, a RECOVER's payload, a FINISH's fields that its ending does not
+hold. A FINISH carries an OUTPUT's fields (its last delta) as well, and its
+ending: the reasons and timings the engine writes (``request_journal``), as
+values and float64 bits (form 1 or 2) where the payload holds exactly those
+keys in that order, else form 0 and the JSON rest. As JSON they took about
+120 bytes a FINISH after zlib, the key names and a float's 17 digits written
+out in each row again.
 
 Logprobs are the values the client was sent, bit for bit (float32 where the
 whole row's are exactly float32, else float64), in about 2.9 bytes a float32
 value (``step_logprobs``). So a decoded record's payload equals the one
 encoded, its floats identical.
 
-The body is zlib'd only when that makes it smaller (a step of one short delta
-is not). Bodies of version 1 (``step_codec_v1``), written before, decode as they
-are: the hash chain covers their bytes, so they are never rewritten.
+The body is deflated only when that makes it smaller (a step of one short
+delta is not), as raw deflate: without zlib's header and Adler-32 (6 bytes a
+row), since the journal's hash chain covers the stored body, so the readers
+that verify it (``Resume``, recovery, ``log audit``) find a damaged one.
+Bodies of version 2 (zlib, no endings) and 1 (``step_codec_v1``), written
+before, decode as they are: the hash chain covers their bytes, so they are
+never rewritten.
 """
 
 from __future__ import annotations
@@ -56,11 +71,18 @@ from nanoserve.engine.journal.step_logprobs import LogprobsColumn, read_logprobs
 
 __all__ = ["KIND_CODES", "VERSION", "AdmissionNames", "StepRecord", "decode_step", "encode_step"]
 
-VERSION = 2
-_STORED, _ZLIB = 0, 1
+VERSION = 3
+_VERSION_2 = 2  # no endings column; zlib'd
+_STORED, _ZLIB, _DEFLATE = 0, 1, 2
 _KIND_MASK, _NAME, _REF, _PROMPT, _DELTA, _LOGPROBS, _REST = 3, 4, 8, 16, 32, 64, 128
 _DELTA_KEYS = ("start", "token_ids", "text")
 _ZLIB_LEVEL = 6
+# a FINISH's fields an ending holds, in the order the engine writes them (``request_journal.output_record``)
+_REASON_KEYS = ("finish_reason", "stop_reason", "abort_cause")
+_TIMING_KEYS = ("queue_s", "ttft_s", "total_s")
+_METRIC_KEYS = (*_TIMING_KEYS, "num_preemptions")
+_IN_REST, _REASONS, _REASONS_AND_METRICS = 0, 1, 2
+_NONE, _STR, _INT = 0, 1, 2
 
 
 class StepRecord(NamedTuple):
@@ -91,25 +113,26 @@ def encode_step(
     for (kind, request_id, data), admit_seq in zip(records, admit_seqs, strict=True):
         columns.add(kind, request_id, data, admit_seq)
     raw = columns.join()
-    packed = zlib.compress(raw, _ZLIB_LEVEL)
+    deflate = zlib.compressobj(_ZLIB_LEVEL, zlib.DEFLATED, -15)  # raw deflate: no header, no checksum
+    packed = deflate.compress(raw) + deflate.flush()
     if len(packed) < len(raw):
-        return bytes([VERSION, _ZLIB]) + packed
+        return bytes([VERSION, _DEFLATE]) + packed
     return bytes([VERSION, _STORED]) + raw
 
 
 def decode_step(body: bytes | memoryview) -> list[StepRecord]:
-    """The records of a step row's ``body`` (version 2, or 1 written before: every record named).
+    """The records of a step row's ``body`` (version 3, or 2 or 1 written before: every record named in 1).
 
     ValueError("journal step body version ...") for an unknown version,
     ValueError("damaged journal step body: ...") for one that does not decode
     (cut, altered, or not zlib where it says so)."""
     body = bytes(body)  # a driver may hand a bytea as a memoryview, which has no decode()
-    if not body or body[0] not in (VERSION, VERSION_1):
-        raise ValueError(f"journal step body version {body[:1]!r}: only versions {VERSION_1} and {VERSION} are known")
+    if not body or body[0] not in (VERSION, _VERSION_2, VERSION_1):
+        raise ValueError(f"journal step body version {body[:1]!r}: only versions {VERSION_1} to {VERSION} are known")
     try:
         if body[0] == VERSION_1:
             return [StepRecord(kind, request_id, data) for kind, request_id, data in decode_step_v1(body)]
-        return _decode_columns(_unpack(body))
+        return _decode_columns(_unpack(body), endings=body[0] == VERSION)
     except (zlib.error, IndexError, struct.error, UnicodeDecodeError, ValueError, KeyError, OverflowError) as exc:
         raise ValueError(f"damaged journal step body: {exc}") from exc
 
@@ -148,6 +171,12 @@ class AdmissionNames:
 
 def _unpack(body: bytes) -> bytes:
     packing = body[1]
+    if packing == _DEFLATE:
+        inflate = zlib.decompressobj(-15)
+        raw = inflate.decompress(body[2:]) + inflate.flush()
+        if not inflate.eof or inflate.unused_data:
+            raise ValueError("the deflated columns are cut short or followed by other bytes")
+        return raw
     if packing == _ZLIB:
         return zlib.decompress(body[2:])
     if packing == _STORED:
@@ -169,6 +198,7 @@ class _Columns:
         self.text_sizes = bytearray()
         self.text = bytearray()
         self.logprobs = LogprobsColumn()
+        self.endings = bytearray()
         self.rests = bytearray()
         self.previous_ref = 0
         self.previous_start = 0
@@ -193,6 +223,11 @@ class _Columns:
             if rest.get("logprobs") is not None:
                 head |= _LOGPROBS
                 self.logprobs.add(rest.pop("logprobs"), token_ids)
+        if kind == "finish":
+            ending = _ending(rest)
+            self.endings += ending or bytes([_IN_REST])
+            if ending:
+                rest = {}
         if rest:
             head |= _REST
             put_string(self.rests, json.dumps(rest, separators=(",", ":"), ensure_ascii=False))
@@ -215,11 +250,12 @@ class _Columns:
         out += self.heads + self.names + self.refs + self.prompts
         out += self.starts + self.counts + self.tokens + self.text_sizes + self.text
         out += self.logprobs.join()
-        out += self.rests
+        out += self.endings + self.rests
         return bytes(out)
 
 
-def _decode_columns(raw: bytes) -> list[StepRecord]:
+def _decode_columns(raw: bytes, *, endings: bool) -> list[StepRecord]:
+    """The records of a body's columns; ``endings``: they hold the endings column (version 3)."""
     reader = StepReader(raw)
     heads = reader.take(reader.varint())
     names = [reader.string() if head & _NAME else None for head in heads]
@@ -239,6 +275,10 @@ def _decode_columns(raw: bytes) -> list[StepRecord]:
     with_logprobs = [data for head, data in zip(heads, datas, strict=True) if head & _LOGPROBS]
     if with_logprobs:
         read_logprobs(reader, with_logprobs)
+    if endings:
+        for head, data in zip(heads, datas, strict=True):
+            if KIND_NAMES[head & _KIND_MASK] == "finish":
+                _read_ending(reader, data)
     for head, data in zip(heads, datas, strict=True):
         if head & _REST:
             rest = json.loads(reader.string())
@@ -268,6 +308,64 @@ def _read_deltas(reader: StepReader, deltas: list[dict[str, Any]]) -> None:
     sizes = [reader.varint() for _ in deltas]
     for data, size in zip(deltas, sizes, strict=True):
         data["text"] = reader.take(size).decode()
+
+
+def _ending(rest: dict[str, Any]) -> bytes | None:
+    """A FINISH's ending (form 1 or 2) holding all of ``rest``; None when ``rest`` is not of that shape."""
+    keys = tuple(rest)
+    if keys not in (_REASON_KEYS, (*_REASON_KEYS, *_METRIC_KEYS)):
+        return None
+    out = bytearray([_REASONS if keys == _REASON_KEYS else _REASONS_AND_METRICS])
+    for key in _REASON_KEYS:
+        value = rest[key]
+        if value is None:
+            out.append(_NONE)
+        elif type(value) is str:
+            out.append(_STR)
+            put_string(out, value)
+        elif type(value) is int and value >= 0:
+            out.append(_INT)
+            put_varint(out, value)
+        else:
+            return None
+    if keys == _REASON_KEYS:
+        return bytes(out)
+    for key in _TIMING_KEYS:
+        value = rest[key]
+        if value is None:
+            out.append(_NONE)
+        elif type(value) is float:
+            out.append(1)
+            out += struct.pack("<d", value)
+        else:
+            return None
+    num_preemptions = rest["num_preemptions"]
+    if type(num_preemptions) is not int or num_preemptions < 0:
+        return None
+    put_varint(out, num_preemptions)
+    return bytes(out)
+
+
+def _read_ending(reader: StepReader, data: dict[str, Any]) -> None:
+    """Adds a FINISH's ending's fields (none for form 0) to its payload ``data``."""
+    form = reader.byte()
+    if form == _IN_REST:
+        return
+    if form not in (_REASONS, _REASONS_AND_METRICS):
+        raise ValueError(f"a FINISH's ending has form {form}")
+    for key in _REASON_KEYS:
+        tag = reader.byte()
+        if tag not in (_NONE, _STR, _INT):
+            raise ValueError(f"a FINISH's {key} has tag {tag}")
+        data[key] = None if tag == _NONE else reader.string() if tag == _STR else reader.varint()
+    if form == _REASONS:
+        return
+    for key in _TIMING_KEYS:
+        tag = reader.byte()
+        if tag not in (_NONE, 1):
+            raise ValueError(f"a FINISH's {key} has tag {tag}")
+        data[key] = None if tag == _NONE else reader.float("<d", 8)
+    data["num_preemptions"] = reader.varint()
 
 
 def _put_ids(out: bytearray, ids: list[int]) -> None:

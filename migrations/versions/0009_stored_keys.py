@@ -5,7 +5,9 @@ one group commit stores first in its epoch, 32 bytes each back to back, key
 ids ``first_key_id, first_key_id + 1, ...``. A packed row written after it
 may name its keys by id (``allocator.log.key_refs``): its ``records`` blob is
 byte 1 then the zlib of its records with each ``~`` + base64url key written
-``\\x1f`` + key id (and a ``\\x1f`` of the text written twice). Rows written
+``\\x1f`` + key id (and a ``\\x1f`` of the text written twice); later
+nanoserve writes byte 2 then the raw deflate of that text, where a REGISTER's
+parent key (written without ``~``) is named ``\\x1f^`` + key id too. Rows written
 before keep their form (a zlib stream begins with 0x78) and read as they are;
 an older nanoserve reading such a row finds it unreadable (it does not
 inflate) rather than wrong.
@@ -34,9 +36,10 @@ down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-_KEYED_FORMAT = b"\x01"
+_KEYED_FORMAT = b"\x01"  # then a zlib stream
+_DEFLATED_KEYED_FORMAT = b"\x02"  # then a raw deflate stream (written since, ``key_refs.deflate_records``)
 _KEY_BYTES = 32
-_REF = re.compile("\x1f(\x1f|[0-9]+)")
+_REF = re.compile("\x1f(\x1f|\\^?[0-9]+)")  # "^": a key written without its "~" (byte 2 rows only)
 
 
 def upgrade() -> None:
@@ -85,12 +88,14 @@ def _inline_keys() -> None:
         .order_by(events.c.pool_id, events.c.epoch, events.c.seq)
     )
     for pool_id, epoch, seq, blob in packed.fetchall():
-        if bytes(blob[:1]) != _KEYED_FORMAT:
+        form, stream = bytes(blob[:1]), bytes(blob)[1:]
+        if form not in (_KEYED_FORMAT, _DEFLATED_KEYED_FORMAT):
             continue
         if (pool_id, epoch) not in texts:
             texts[(pool_id, epoch)] = _key_texts(conn, keys, pool_id, epoch)
         where = f"packed row at seq {seq} of pool {pool_id!r} epoch {epoch}"
-        records = _inlined(zlib.decompress(bytes(blob)[1:]).decode(), texts[(pool_id, epoch)], where)
+        packed_text = zlib.decompress(stream, -15 if form == _DEFLATED_KEYED_FORMAT else zlib.MAX_WBITS).decode()
+        records = _inlined(packed_text, texts[(pool_id, epoch)], where)
         conn.execute(
             sa.update(events)
             .where(events.c.pool_id == pool_id, events.c.epoch == epoch, events.c.seq == seq)
@@ -105,9 +110,11 @@ def _inlined(text: str, texts: dict[str, str], where: str) -> str:
         key_id = match.group(1)
         if key_id == "\x1f":
             return key_id
+        bare = key_id.startswith("^")
+        key_id = key_id.removeprefix("^")
         if key_id not in texts:
             raise RuntimeError(f"{where} names key id {key_id}, which no allocator_keys row holds")
-        return texts[key_id]
+        return texts[key_id][1:] if bare else texts[key_id]
 
     return _REF.sub(text_of, text)
 

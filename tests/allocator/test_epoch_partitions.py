@@ -267,3 +267,52 @@ def test_stored_keys_move_into_their_epochs_partition_and_leave_with_it(url: str
     assert _query(url, "SELECT epoch FROM allocator_keys GROUP BY epoch") == [(2,)]
     [report] = audit_all(f"sqlite:///{entry.path}")
     assert report.clean
+
+
+def _block_key_indexes(url: str) -> dict[str, str]:
+    """table or partition of allocator_events -> the definition of its index on block_key."""
+    rows = _query(
+        url,
+        "SELECT tablename, indexdef FROM pg_indexes "
+        "WHERE tablename LIKE 'allocator_events%' AND indexdef LIKE '%block_key%'",
+    )
+    return {str(table): str(definition) for table, definition in rows}
+
+
+@pytest.mark.usefixtures("one_row_per_event")  # prefix-cache rows that carry their first key
+def test_the_block_key_index_is_partial_on_every_partition_and_a_query_for_a_key_uses_it(url: str) -> None:
+    from .test_stored_keys import cached_log
+
+    cached_log(url, "pool-a")  # epoch 1, made after the upgrade: its partition gets the index from the table's
+    [(key,)] = _query(url, "SELECT block_key FROM allocator_events WHERE epoch = 1 AND seq = 6")  # A's release
+    indexes = _block_key_indexes(url)
+    partition = epoch_partition_name("allocator_events", "pool-a", 1)
+    assert set(indexes) == {"allocator_events", "allocator_events_default", partition}
+    assert all(definition.endswith("(block_key) WHERE (block_key IS NOT NULL)") for definition in indexes.values())
+    assert indexes["allocator_events"].startswith("CREATE INDEX ix_allocator_events_block_key ON ONLY")
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SET enable_seqscan = off")
+            plan = conn.execute(
+                sa.text("EXPLAIN SELECT seq FROM allocator_events WHERE block_key = :k"), {"k": key}
+            ).scalars()
+            assert any("Index" in line and "block_key" in line for line in plan)
+            found = conn.execute(
+                sa.text("SELECT seq, kind FROM allocator_events WHERE block_key = :k ORDER BY seq"), {"k": key}
+            )
+            assert [tuple(row) for row in found] == [(6, "release"), (9, "evict")]
+    finally:
+        engine.dispose()
+
+    command.downgrade(alembic_config(url), "0010")
+    indexes = _block_key_indexes(url)
+    assert set(indexes) == {"allocator_events", "allocator_events_default", partition}
+    assert not any("WHERE" in definition for definition in indexes.values())
+    command.downgrade(alembic_config(url), "0009")  # 0010 rebuilds the plain table with the full index
+    assert set(_block_key_indexes(url)) == {"allocator_events"}
+    upgrade(url)
+    indexes = _block_key_indexes(url)
+    assert set(indexes) == {"allocator_events", "allocator_events_default", partition}
+    assert all(definition.endswith("WHERE (block_key IS NOT NULL)") for definition in indexes.values())
+    assert [r.clean for r in audit_all(url)] == [True]

@@ -76,8 +76,8 @@ def stored_text(url: str, pool_id: str, seq: int) -> str:
     """A packed row's stored text (its keys named by id)."""
     [(blob,)] = query(url, "SELECT records FROM allocator_events WHERE pool_id = :p AND seq = :s", p=pool_id, s=seq)
     assert isinstance(blob, bytes)
-    assert blob[:1] == key_refs.KEYED_FORMAT
-    return zlib.decompress(blob[1:]).decode()
+    assert blob[:1] == key_refs.DEFLATED_KEYED_FORMAT
+    return zlib.decompress(blob[1:], -15).decode()
 
 
 def records(url: str, pool_id: str) -> list[tuple[object, ...]]:
@@ -170,7 +170,7 @@ def test_a_key_first_stored_in_an_earlier_row_is_named_by_its_id() -> None:
     staged_second = ids.staged_row()
     assert staged_first == (0, bytes.fromhex(HEX[0]) + bytes.fromhex(HEX[1]))
     assert staged_second == (2, bytes.fromhex(HEX[2]))
-    assert b"\x1f1=0,\x1f2=1" in zlib.decompress(packed_second[9][1:])
+    assert b"\x1f1=0,\x1f2=1" in zlib.decompress(packed_second[9][1:], -15)
     chunks = KeyChunks()
     for staged in (staged_first, staged_second):
         assert staged is not None
@@ -182,7 +182,6 @@ def test_a_key_first_stored_in_an_earlier_row_is_named_by_its_id() -> None:
     assert expanded[0][4] == hashlib.sha256(previous + second[0][5].encode()).digest()
     # the verifier process turns ids back into keys the same way
     assert chain_verifier._packed_records(4, 5, packed_second[9], chunks) == [r[5].encode() for r in second]
-    assert chain_verifier._KEYED_FORMAT == key_refs.KEYED_FORMAT
     # a reader without the row that stores key 2 cannot read the packed row, and says why
     without = KeyChunks()
     without.add(*staged_first)  # type: ignore[misc]
@@ -452,3 +451,137 @@ def test_many_new_keys_of_one_commit_are_cut_into_rows_and_read_back(
     assert audit(log_url, pool_id).clean
     assert replay(log_url, pool_id) == pool.state()
     assert [event.keys for event in read_events(log_url, pool_id, kind="evict")] == [tuple(reversed(HEX))]
+
+
+def zlib_keyed(blob: bytes) -> bytes:
+    """A packed row's blob as 0009 first wrote it: byte 1, then a zlib stream of the same text."""
+    assert blob[:1] == key_refs.DEFLATED_KEYED_FORMAT
+    return key_refs.KEYED_FORMAT + zlib.compress(zlib.decompress(blob[1:], -15), 6)
+
+
+def test_a_packed_row_naming_keys_is_raw_deflate_six_bytes_under_its_zlib_form() -> None:
+    rows = [row(2, f"register|0|1|;{key_text(HEX[0])}::AQI,{key_text(HEX[1])}:^:AwQ"), row(3, "allocate|1|1|")]
+    ids = KeyIds()
+    ids.begin()
+    [packed] = packed_rows.pack_rows(rows, ids)
+    blob = packed[9]
+    assert blob[:1] == b"\x02"
+    assert b"register|0|1|;\x1f0::AQI,\x1f1:^:AwQ" in zlib.decompress(blob[1:], -15)
+    assert len(zlib_keyed(blob)) == len(blob) + 6  # zlib's header and Adler-32
+    chunks = KeyChunks()
+    chunks.add(*ids.staged_row())  # type: ignore[misc]
+    assert packed_rows.unpack_records(2, 3, blob, chunks) == [r[5] for r in rows]
+    assert packed_rows.unpack_records(2, 3, zlib_keyed(blob), chunks) == [r[5] for r in rows]
+    for form in (blob, zlib_keyed(blob)):  # the verifier process reads both forms the same way
+        assert chain_verifier._packed_records(2, 3, form, chunks) == [r[5].encode() for r in rows]
+        assert packed_rows.key_ids_of(form) == {0, 1}
+
+
+def test_rows_of_the_zlib_keyed_form_still_read_audit_and_downgrade(tmp_path: Path) -> None:
+    from alembic import command
+
+    from nanoserve.migrations import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    cached_log(url, "p")
+    events, rows = read_events(url, "p"), records(url, "p")
+    [(blob,)] = query(url, "SELECT records FROM allocator_events WHERE seq = 4")
+    assert isinstance(blob, bytes)
+    query(url, "UPDATE allocator_events SET records = :b WHERE seq = 4", b=zlib_keyed(blob))  # as 0009 wrote it
+    assert read_events(url, "p") == events
+    assert records(url, "p") == rows
+    assert audit(url, "p").clean
+    command.downgrade(alembic_config(url), "0008")  # both forms get their keys back in their records
+    for seq, last in ((2, 3), (4, 6), (7, 10)):
+        [(inlined,)] = query(url, "SELECT records FROM allocator_events WHERE seq = :s", s=seq)
+        assert isinstance(inlined, bytes)
+        assert zlib.decompress(inlined).decode().split("\n") == [r[3] for r in rows[seq - 1 : last]]
+    assert read_events(url, "p") == events
+
+
+def test_a_raw_deflated_row_altered_is_a_hash_mismatch_and_one_cut_does_not_inflate(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    cached_log(url, "p")
+    text = stored_text(url, "p", 4)
+    assert "=0" in text
+    # no checksum in the stream: a changed record inflates, and the chain's hash at the row's last seq fails
+    altered = key_refs.deflate_records(text.replace("=0", "=1", 1))
+    query(url, "UPDATE allocator_events SET records = :b WHERE seq = 4", b=altered)
+    report = audit(url, "p")
+    assert [v.seq for v in report.violations if v.rule == "hash_mismatch"] == [6]
+    [(blob,)] = query(url, "SELECT records FROM allocator_events WHERE seq = 7")
+    assert isinstance(blob, bytes)
+    query(url, "UPDATE allocator_events SET records = :b WHERE seq = 7", b=blob[:-2])
+    bad = [(v.seq, v.message) for v in audit(url, "p").violations if v.rule == "bad_record"]
+    assert bad == [
+        (
+            7,
+            "seqs 7..10 (one packed row): records do not inflate "
+            "(raw deflate stream cut short or followed by other bytes)",
+        )
+    ]
+
+
+def parent_log(url: str, pool_id: str) -> list[tuple[object, ...]]:
+    """A registers two blocks, then (a commit later) the third, whose parent's key the record writes without
+    its "~" (``~KEY:PARENT:TOKENS``); then releases them. The records of epoch 1, as readers get them."""
+    log = EventLog.open(url, pool_id=pool_id, num_blocks=8, block_size=BLOCK_SIZE)
+    pool = BlockAllocator(8, BLOCK_SIZE)
+    a = BlockTable(pool, "A")
+    a.append_tokens(4)
+    a.register(KEYS[:2], 4)
+    log.append_batch(1, pool.take_events(), pool.snapshot)
+    assert log.flush(10)
+    a.append_tokens(2)
+    a.register(KEYS, 6)
+    log.append_batch(2, pool.take_events(), pool.snapshot)
+    assert log.flush(10)
+    a.release(FreeReason.FINISHED)
+    log.append_batch(3, pool.take_events(), pool.snapshot)
+    log.close(final_state=pool.snapshot())
+    return records(url, pool_id)
+
+
+def test_a_registers_parent_key_is_named_by_its_id_too(log_url: str, pool_id: str) -> None:
+    rows = parent_log(log_url, pool_id)
+    register = str(rows[4][3])
+    assert f";{key_text(HEX[2])}:{key_text(HEX[1])[1:]}:" in register  # the parent: no "~"
+    [(seq,)] = query(
+        log_url, "SELECT seq FROM allocator_events WHERE pool_id = :p AND seq <= 5 AND last_seq >= 5", p=pool_id
+    )
+    packed = stored_text(log_url, pool_id, int(seq))  # type: ignore[call-overload]
+    assert ";\x1f2:\x1f^1:" in packed  # about 5 bytes where the parent's 43 random characters were
+    keys = query(
+        log_url, "SELECT first_key_id, block_keys FROM allocator_keys WHERE pool_id = :p ORDER BY 1", p=pool_id
+    )
+    assert keys == [(0, bytes.fromhex(HEX[0]) + bytes.fromhex(HEX[1])), (2, bytes.fromhex(HEX[2]))]
+    report = audit(log_url, pool_id)
+    assert (report.clean, report.num_events) == (True, len(rows))
+
+
+def test_a_bare_key_comes_back_exactly_and_downgrades_into_its_record(tmp_path: Path) -> None:
+    from alembic import command
+
+    from nanoserve.migrations import alembic_config
+
+    bare = key_text(HEX[0])[1:]
+    texts = [f"x:{bare}:y", f"x:{bare}", f"{bare}:y", f"::{bare}::{bare}A:", f"x:~{bare}:{bare}:z"]
+    ids = KeyIds()
+    referred = [ids.refer(text) for text in texts]
+    assert referred == ["x:\x1f^0:y", texts[1], texts[2], f"::\x1f^0::{bare}A:", "x:\x1f0:\x1f^0:z"]
+    chunks = KeyChunks()
+    chunks.add(*ids.staged_row())  # type: ignore[misc]
+    assert [chunks.expand(text) for text in referred] == texts
+    assert key_refs.referenced_ids(referred[4]) == {0}
+    with pytest.raises(MissingKeys, match=r"key id\(s\) 0,"):
+        KeyChunks().expand(referred[0])
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    rows = parent_log(url, "p")
+    events = read_events(url, "p")
+    command.downgrade(alembic_config(url), "0008")
+    assert records(url, "p") == rows
+    assert read_events(url, "p") == events

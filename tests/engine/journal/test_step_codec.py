@@ -66,6 +66,47 @@ V1_RECORDS = [
     ),
 ]
 
+# A version 2 body (zlib'd; a FINISH's reasons and timings in its JSON rest), as the engine wrote it: an
+# OUTPUT by its admission, a FINISH with timings (0.1 is no float32; ttft_s None) and one without.
+V2_BODY = bytes.fromhex(
+    "0201789c658d4d0ac23010859b2a686f21b31342b18a9b1ec14b84b49d62a1cdc46422a2f43a2e3da3fd01415d3ddefbe07d8bedeb"
+    "29b428e2681d274244c94a2ca3db064d757f40dd98c69f9543edc9400e9ec9829ce233660709ba20c7aad4c123e426b4ad844bc080"
+    "ca43be4b3309cc358f65664cacdbb1eed3a304133a651d6267b92133ac597ffa574f8a5ff77cf76507433cf092aee8b082fe0d868d"
+    "4a64"
+)
+FINISH_TIMED = {
+    "start": 5,
+    "token_ids": [7],
+    "text": " end",
+    "finish_reason": "stop",
+    "stop_reason": 13,
+    "abort_cause": None,
+    "queue_s": 0.1,
+    "ttft_s": None,
+    "total_s": 2.5,
+    "num_preemptions": 1,
+}
+FINISH_UNTIMED = {
+    "start": 0,
+    "token_ids": [],
+    "text": "",
+    "finish_reason": "abort",
+    "stop_reason": None,
+    "abort_cause": "not_recovered",
+}
+V2_RECORDS = [
+    StepRecord("output", None, {"start": 4, "token_ids": [9], "text": "x"}, 1),
+    StepRecord("finish", "a", FINISH_TIMED, 1),
+    StepRecord("finish", "b", FINISH_UNTIMED),
+]
+
+
+def zlib_body(body: bytes) -> bytes:
+    """A version 3 deflated body of records holding no FINISH as version 2 stored it: the same columns, zlib'd."""
+    assert body[:2] == b"\x03\x02"
+    inflate = zlib.decompressobj(-15)
+    return b"\x02\x01" + zlib.compress(inflate.decompress(body[2:]) + inflate.flush())
+
 
 def bits(value: float) -> bytes:
     return struct.pack("<d", value)
@@ -181,11 +222,61 @@ def test_a_body_of_the_first_layout_still_decodes() -> None:
     assert bits(decode_step(V1_BODY)[1].data["logprobs"][1][1]) == bits(-0.1)
 
 
-def test_a_small_step_is_stored_without_zlib_and_a_large_one_with_it() -> None:
+def test_a_body_of_the_second_layout_still_decodes() -> None:
+    assert decode_step(V2_BODY) == V2_RECORDS
+    assert [list(record.data) for record in decode_step(V2_BODY)] == [list(record.data) for record in V2_RECORDS]
+
+
+def test_a_finish_ending_comes_back_equal_its_keys_in_order_its_floats_bit_for_bit() -> None:
+    odd = {**FINISH_TIMED, "queue_s": -0.0, "ttft_s": 1e-300, "total_s": math.inf, "stop_reason": "</s>"}
+    records = [
+        ("finish", "a", FINISH_TIMED),
+        ("finish", "b", FINISH_UNTIMED),
+        ("finish", "c", odd),
+        ("finish", "d", FINISH),
+    ]
+    decoded = decode_step(encode_step(records, [1, None, 2, 3]))
+    assert [record.data for record in decoded] == [data for _, _, data in records]
+    assert [list(record.data) for record in decoded] == [list(data) for _, _, data in records]
+    assert [bits(decoded[2].data[key]) for key in ("queue_s", "ttft_s", "total_s")] == [
+        bits(-0.0),
+        bits(1e-300),
+        bits(math.inf),
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"queue_s": 1},  # an int stays an int
+        {"num_preemptions": True},  # a bool stays a bool
+        {"stop_reason": -1},
+        {"stop_reason": ["a"]},
+        {"extra": "kept"},  # a key the ending does not know
+    ],
+)
+def test_a_finish_of_another_shape_comes_back_as_it_was(change: dict[str, object]) -> None:
+    data = {**FINISH_TIMED, **change}
+    [record] = decode_step(encode_step([("finish", "a", data)], [1]))
+    assert record.data == data
+    assert [type(value) for value in record.data.values()] == [type(value) for value in data.values()]
+
+
+def test_a_finish_in_a_step_of_its_own_takes_under_sixty_bytes() -> None:
+    # a step ends a request or two: the key names and the digits of its timings are not shared with others
+    data = {**FINISH_TIMED, "queue_s": 0.0123456789, "ttft_s": 0.5234234, "total_s": 12.3456789}
+    body = encode_step([("finish", "a", data)], [1])
+    assert len(body) < 60  # 137 with them as JSON
+    assert decode_step(body) == [StepRecord("finish", "a", data, 1)]
+
+
+def test_a_small_step_is_stored_without_deflate_and_a_large_one_raw_deflated() -> None:
     small = encode_step([("output", "a", {"start": 1, "token_ids": [5], "text": "x"})], [1])
     large = encode_step([("admit", f"r{i}", ADMIT) for i in range(8)])
-    assert small[:2] == b"\x02\x00"
-    assert large[:2] == b"\x02\x01"
+    assert small[:2] == b"\x03\x00"
+    assert large[:2] == b"\x03\x02"
+    assert len(zlib_body(large)) == len(large) + 6  # zlib's header and Adler-32
+    assert decode_step(zlib_body(large)) == decode_step(large)
     assert decode_step(small) == [StepRecord("output", None, {"start": 1, "token_ids": [5], "text": "x"}, 1)]
     assert decode_step(memoryview(small)) == decode_step(small)  # how a driver may hand a bytea
 
@@ -194,12 +285,15 @@ def test_a_small_step_is_stored_without_zlib_and_a_large_one_with_it() -> None:
     ("body", "message"),
     [
         (b"", "journal step body version b''"),
-        (b"\x03abc", r"journal step body version b'\\x03'"),
+        (b"\x04abc", r"journal step body version b'\\x04'"),
         (b"\x01not zlib", "damaged journal step body: Error -3"),
         (b"\x01" + zlib.compress(b"\x05"), "damaged journal step body"),
         (b"\x02\x01not zlib", "damaged journal step body: Error -3"),
         (b"\x02\x07\x01\x01", "damaged journal step body: unknown packing 7"),
         (b"\x02\x00\x02\x01", "damaged journal step body"),  # two records, one head
+        (b"\x03\x02\xff\xff", "damaged journal step body: Error -3"),
+        (b"\x03\x00\x01\x02\x05", "damaged journal step body: a FINISH's ending has form 5"),
+        (b"\x03\x00\x01\x02\x01\x07", "damaged journal step body: a FINISH's finish_reason has tag 7"),
     ],
 )
 def test_a_damaged_or_unknown_body_is_a_value_error(body: bytes, message: str) -> None:
@@ -208,12 +302,26 @@ def test_a_damaged_or_unknown_body_is_a_value_error(body: bytes, message: str) -
 
 
 def test_a_cut_or_altered_zlib_body_is_named_damaged() -> None:
-    body = encode_step([("admit", f"r{i}", ADMIT) for i in range(8)] + [("output", "r1", LOGPROBS32)], [None] * 8 + [1])
+    body = zlib_body(
+        encode_step([("admit", f"r{i}", ADMIT) for i in range(8)] + [("output", "r1", LOGPROBS32)], [None] * 8 + [1])
+    )
     assert body[1] == 1  # zlib'd
     for damaged in (body[:-5], body[:2] + bytes([body[2] ^ 0xFF]) + body[3:], body[:-1] + bytes([body[-1] ^ 1])):
         with pytest.raises(ValueError, match="damaged journal step body"):
             decode_step(damaged)
-    stored = encode_step([("output", "a", LOGPROBS32)], [1])
+
+
+def test_a_cut_or_extended_deflated_body_is_named_damaged() -> None:
+    # an altered one may still inflate: the journal's hash chain over the stored body names it (test_journal_chain)
+    body = encode_step([("admit", f"r{i}", ADMIT) for i in range(8)] + [("output", "r1", LOGPROBS32)], [None] * 8 + [1])
+    assert body[1] == 2  # raw deflate
+    for damaged in (body[:-5], body + b"\x00"):
+        with pytest.raises(ValueError, match="damaged journal step body"):
+            decode_step(damaged)
+
+
+def test_a_cut_stored_body_is_named_damaged() -> None:
+    stored = encode_step([("output", "a", OUTPUT)], [1])
     assert stored[1] == 0
     with pytest.raises(ValueError, match="damaged journal step body"):
         decode_step(stored[:-3])
