@@ -26,8 +26,8 @@ import collections
 import concurrent.futures
 import functools
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -58,15 +58,47 @@ class LogReads:
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="nanoserve-log-read")
         # scope -> its waiting calls' turns, oldest first; scopes in round-robin order, next first
         self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = collections.OrderedDict()
+        self._unstarted: dict[
+            tuple[str, Hashable], asyncio.Task[Any]
+        ] = {}  # (scope, key) -> its shared read not started
 
     async def run(self, read: Callable[..., T], *args: object, scope: str = "") -> T:
         """``read(*args)`` on a reader thread once ``scope``'s turn comes (blocking reads: a query, its
         decoding)."""
+        return await self._run(read, args, scope, None)
+
+    async def run_shared(self, key: Hashable, read: Callable[..., T], *args: object, scope: str = "") -> T:
+        """``run(read, *args, scope=scope)``, one read for the calls of ``scope`` that ask with the same ``key``
+        before it starts: each gets its result (the same object: do not change it) or its error.
+
+        A call never joins a read that has started: what the read returns was in the store by the time
+        the read started, so it holds everything stored before each of its callers asked (a catch-up
+        that subscribed to live events first misses nothing). The read runs to its end even if its
+        callers are cancelled.
+        """
+        shared = (scope, key)
+        task = self._unstarted.get(shared)
+        if task is None:
+            task = asyncio.ensure_future(self._run(read, args, scope, lambda: self._forget_unstarted(shared, task)))
+            task.add_done_callback(lambda done: self._forget_unstarted(shared, done))  # ended before its turn came
+            self._unstarted[shared] = task
+        return await asyncio.shield(task)
+
+    def _forget_unstarted(self, shared: tuple[str, Hashable], task: asyncio.Task[Any] | None) -> None:
+        if task is not None and self._unstarted.get(shared) is task:
+            del self._unstarted[shared]
+
+    async def _run(
+        self, read: Callable[..., T], args: tuple[object, ...], scope: str, on_start: Callable[[], None] | None
+    ) -> T:
+        """``read(*args)`` on a thread in ``scope``'s turn; ``on_start()`` on the loop as it takes the thread."""
         if self.num_running < self.num_threads and self._under_bound(scope) and self._next_scope() is None:
             self._take(scope)
         else:
             await self._wait_turn(scope)
         try:
+            if on_start is not None:
+                on_start()
             return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(read, *args))
         finally:
             self._release(scope)
