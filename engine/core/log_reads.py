@@ -80,13 +80,18 @@ class LogReads:
         task = self._unstarted.get(shared)
         if task is None:
             task = asyncio.ensure_future(self._run(read, args, scope, lambda: self._forget_unstarted(shared, task)))
-            task.add_done_callback(lambda done: self._forget_unstarted(shared, done))  # ended before its turn came
+            task.add_done_callback(functools.partial(self._shared_read_done, shared))
             self._unstarted[shared] = task
         return await asyncio.shield(task)
 
     def _forget_unstarted(self, shared: tuple[str, Hashable], task: asyncio.Task[Any] | None) -> None:
         if task is not None and self._unstarted.get(shared) is task:
             del self._unstarted[shared]
+
+    def _shared_read_done(self, shared: tuple[str, Hashable], task: asyncio.Task[Any]) -> None:
+        self._forget_unstarted(shared, task)  # it ended before its turn came (cancelled by shutdown)
+        if not task.cancelled():
+            task.exception()  # its callers got the error; with none left, asyncio need not log it
 
     async def _run(
         self, read: Callable[..., T], args: tuple[object, ...], scope: str, on_start: Callable[[], None] | None
