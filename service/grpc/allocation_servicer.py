@@ -60,7 +60,12 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
                 f"from_seq: {next_seq} is past the epoch's next event (last seq {last_seq});"
                 f" ask for at most {last_seq + 1}"
             )
-        archived = await asyncio.to_thread(archived_through, event_log.url, event_log.pool_id, event_log.epoch)
+        # 1 (and 0) start at the checkpoint after the archived part: only a later seq asks the store
+        archived = (
+            0
+            if next_seq <= 1
+            else await asyncio.to_thread(archived_through, event_log.url, event_log.pool_id, event_log.epoch)
+        )
         if 1 < next_seq <= archived:
             raise SeqOutOfRangeError(
                 f"from_seq: {next_seq} is archived (seqs 1..{archived} of epoch {event_log.epoch} moved to segment "

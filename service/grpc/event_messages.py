@@ -17,7 +17,7 @@ from nanoserve.allocator.log import Event
 from nanoserve.service.grpc import allocation_convert
 from nanoserve.v1 import allocation_pb2 as apb
 
-MAX_EVENTS = 16_384  # serialized events kept: 16 catch-up pages, a few MB
+MAX_EVENTS = 16_384  # serialized events kept: 16 catch-up pages, about 10 MB with their events
 
 
 class EventMessages:

@@ -224,3 +224,31 @@ async def test_watchers_catching_up_at_once_share_each_page_read_and_get_the_sam
     # the first callers find free threads and read on their own; the rest of the crowd shares one read
     assert reads_by_page
     assert all(n <= num_threads + 1 for n in reads_by_page.values()), reads_by_page
+
+
+async def test_a_watch_from_the_first_seq_asks_the_store_nothing_before_it_reads(
+    tiny_served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nanoserve.service.grpc import allocation_servicer
+    from nanoserve.v1 import allocation_pb2 as apb
+    from nanoserve.v1 import allocation_pb2_grpc
+
+    asked: list[int] = []
+    archived_through = allocation_servicer.archived_through
+
+    def counted(url: str, pool_id: str, epoch: int) -> int:
+        asked.append(epoch)
+        return archived_through(url, pool_id, epoch)
+
+    monkeypatch.setattr(allocation_servicer, "archived_through", counted)
+    sampling = pb.SamplingParameters(max_tokens=4, temperature=0.0, ignore_eos=True)
+    generation = generation_pb2_grpc.GenerationServiceStub(tiny_served.channel)
+    async for _ in generation.Generate(pb.GenerateRequest(prompt="a few events", sampling=sampling)):
+        pass
+    stub = allocation_pb2_grpc.AllocationServiceStub(tiny_served.channel)
+    for from_seq in (0, 1, 2):
+        call = stub.WatchEvents(apb.WatchEventsRequest(from_seq=from_seq))
+        assert (await call.read()).event.seq == max(from_seq, 1)  # type: ignore[union-attr]
+        call.cancel()
+    # 0 and 1 start at the checkpoint after any archived part: where it ends only matters from 2 on
+    assert asked == [tiny_served.engine.event_log.epoch]
