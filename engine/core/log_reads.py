@@ -43,6 +43,7 @@ class LogReads:
     queued behind them (event loop only). A freed thread goes to the next scope in turn that
     has a call waiting and is under its bound, round robin, and within a scope to its oldest
     call: a tenant with a crowd of readers waits behind itself, not in front of another's one.
+    ``run_shared`` makes the calls of one scope that ask for the same read before it starts one read.
     """
 
     def __init__(self, num_threads: int, max_per_scope: int | None = None) -> None:
@@ -58,9 +59,8 @@ class LogReads:
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="nanoserve-log-read")
         # scope -> its waiting calls' turns, oldest first; scopes in round-robin order, next first
         self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = collections.OrderedDict()
-        self._unstarted: dict[
-            tuple[str, Hashable], asyncio.Task[Any]
-        ] = {}  # (scope, key) -> its shared read not started
+        # (scope, key) -> its shared read that has not taken a thread yet (run_shared)
+        self._unstarted: dict[tuple[str, Hashable], asyncio.Task[Any]] = {}
 
     async def run(self, read: Callable[..., T], *args: object, scope: str = "") -> T:
         """``read(*args)`` on a reader thread once ``scope``'s turn comes (blocking reads: a query, its
