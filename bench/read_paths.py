@@ -22,10 +22,11 @@ rate is over that whole time, and the time the calls took is printed too.
 
 The load runs in a spawned, niced process of its own (``--load-nice``), so the
 figures measure the server's own work, not the load generator's CPU. Printed:
-per phase, the stream's tokens per second and its ratio to idle, and the calls
-the load made by status. Target (issue 31): each loaded phase keeps >= 80% of
-the idle token rate. On a shared machine the figures move with the neighbours:
-say so with them.
+per phase, the stream's tokens per second and its ratio to idle, the server's CPU
+seconds in the phase (all its threads, the engine's OpenMP workers included: compare one
+phase across versions, not a loaded phase with an idle one), and the calls the load made
+by status. Target (issue 31): each loaded phase keeps >= 80% of the idle token rate. On a
+shared machine the figures move with the neighbours: say so with them.
 
     .venv/bin/python -m bench.read_paths
     .venv/bin/python -m bench.read_paths --phase-s 6 --long-tokens 500
@@ -60,6 +61,7 @@ class Phase:
     duration_s: float = 0.0
     calls: dict[str, int] = field(default_factory=dict)
     load_s: float = 0.0  # seconds the phase's calls took
+    server_cpu_s: float = 0.0  # the server process's CPU seconds (user + system) in the phase, all threads
 
     @property
     def tok_per_s(self) -> float:
@@ -157,7 +159,16 @@ async def _finish_long_request(address: str, num_tokens: int) -> int:
         ).last_seq
 
 
-async def _run(address: str, args: argparse.Namespace) -> list[Phase]:
+def _cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (Linux ``/proc``; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _run(address: str, server_pid: int, args: argparse.Namespace) -> list[Phase]:
     phases = [Phase("idle"), Phase("readers"), Phase("idle"), Phase("aborts"), Phase("idle")]
     warmup = Phase("warmup")
     current = [warmup]
@@ -174,7 +185,7 @@ async def _run(address: str, args: argparse.Namespace) -> list[Phase]:
         ) as load:
             await loop.run_in_executor(load, os.getpid)  # the process is up before the clock starts
             for phase in phases:
-                start_s = time.perf_counter()
+                start_s, start_cpu_s = time.perf_counter(), _cpu_s(server_pid)
                 current[0] = phase
                 if phase.name == "idle":
                     await asyncio.sleep(args.phase_s)
@@ -184,6 +195,7 @@ async def _run(address: str, args: argparse.Namespace) -> list[Phase]:
                     )
                     await asyncio.sleep(max(0.0, args.phase_s - (time.perf_counter() - start_s)))
                 phase.duration_s = time.perf_counter() - start_s
+                phase.server_cpu_s = _cpu_s(server_pid) - start_cpu_s
                 if stream.done():  # it ended early: a failure of the benchmark, not a figure
                     stream.result()
         stream.cancel()
@@ -229,7 +241,7 @@ def main() -> None:
     server, address = start_server(flags)
     try:
         num_events = asyncio.run(_finish_long_request(address, args.long_tokens))
-        phases = asyncio.run(_run(address, args))
+        phases = asyncio.run(_run(address, server.pid, args))
     finally:
         server.terminate()
         server.wait()
@@ -240,7 +252,7 @@ def main() -> None:
         f"--max-read-calls-per-s {args.max_read_calls_per_s:g}, --max-read-items-per-s {args.max_read_items_per_s:g}; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'phase':<8} {'tokens':>7} {'seconds':>8} {'calls s':>8} {'tok/s':>7} {'vs idle':>8}  calls")
+    print(f"{'phase':<8} {'tokens':>7} {'seconds':>8} {'calls s':>8} {'cpu s':>6} {'tok/s':>7} {'vs idle':>8}  calls")
     ratios = {}
     for index, phase in enumerate(phases):
         if phase.name != "idle":  # against the quiet phases on either side of it
@@ -250,6 +262,7 @@ def main() -> None:
         ratio = f"{ratios[index]:>7.0%}" if index in ratios else f"{'':>7}"
         print(
             f"{phase.name:<8} {phase.num_tokens:>7} {phase.duration_s:>8.1f} {phase.load_s:>8.1f} "
+            f"{phase.server_cpu_s:>6.1f} "
             f"{phase.tok_per_s:>7.1f} {ratio}  {calls}"
         )
     worst = min(ratios.values())

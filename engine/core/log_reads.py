@@ -26,8 +26,8 @@ import collections
 import concurrent.futures
 import functools
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -43,6 +43,7 @@ class LogReads:
     queued behind them (event loop only). A freed thread goes to the next scope in turn that
     has a call waiting and is under its bound, round robin, and within a scope to its oldest
     call: a tenant with a crowd of readers waits behind itself, not in front of another's one.
+    ``run_shared`` makes the calls of one scope that ask for the same read before it starts one read.
     """
 
     def __init__(self, num_threads: int, max_per_scope: int | None = None) -> None:
@@ -58,15 +59,51 @@ class LogReads:
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="nanoserve-log-read")
         # scope -> its waiting calls' turns, oldest first; scopes in round-robin order, next first
         self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = collections.OrderedDict()
+        # (scope, key) -> its shared read that has not taken a thread yet (run_shared)
+        self._unstarted: dict[tuple[str, Hashable], asyncio.Task[Any]] = {}
 
     async def run(self, read: Callable[..., T], *args: object, scope: str = "") -> T:
         """``read(*args)`` on a reader thread once ``scope``'s turn comes (blocking reads: a query, its
         decoding)."""
+        return await self._run(read, args, scope, None)
+
+    async def run_shared(self, key: Hashable, read: Callable[..., T], *args: object, scope: str = "") -> T:
+        """``run(read, *args, scope=scope)``, one read for the calls of ``scope`` that ask with the same ``key``
+        before it starts: each gets its result (the same object: do not change it) or its error.
+
+        A call never joins a read that has started: what the read returns was in the store by the time
+        the read started, so it holds everything stored before each of its callers asked (a catch-up
+        that subscribed to live events first misses nothing). The read runs to its end even if its
+        callers are cancelled.
+        """
+        shared = (scope, key)
+        task = self._unstarted.get(shared)
+        if task is None:
+            task = asyncio.ensure_future(self._run(read, args, scope, lambda: self._forget_unstarted(shared, task)))
+            task.add_done_callback(functools.partial(self._shared_read_done, shared))
+            self._unstarted[shared] = task
+        return await asyncio.shield(task)
+
+    def _forget_unstarted(self, shared: tuple[str, Hashable], task: asyncio.Task[Any] | None) -> None:
+        if task is not None and self._unstarted.get(shared) is task:
+            del self._unstarted[shared]
+
+    def _shared_read_done(self, shared: tuple[str, Hashable], task: asyncio.Task[Any]) -> None:
+        self._forget_unstarted(shared, task)  # it ended before its turn came (cancelled by shutdown)
+        if not task.cancelled():
+            task.exception()  # its callers got the error; with none left, asyncio need not log it
+
+    async def _run(
+        self, read: Callable[..., T], args: tuple[object, ...], scope: str, on_start: Callable[[], None] | None
+    ) -> T:
+        """``read(*args)`` on a thread in ``scope``'s turn; ``on_start()`` on the loop as it takes the thread."""
         if self.num_running < self.num_threads and self._under_bound(scope) and self._next_scope() is None:
             self._take(scope)
         else:
             await self._wait_turn(scope)
         try:
+            if on_start is not None:
+                on_start()
             return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(read, *args))
         finally:
             self._release(scope)

@@ -13,6 +13,7 @@ from nanoserve.engine import AsyncLLMEngine
 from nanoserve.service.grpc import allocation_convert
 from nanoserve.service.grpc.errors import EventLogDisabledError, SeqOutOfRangeError
 from nanoserve.service.grpc.event_follower import follow_events
+from nanoserve.service.grpc.event_messages import EventMessages
 from nanoserve.service.grpc.interceptors import CALLER
 from nanoserve.v1 import allocation_pb2 as apb
 from nanoserve.v1 import allocation_pb2_grpc
@@ -25,6 +26,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
     def __init__(self, engine: AsyncLLMEngine, max_queued_events: int = 100_000) -> None:
         self._engine = engine
         self._max_queued_events = max_queued_events
+        self._event_messages = EventMessages()
 
     async def GetPoolStatus(
         self,
@@ -44,9 +46,10 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         self,
         request: apb.WatchEventsRequest,
         context: grpc.aio.ServicerContext[apb.WatchEventsRequest, apb.WatchEventsResponse],
-    ) -> AsyncIterator[apb.WatchEventsResponse]:
+    ) -> AsyncIterator[bytes]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate
-        (``follow_events``); the stream ends after POOL_CLOSE. SeqOutOfRangeError when
+        (``follow_events``), each a serialized ``WatchEventsResponse`` shared by the watchers sent the
+        same event (``EventMessages``); the stream ends after POOL_CLOSE. SeqOutOfRangeError when
         ``from_seq`` is past ``last_seq + 1``, the seq of the epoch's next event, or in the epoch's
         archived part (``segment.archived_through``: 1 and 0 start at the checkpoint after it)."""
         event_log = self._event_log()
@@ -57,7 +60,12 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
                 f"from_seq: {next_seq} is past the epoch's next event (last seq {last_seq});"
                 f" ask for at most {last_seq + 1}"
             )
-        archived = await asyncio.to_thread(archived_through, event_log.url, event_log.pool_id, event_log.epoch)
+        # 1 (and 0) start at the checkpoint after the archived part: only a later seq asks the store
+        archived = (
+            0
+            if next_seq <= 1
+            else await asyncio.to_thread(archived_through, event_log.url, event_log.pool_id, event_log.epoch)
+        )
         if 1 < next_seq <= archived:
             raise SeqOutOfRangeError(
                 f"from_seq: {next_seq} is archived (seqs 1..{archived} of epoch {event_log.epoch} moved to segment "
@@ -67,7 +75,7 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         reads, pacer, tenant = self._engine.log_reads, self._engine.read_pacer, CALLER.get().tenant
         async for event in follow_events(event_log, next_seq, self._max_queued_events, reads, pacer, tenant):
             if event is not None:  # None: caught up with the store
-                yield apb.WatchEventsResponse(event=allocation_convert.to_event(event))
+                yield self._event_messages.message(event)
 
     async def Audit(
         self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditResponse]

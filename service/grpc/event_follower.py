@@ -9,9 +9,7 @@ commit subscription after that.
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 from nanoserve.allocator import EventKind
 from nanoserve.allocator.log import Event, EventLog, EventStream, EventStreamLagged, read_events
@@ -71,16 +69,15 @@ async def _stored_events(
     event_log: EventLog, from_seq: int, reads: LogReads | None, scope: str
 ) -> AsyncIterator[Event]:
     """Committed events of the current epoch from ``from_seq``, a page per query (a turn on ``reads``,
-    in ``scope``'s turn)."""
-    run: Callable[..., Any] = functools.partial(reads.run, scope=scope) if reads is not None else asyncio.to_thread
+    in ``scope``'s turn). The callers of one scope asking for the same page before its query starts
+    share the query and the page's ``Event`` objects (``LogReads.run_shared``): a crowd catching up
+    at once reads and decodes each page about once, not once per caller."""
     while True:
-        page: list[Event] = await run(
-            read_events,
-            event_log.url,
-            event_log.pool_id,
-            event_log.epoch,
-            from_seq,
-            from_seq + NUM_EVENTS_PER_PAGE - 1,
+        query = (event_log.url, event_log.pool_id, event_log.epoch, from_seq, from_seq + NUM_EVENTS_PER_PAGE - 1)
+        page: list[Event] = await (
+            reads.run_shared(query, read_events, *query, scope=scope)
+            if reads is not None
+            else asyncio.to_thread(read_events, *query)
         )
         for event in page:
             yield event

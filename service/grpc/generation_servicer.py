@@ -56,7 +56,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Resume(
         self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[pb.ResumeRequest, pb.ResumeResponse]
-    ) -> AsyncIterator[pb.ResumeResponse]:
+    ) -> AsyncIterator[bytes]:  # serialized ResumeResponses, shared by the callers resuming one output
         # another tenant's id is this tenant's unknown id: NOT_FOUND, as any unknown id
         engine_id = scoped_id(CALLER.get(), request.request_id)
         async for output in self._engine.resume(engine_id, request.after_token_index):

@@ -1,6 +1,7 @@
 """Server interceptors: the one place domain errors become gRPC status codes, and auth.
 
-``ErrorInterceptor`` wraps every unary and server-streaming method: a domain
+``ErrorInterceptor`` wraps every unary and server-streaming method (and lets a servicer
+hand over a response already serialized, as ``bytes``): a domain
 error raised by a servicer (or by the engine it called) ends the call with the
 status below and the error's message, which names the field and the limit.
 A full waiting queue (RESOURCE_EXHAUSTED) also carries a ``google.rpc.RetryInfo``
@@ -165,13 +166,31 @@ def _wrap_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any
     return wrapper
 
 
+def _passing_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """``serialize``, except that a response a servicer hands over as ``bytes`` goes out as it is:
+    a message many callers get (a stored event, a journaled output) is serialized once and the same
+    bytes are sent to each (``EventMessages``, ``ResumeMessages``)."""
+    if serialize is None:
+        return None
+
+    def serialize_or_pass(response: Any) -> bytes:
+        return response if isinstance(response, bytes) else serialize(response)
+
+    return serialize_or_pass
+
+
 def _replace_behavior(
     handler: grpc.RpcMethodHandler[Any, Any],
     unary: Callable[[Callable[..., Any]], Callable[..., Any]],
     stream: Callable[[Callable[..., Any]], Callable[..., Any]],
+    response_serializer: Callable[[Any], bytes] | None = None,
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler like ``handler`` whose unary_unary / unary_stream behavior is wrapped."""
-    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    """A handler like ``handler`` whose unary_unary / unary_stream behavior is wrapped (and its
+    response serializer replaced by ``response_serializer`` when given)."""
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": response_serializer or handler.response_serializer,
+    }
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kwargs)
     if handler.unary_stream is not None:
@@ -194,7 +213,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = details.method
-        return _replace_behavior(handler, lambda b: _wrap_unary(b, method), lambda b: _wrap_stream(b, method))
+        return _replace_behavior(
+            handler,
+            lambda b: _wrap_unary(b, method),
+            lambda b: _wrap_stream(b, method),
+            _passing_bytes(handler.response_serializer),
+        )
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -141,6 +141,62 @@ async def test_a_waiting_read_cancelled_passes_its_turn_on() -> None:
     reads.shutdown()
 
 
+async def test_calls_asking_for_one_key_before_its_read_starts_share_it_later_ones_read_again() -> None:
+    reads = LogReads(1)
+    release = threading.Event()
+    num_reads = {"page-1": 0, "holder": 0}
+
+    def read(key: str) -> list[str]:
+        num_reads[key] += 1
+        if key == "holder":
+            release.wait(timeout=10)
+        return [f"{key} read {num_reads[key]}"]
+
+    holder = asyncio.ensure_future(reads.run(read, "holder"))  # takes the only thread
+    await asyncio.sleep(0.05)
+    crowd = [asyncio.ensure_future(reads.run_shared("page-1", read, "page-1")) for _ in range(5)]
+    other_scope = asyncio.ensure_future(reads.run_shared("page-1", read, "page-1", scope="blue"))
+    await asyncio.sleep(0.05)
+    assert reads.num_waiting == 2  # the crowd's one read and the other scope's own
+    release.set()
+    pages = await asyncio.gather(*crowd)
+    assert pages == [["page-1 read 1"]] * 5
+    assert all(page is pages[0] for page in pages)
+    assert await other_scope == ["page-1 read 2"]  # another tenant's call never shares this tenant's read
+    assert await reads.run_shared("page-1", read, "page-1") == ["page-1 read 3"]  # asked after it ran: read anew
+    await holder
+    assert num_reads == {"page-1": 3, "holder": 1}
+    reads.shutdown()
+
+
+async def test_a_started_shared_read_is_not_joined_and_its_error_reaches_every_caller() -> None:
+    reads = LogReads(2)
+    started, release = threading.Event(), threading.Event()
+    num_reads = 0
+
+    def read() -> None:
+        nonlocal num_reads
+        num_reads += 1
+        number = num_reads
+        started.set()
+        release.wait(timeout=10)
+        raise LookupError(f"read {number} failed")
+
+    first = [asyncio.ensure_future(reads.run_shared("page-1", read)) for _ in range(2)]
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    late = asyncio.ensure_future(reads.run_shared("page-1", read))  # the first read already queried the store
+    first[0].cancel()  # a caller leaving does not end the read for the others
+    release.set()
+    with pytest.raises(LookupError, match="read 1 failed"):
+        await first[1]
+    with pytest.raises(LookupError, match="read 2 failed"):
+        await late
+    assert first[0].cancelled()
+    assert num_reads == 2
+    assert (reads.num_running, reads.num_waiting) == (0, 0)
+    reads.shutdown()
+
+
 class _FakeTime:
     """A clock that moves only when a paced reader sleeps, so waits are exact."""
 

@@ -787,9 +787,11 @@ async def test_watch_events_catches_up_from_the_log_after_falling_behind(
     ]
     await asyncio.gather(*(_collect(_generation(served), r) for r in requests))
     end = await wait_pool_free(served)
-    seqs = [(await first).event.seq]
+    seqs = [apb.WatchEventsResponse.FromString(await first).event.seq]  # the servicer yields them serialized
     while seqs[-1] < end.last_seq:
-        seqs.append((await asyncio.wait_for(events.__anext__(), timeout=10)).event.seq)
+        seqs.append(
+            apb.WatchEventsResponse.FromString(await asyncio.wait_for(events.__anext__(), timeout=10)).event.seq
+        )
     await events.aclose()
     assert seqs == list(range(start.last_seq + 1, end.last_seq + 1))
     assert len(subscriptions) >= 2  # cut off at least once, resubscribed, caught up from the store
