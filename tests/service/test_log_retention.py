@@ -139,7 +139,8 @@ def test_a_serving_engine_sheds_events_and_journal_while_requests_stream(tiny_mo
         first = llm.generate([TokensPrompt([5 + i, 6, 7, 8, 9]) for i in range(4)], params)
         # generate returns before the writer's last commit (the FINISH rows) is durable: cut only after it
         # (the cut found no journal row to archive, now and then, under load)
-        assert llm.engine.event_log is not None and llm.engine.event_log.flush(30)
+        assert llm.engine.event_log is not None
+        assert llm.engine.event_log.flush(30)
         archiver.run_once()  # everyone in the first batch finished: their events and journal rows leave
         [segment] = archiver.segments
         assert (segment.first_seq, segment.companion_first_seq) == (1, 1)
