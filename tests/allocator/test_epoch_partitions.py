@@ -22,6 +22,7 @@ from nanoserve.allocator.log.schema import default_partition_name, epoch_partiti
 from nanoserve.migrations import alembic_config, upgrade
 
 from .test_audit import write_log
+from .test_stored_keys import query
 
 pytestmark = pytest.mark.postgres
 
@@ -55,19 +56,9 @@ def url(pg_url: str) -> Iterator[str]:
     admin.dispose()
 
 
-def _query(url: str, sql: str, **params: object) -> list[tuple]:
-    engine = sa.create_engine(url)
-    try:
-        with engine.begin() as conn:
-            result = conn.execute(sa.text(sql), params)
-            return [tuple(row) for row in result] if result.returns_rows else []
-    finally:
-        engine.dispose()
-
-
 def _partitions(url: str) -> dict[str, set[str]]:
     """partitioned table -> the names of its partitions (pg_inherits)."""
-    rows = _query(
+    rows = query(
         url,
         "SELECT p.relname, c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
         "JOIN pg_class p ON p.oid = i.inhparent WHERE p.relkind = 'p'",
@@ -86,12 +77,12 @@ def _expected(epochs: list[tuple[str, int]]) -> dict[str, set[str]]:
 
 
 def _all_rows(url: str) -> dict[str, list[tuple]]:
-    return {table: _query(url, f"SELECT * FROM {table} ORDER BY 1, 2, 3") for table in ("pool_epochs", *EPOCH_TABLES)}
+    return {table: query(url, f"SELECT * FROM {table} ORDER BY 1, 2, 3") for table in ("pool_epochs", *EPOCH_TABLES)}
 
 
 def _add_journal_rows(url: str, pool_id: str, epoch: int) -> None:
     """An ADMIT record of request 'A' and its index row: companion rows that move with their epoch."""
-    _query(
+    query(
         url,
         "INSERT INTO request_journal (pool_id, epoch, journal_seq, request_id, kind, step, wall_ns, record) "
         "VALUES (:p, :e, 1, 'A', 'admit', NULL, 5, :r)",
@@ -99,11 +90,11 @@ def _add_journal_rows(url: str, pool_id: str, epoch: int) -> None:
         e=epoch,
         r=f'{{"epoch": {epoch}}}',
     )
-    _query(url, "INSERT INTO journal_requests VALUES (:p, :e, 1, 'A')", p=pool_id, e=epoch)
+    query(url, "INSERT INTO journal_requests VALUES (:p, :e, 1, 'A')", p=pool_id, e=epoch)
 
 
 def _relkinds(url: str) -> set[tuple[str, str]]:
-    rows = _query(url, "SELECT relname, relkind FROM pg_class WHERE relname = ANY(:names)", names=list(EPOCH_TABLES))
+    rows = query(url, "SELECT relname, relkind FROM pg_class WHERE relname = ANY(:names)", names=list(EPOCH_TABLES))
     return {(name, str(kind)) for name, kind in rows}
 
 
@@ -125,9 +116,9 @@ def test_downgrade_and_upgrade_keep_every_row_of_two_pools(url: str) -> None:
     assert _partitions(url) == _expected([("pool-a", 1), ("pool-a", 2), ("pool-b", 1)])
     assert _all_rows(url) == before
     for table in EPOCH_TABLES:  # every row is in its epoch's partition
-        assert _query(url, f"SELECT count(*) FROM ONLY {default_partition_name(table)}") == [(0,)]
+        assert query(url, f"SELECT count(*) FROM ONLY {default_partition_name(table)}") == [(0,)]
     partition = epoch_partition_name("allocator_events", "pool-a", 2)
-    assert _query(url, f"SELECT count(*) FROM {partition}") == [(len(before["allocator_events"]) // 3,)]
+    assert query(url, f"SELECT count(*) FROM {partition}") == [(len(before["allocator_events"]) // 3,)]
     reports = audit_all(url)
     assert [(r.pool_id, r.epoch, r.num_events, r.clean) for r in reports] == [
         ("pool-a", 1, 12, True),
@@ -143,8 +134,8 @@ def test_a_new_epoch_gets_its_partitions(url: str) -> None:
     write_log(url, "pool-a")
     assert _partitions(url) == _expected([("pool-a", 1), ("pool-a", 2)])
     partition = epoch_partition_name("allocator_events", "pool-a", 2)
-    assert _query(url, f"SELECT count(*) FROM {partition}") == [(12,)]
-    assert _query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(0,)]
+    assert query(url, f"SELECT count(*) FROM {partition}") == [(12,)]
+    assert query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(0,)]
 
 
 @pytest.mark.usefixtures("one_row_per_event")  # 12 rows an epoch
@@ -158,12 +149,12 @@ def test_archiving_an_epoch_drops_its_partitions(url: str, tmp_path: Path) -> No
     finally:
         engine.dispose()
     assert _partitions(url) == _expected([("pool-a", 2)])
-    assert _query(url, "SELECT count(*) FROM pg_class WHERE relname LIKE '%\\_e1'") == [(0,)]
-    assert _query(url, "SELECT epoch, count(*) FROM allocator_events GROUP BY epoch") == [(2, 12)]
-    assert _query(url, "SELECT epoch FROM pool_epochs") == [(2,)]
+    assert query(url, "SELECT count(*) FROM pg_class WHERE relname LIKE '%\\_e1'") == [(0,)]
+    assert query(url, "SELECT epoch, count(*) FROM allocator_events GROUP BY epoch") == [(2, 12)]
+    assert query(url, "SELECT epoch FROM pool_epochs") == [(2,)]
     [report] = audit_all(f"sqlite:///{entry.path}")
     assert (report.epoch, report.num_events, report.clean) == (1, 12, True)
-    archived = _query(f"sqlite:///{entry.path}", "SELECT pool_id, epoch, request_id FROM journal_requests")
+    archived = query(f"sqlite:///{entry.path}", "SELECT pool_id, epoch, request_id FROM journal_requests")
     assert archived == [("pool-a", 1, "A")]
 
 
@@ -173,9 +164,9 @@ def test_a_pool_id_with_odd_characters_gets_quoted_bounds(url: str, tmp_path: Pa
     name = epoch_partition_name("allocator_events", ODD_POOL_ID, 1)
     assert len(name.encode()) <= 63
     assert name.isascii()
-    [(bound,)] = _query(url, "SELECT pg_get_expr(relpartbound, oid) FROM pg_class WHERE relname = :n", n=name)
+    [(bound,)] = query(url, "SELECT pg_get_expr(relpartbound, oid) FROM pg_class WHERE relname = :n", n=name)
     assert bound == "FOR VALUES FROM ('o''k\\ %s :x é;--', 1) TO ('o''k\\ %s :x é;--', 2)"
-    assert _query(url, f"SELECT DISTINCT pool_id FROM {name}") == [(ODD_POOL_ID,)]
+    assert query(url, f"SELECT DISTINCT pool_id FROM {name}") == [(ODD_POOL_ID,)]
     engine = sa.create_engine(url)
     try:
         entry = archive_epoch(engine, ODD_POOL_ID, 1, tmp_path, upgrade)
@@ -202,7 +193,7 @@ def test_an_epoch_without_partitions_writes_to_default_and_is_archived_from_ther
         "event_log_epoch_partitions_not_made"
     ]
     assert _partitions(url) == _expected([])
-    assert _query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(12,)]
+    assert query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(12,)]
     write_log(url, "pool-a")  # epoch 2 gets its partitions
     assert _partitions(url) == _expected([("pool-a", 2)])
 
@@ -211,7 +202,7 @@ def test_an_epoch_without_partitions_writes_to_default_and_is_archived_from_ther
         entry = archive_epoch(engine, "pool-a", 1, tmp_path, upgrade)
     finally:
         engine.dispose()
-    assert _query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(0,)]
+    assert query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(0,)]
     assert _partitions(url) == _expected([("pool-a", 2)])
     [report] = audit_all(f"sqlite:///{entry.path}")
     assert (report.epoch, report.num_events, report.clean) == (1, 12, True)
@@ -237,8 +228,8 @@ def test_pools_opening_at_once_each_get_their_partitions(url: str) -> None:
         thread.join(120)
     assert errors == []
     assert _partitions(url) == _expected([(p, e) for p in pools for e in (1, 2, 3)])
-    assert _query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(0,)]
-    assert _query(url, "SELECT count(*) FROM allocator_events") == [(4 * 3 * 12,)]
+    assert query(url, "SELECT count(*) FROM ONLY allocator_events_default") == [(0,)]
+    assert query(url, "SELECT count(*) FROM allocator_events") == [(4 * 3 * 12,)]
 
 
 def test_stored_keys_move_into_their_epochs_partition_and_leave_with_it(url: str, tmp_path: Path) -> None:
@@ -246,15 +237,15 @@ def test_stored_keys_move_into_their_epochs_partition_and_leave_with_it(url: str
 
     cached_log(url, "pool-a")  # epoch 1: packed rows naming prefix-cache keys by id (migration 0009)
     cached_log(url, "pool-a")  # epoch 2
-    keys = _query(url, "SELECT epoch, count(*) FROM allocator_keys GROUP BY epoch ORDER BY epoch")
+    keys = query(url, "SELECT epoch, count(*) FROM allocator_keys GROUP BY epoch ORDER BY epoch")
     assert [epoch for epoch, _ in keys] == [1, 2]
     records_before = records(url, "pool-a")
     command.downgrade(alembic_config(url), "0009")
     upgrade(url)
     for epoch, num_rows in keys:
         partition = epoch_partition_name("allocator_keys", "pool-a", epoch)
-        assert _query(url, f"SELECT count(*) FROM {partition}") == [(num_rows,)]
-    assert _query(url, "SELECT count(*) FROM ONLY allocator_keys_default") == [(0,)]
+        assert query(url, f"SELECT count(*) FROM {partition}") == [(num_rows,)]
+    assert query(url, "SELECT count(*) FROM ONLY allocator_keys_default") == [(0,)]
     assert records(url, "pool-a") == records_before
     assert [r.clean for r in audit_all(url)] == [True, True]
 
@@ -264,14 +255,14 @@ def test_stored_keys_move_into_their_epochs_partition_and_leave_with_it(url: str
     finally:
         engine.dispose()
     assert epoch_partition_name("allocator_keys", "pool-a", 1) not in _partitions(url)["allocator_keys"]
-    assert _query(url, "SELECT epoch FROM allocator_keys GROUP BY epoch") == [(2,)]
+    assert query(url, "SELECT epoch FROM allocator_keys GROUP BY epoch") == [(2,)]
     [report] = audit_all(f"sqlite:///{entry.path}")
     assert report.clean
 
 
 def _block_key_indexes(url: str) -> dict[str, str]:
     """table or partition of allocator_events -> the definition of its index on block_key."""
-    rows = _query(
+    rows = query(
         url,
         "SELECT tablename, indexdef FROM pg_indexes "
         "WHERE tablename LIKE 'allocator_events%' AND indexdef LIKE '%block_key%'",
@@ -284,7 +275,7 @@ def test_the_block_key_index_is_partial_on_every_partition_and_a_query_for_a_key
     from .test_stored_keys import cached_log
 
     cached_log(url, "pool-a")  # epoch 1, made after the upgrade: its partition gets the index from the table's
-    [(key,)] = _query(url, "SELECT block_key FROM allocator_events WHERE epoch = 1 AND seq = 6")  # A's release
+    [(key,)] = query(url, "SELECT block_key FROM allocator_events WHERE epoch = 1 AND seq = 6")  # A's release
     indexes = _block_key_indexes(url)
     partition = epoch_partition_name("allocator_events", "pool-a", 1)
     assert set(indexes) == {"allocator_events", "allocator_events_default", partition}
