@@ -113,9 +113,9 @@ def create_epoch_partitions(engine: sa.Engine, pool_id: str, epoch: int) -> bool
     except (sa.exc.SQLAlchemyError, PartitionLocksBusy) as exc:
         if _store_away(exc):
             raise  # open reports the store as unavailable, as it would at the epoch's first rows
-        report = log.debug if _warned else log.warning
+        emit = log.debug if _warned else log.warning
         _warned = True
-        report("event_log_epoch_partitions_not_made", pool_id=pool_id, epoch=epoch, error=str(exc).splitlines()[0])
+        emit("event_log_epoch_partitions_not_made", pool_id=pool_id, epoch=epoch, error=str(exc).splitlines()[0])
         return False
     return True
 
