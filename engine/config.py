@@ -72,7 +72,7 @@ class ModelConfig:
     num_threads: int | None = None
     dense_large_steps: bool = False
     matmul_precision: str = "medium"
-    batch_invariant: str = "off"
+    batch_invariant: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
