@@ -72,10 +72,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "on: a row's logits depend only on the model, its prefix and its position, not on batching, prefill "
         "chunking, prefix-cache hits, preemption or the thread count (nanoserve's GGUF kernel runs every step size "
         "by the decode path's 16-bit integer arithmetic, --matmul-precision then not applying to it, and prefill "
-        "attention by the paged decode kernel; with AVX-512 VNNI as fast as off within a few percent, measured on a Zen 5; "
-        "without it, large steps run the decode tiles, batches about 0.7x as fast); off: the bf16 or float32 large "
-        "steps and SDPA prefill (a row's bits depend on its step's size); auto: on where the CPU has AVX-512 VNNI, "
-        "else off (docs/batch-invariance.md)",
+        "attention by the paged decode kernel; with AVX-512 VNNI as fast as off within a few percent, measured on "
+        "a Zen 5; without it, large steps run the decode tiles, batches about 0.7x as fast); off: the bf16 or "
+        "float32 large steps and SDPA prefill (a row's bits depend on its step's size); auto: on where the CPU has "
+        "AVX-512 VNNI, else off (docs/batch-invariance.md)",
         choices=("auto", "on", "off"),
     ),
     Setting(
