@@ -259,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
         deadline = None if args.timeout is None else time.monotonic() + args.timeout
         call: Any = stub.Generate(request, timeout=args.timeout, metadata=metadata)
         printer = _Printer(args.json, samples=(request.sampling.n or 1) > 1 or request.sampling.HasField("best_of"))
+        if request.sampling.HasField("logprobs") and not args.json:
+            print("note: --logprobs: the logprobs are in the --json output; this prints the text", file=sys.stderr)
         resuming = False  # the current call is a Resume
         while True:
             interrupt = _CancelOnInterrupt(call)
@@ -358,7 +360,13 @@ class _Printer:
 
         self.num_tokens += len(response.token_ids)
         if self._as_json:
-            print(json.dumps(MessageToDict(response, preserving_proto_field_name=True)), flush=True)
+            message = MessageToDict(response, preserving_proto_field_name=True)
+            if self._samples is not None:  # proto3 JSON leaves out a 0: sample 0's messages would have no index
+                message.setdefault("index", 0)
+            print(json.dumps(message), flush=True)
+            if response.HasField("finish"):  # as in plain output: stdout stays one JSON object a line
+                where = f"sample {response.index}: " if self._samples is not None else ""
+                print(where + _finish_line(response.finish), file=sys.stderr)
             return
         if self._samples is not None:  # several samples: each is printed whole, under its index, when it ends
             self._samples[response.index] = self._samples.get(response.index, "") + response.text

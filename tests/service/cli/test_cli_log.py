@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from nanoserve.allocator import BlockAllocator, BlockTable, FreeReason
-from nanoserve.allocator.log import EventLog
+from nanoserve.allocator.log import EventLog, read_events
 from nanoserve.migrations import upgrade
 from nanoserve.service.cli.main import main
 
@@ -46,6 +46,28 @@ def test_db_upgrade_creates_the_schema(tmp_path: Path, capsys: pytest.CaptureFix
 def test_db_upgrade_of_unreachable_database_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", "upgrade", "postgresql+psycopg://nobody@127.0.0.1:1/none"]) == 2
     assert "nanoserve db upgrade:" in capsys.readouterr().err
+
+
+def test_db_downgrade_takes_the_schema_back_keeping_the_events(
+    log_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a new user found the docs' `alembic downgrade 0008` failing without -c and -x url=
+    events = read_events(log_url)
+    assert main(["db", "downgrade", log_url, "--revision", "0008"]) == 0
+    assert capsys.readouterr().out == f"{log_url}: schema at 0008\n"
+    engine = sa.create_engine(log_url)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one() == "0008"
+        assert "allocator_keys" not in sa.inspect(conn).get_table_names()
+    engine.dispose()
+    assert read_events(log_url) == events
+    assert main(["db", "upgrade", log_url]) == 0
+    assert read_events(log_url) == events
+
+
+def test_db_downgrade_to_an_unknown_revision_exits_2(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["db", "downgrade", log_url, "--revision", "0042"]) == 2
+    assert "nanoserve db downgrade:" in capsys.readouterr().err
 
 
 def test_audit_with_leak_exits_1_and_names_block_and_owner(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,35 @@
+"""What ``nanoserve generate --json`` prints, as docs/cli.md describes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanoserve.service.cli.commands.generate import _Printer
+from nanoserve.v1 import generation_pb2 as pb
+
+
+def _finish(completion_tokens: int, cached_tokens: int) -> pb.Finish:
+    usage = pb.Usage(prompt_tokens=66, completion_tokens=completion_tokens, cached_tokens=cached_tokens)
+    return pb.Finish(reason=pb.FINISH_REASON_LENGTH, usage=usage)
+
+
+def test_json_output_says_on_stderr_how_many_prompt_tokens_were_cached(capsys: pytest.CaptureFixture[str]) -> None:
+    # a new user found stderr empty under --json, where docs/cli.md promises the cached count
+    printer = _Printer(as_json=True)
+    printer.print(pb.GenerateResponse(request_id="r", text="Hi", token_ids=[19556]))
+    printer.print(pb.GenerateResponse(request_id="r", text="!", token_ids=[17], finish=_finish(2, 64)))
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["text"] for line in out.splitlines()] == ["Hi", "!"]
+    assert err.startswith("[length; 66 prompt (64 cached) + 2 completion tokens; ttft -; total -]")
+
+
+def test_json_output_of_several_samples_names_sample_0_too(capsys: pytest.CaptureFixture[str]) -> None:
+    printer = _Printer(as_json=True, samples=True)
+    printer.print(pb.GenerateResponse(request_id="r", text="a", token_ids=[1], index=0))
+    printer.print(pb.GenerateResponse(request_id="r", text="b", token_ids=[2], index=1, finish=_finish(1, 0)))
+    printer.print(pb.GenerateResponse(request_id="r", text="c", token_ids=[3], index=0, finish=_finish(2, 0)))
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["index"] for line in out.splitlines()] == [0, 1, 0]
+    assert [line.split(":")[0] for line in err.splitlines()] == ["sample 1", "sample 0"]
