@@ -362,7 +362,8 @@ def run_state(args: argparse.Namespace) -> int:
             )
         )
     if args.full:
-        print("free stack (next out first): " + ",".join(map(str, reversed(state.free_block_ids))))
+        cached = f" (and {state.num_cached_free} cached-free, evicted after it: below)" if state.cached_free else ""
+        print(f"free stack (next out first){cached}: " + ",".join(map(str, reversed(state.free_block_ids))))
     else:
         # the free stack and the cached-free list are disjoint; together they are the header's "N free"
         cached = f"; cached: {log_format.block_ranges(state.cached_free)}" if state.cached_free else ""

@@ -114,3 +114,16 @@ def _expand(ranges: str) -> list[int]:
         first, _, last = run.partition("-")
         ids.extend(range(int(first), int(last or first) + 1))
     return ids
+
+
+def test_state_full_says_the_free_stack_leaves_out_the_cached_free_blocks(
+    log_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seq = next(e.seq for e in read_events(log_url) if e.kind == "release" and 0 in e.ref_counts)
+    state = replay(log_url, until_seq=seq)
+    assert main(["log", "state", "--url", log_url, "--at", str(seq), "--full"]) == 0
+    stack = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("free stack"))
+    assert stack == (
+        f"free stack (next out first) (and {len(state.cached_free)} cached-free, evicted after it: below): "
+        + ",".join(map(str, reversed(state.free_block_ids)))
+    )
