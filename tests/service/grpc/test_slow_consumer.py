@@ -18,7 +18,11 @@ from ..conftest import Served, engine_config, serving, wait_pool_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-MAX_STREAM_BUFFER_MESSAGES = 32
+# a reader that does not come back for this many steps is cut off: the tiny model's steps take a few ms,
+# so 32 (as before) cut the stream read as it comes whenever CI's load stalled this process's event loop for
+# about 0.1 s; 256 allows a second, and the unread stream is still cut long before its 1000 tokens (its first
+# outputs fill the 64 KiB HTTP/2 window, about 130 of these messages, then 256 more wait)
+MAX_STREAM_BUFFER_MESSAGES = 256
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
