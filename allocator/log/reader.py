@@ -44,7 +44,7 @@ from nanoserve.allocator.log.row_scan import (
     rows_query,
     stored_hash,
 )
-from nanoserve.allocator.log.schema import pool_epochs
+from nanoserve.allocator.log.schema import archived_epochs, pool_epochs
 from nanoserve.allocator.log.snapshot_codec import decode_snapshot
 from nanoserve.allocator.log.store import create_log_engine
 from nanoserve.allocator.log.stored_event import Event
@@ -182,7 +182,21 @@ def resolve_epoch(conn: sa.Connection, pool_id: str | None, epoch: int | None) -
     for info in epochs:
         if info.epoch == epoch:
             return info
-    raise LogNotFoundError(f"pool {pools[0]!r} has no epoch {epoch}; epochs: {[info.epoch for info in epochs]}")
+    message = f"pool {pools[0]!r} has no epoch {epoch}; epochs: {[info.epoch for info in epochs]}"
+    path = dict(archived_epoch_files(conn, pools[0])).get(epoch)
+    if path is not None:
+        message += f"; epoch {epoch} is archived in {path}: read it there (--url sqlite:///{path})"
+    raise LogNotFoundError(message)
+
+
+def archived_epoch_files(conn: sa.Connection, pool_id: str) -> list[tuple[int, str]]:
+    """(epoch, file) of each epoch of ``pool_id`` the manifest ``archived_epochs`` names, by epoch:
+    archived whole (``archive``), so gone from this log. Empty before migration 0004 (its table)."""
+    if not sa.inspect(conn).has_table(archived_epochs.name):
+        return []
+    table = archived_epochs
+    query = sa.select(table.c.epoch, table.c.path).where(table.c.pool_id == pool_id).order_by(table.c.epoch)
+    return [(int(row.epoch), str(row.path)) for row in conn.execute(query)]
 
 
 def to_event(pool_id: str, epoch: int, row: tuple[Any, ...]) -> Event:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from nanoserve.allocator import EventKind
@@ -153,6 +154,13 @@ def _url(args: argparse.Namespace) -> str:
     return args.url or DEFAULT_EVENT_LOG_URL
 
 
+def _default_live_log() -> str | None:
+    """The default log's URL (``DEFAULT_EVENT_LOG_URL``) when its SQLite file exists; else None."""
+    from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
+
+    return DEFAULT_EVENT_LOG_URL if Path(DEFAULT_EVENT_LOG_URL.removeprefix("sqlite:///")).is_file() else None
+
+
 def _guarded(run: Any) -> Any:
     """Bad input (no log, unknown pool/epoch, unreachable database) -> message on stderr, exit 2."""
 
@@ -186,7 +194,7 @@ def run_audit(args: argparse.Namespace) -> int:
     from nanoserve.allocator.log.reader import connect, list_epochs
 
     if args.archive is not None:
-        matches, reports = log_archive.run_audit_archive(args, args.url)
+        matches, reports = log_archive.run_audit_archive(args, args.url or _default_live_log())
         for report in reports:
             print(report.render(open_status=OPEN_STATUS))
         archive_url = f"sqlite:///{args.archive}"
@@ -291,7 +299,24 @@ def run_show(args: argparse.Namespace) -> int:
     if args.owner is not None and pool_id is not None:
         for line in log_requests.owner_lines(_url(args), pool_id, args.owner):
             print(line)
+        if not rows and args.epoch is None:
+            _say_not_searched(_url(args), pool_id, args.owner)
     return EXIT_CLEAN if not damage else EXIT_VIOLATIONS
+
+
+def _say_not_searched(url: str, pool_id: str, owner: str) -> None:
+    """On stderr: ``owner`` has no event in the live log, and the epochs archived whole were not searched."""
+    from nanoserve.allocator.log.reader import archived_epoch_files, connect
+
+    with connect(url) as conn:
+        files = archived_epoch_files(conn, pool_id)
+    if files:
+        named = ", ".join(f"epoch {epoch} in {path}" for epoch, path in files)
+        print(
+            f"nanoserve log show: no event of owner {owner!r} in the live log; its archived epochs are not "
+            f"searched ({named}): read one with --url sqlite:///FILE",
+            file=sys.stderr,
+        )
 
 
 def _forked_children(args: argparse.Namespace, pool_id: str | None, epoch: int | None) -> list[str]:

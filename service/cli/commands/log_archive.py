@@ -4,8 +4,9 @@
 ``--dest`` (``nanoserve.allocator.log.archive``): every epoch but each pool's
 newest, or those a retention bound no longer keeps, or one ``--epoch``.
 ``log audit --archive FILE`` replays the file's epochs (hash chain and rules,
-like any log) and, with the live log (``--url``), checks the file's sha256 and
-head hash against the manifest row that names it: ``archived_epochs`` for an
+like any log) and, with the live log (``--url``, else the default log when
+its file exists), checks the file's sha256 and head hash against the
+manifest row that names it: ``archived_epochs`` for an
 epoch's file, ``archived_segments`` for a segment of an open epoch (its head
 hash is the file's stored hash at the segment's last seq).
 """
@@ -79,6 +80,9 @@ def run_archive(args: argparse.Namespace, url: str) -> int:
 def run_audit_archive(args: argparse.Namespace, live_url: str | None) -> tuple[bool, list[Any]]:
     """(the file matches the live log's manifest, or no live log was given; the audit reports of its epochs).
 
+    ``live_url``: the live log (``--url``, else the default log when its file exists), named on stdout; None:
+    not checked against a manifest.
+
     Raises ValueError when the live log's manifest names none of the file's epochs.
     """
     from nanoserve.allocator.log import audit_all
@@ -92,8 +96,9 @@ def run_audit_archive(args: argparse.Namespace, live_url: str | None) -> tuple[b
     archive_url = f"sqlite:///{path}"
     reports = audit_all(archive_url, args.pool_id)
     if live_url is None:
-        print(f"{path}: sha256 {file_sha256(path)} (no live log given: not checked against a manifest)")
+        print(f"{path}: sha256 {file_sha256(path)} (no live log given or found: not checked against a manifest)")
         return True, reports
+    print(f"checked against the manifest of the live log {live_url}")
     named = {(e.pool_id, e.epoch): e for e in manifest(live_url)}
     listed = segment_manifest(live_url)
     listed_in: dict[tuple[str, int, int], str] = {}  # a segment listed elsewhere than the live log -> that file

@@ -175,3 +175,50 @@ def test_a_segment_still_checks_after_its_epoch_was_archived_whole(
         f"sha256 {segment.sha256} and head hash match the manifest in {whole} (its epoch's file) "
         f"(seqs 1..{segment.last_seq} of pool p epoch 1)"
     ) in capsys.readouterr().out
+
+
+def test_an_archived_epoch_asked_of_the_live_log_names_its_file(
+    archived: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """audit, state and plot of an epoch archived whole exit 2 naming the file that holds it."""
+    url, path = archived
+    hint = (
+        f"pool 'p' has no epoch 1; epochs: [3]; epoch 1 is archived in {path.resolve()}: "
+        f"read it there (--url sqlite:///{path.resolve()})\n"
+    )
+    for action in (["audit"], ["state", "--at", "2"], ["plot", "-o", str(path.parent / "p.svg")]):
+        assert main(["log", *action, "--url", url, "--epoch", "1"]) == 2
+        assert capsys.readouterr().err == f"nanoserve log {action[0]}: {hint}"
+    assert main(["log", "audit", "--url", url, "--epoch", "7"]) == 2  # never there: no file named
+    assert capsys.readouterr().err == "nanoserve log audit: pool 'p' has no epoch 7; epochs: [3]\n"
+
+
+def test_log_show_of_an_owner_not_in_the_live_log_says_archived_epochs_are_not_searched(
+    archived: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, path = archived
+    assert main(["log", "show", "--url", url, "--owner", "gone"]) == 0
+    err = capsys.readouterr().err
+    second = path.parent / "p-epoch-00000002.db"
+    assert err == (
+        "nanoserve log show: no event of owner 'gone' in the live log; its archived epochs are not searched "
+        f"(epoch 1 in {path.resolve()}, epoch 2 in {second.resolve()}): read one with --url sqlite:///FILE\n"
+    )
+    assert main(["log", "show", "--url", url, "--owner", "A"]) == 0  # found in epoch 3: nothing said
+    assert capsys.readouterr().err == ""
+
+
+def test_log_audit_archive_checks_against_the_default_live_log_when_it_exists(
+    archived: tuple[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --url (and NANOSERVE_EVENT_LOG_URL), the default log sqlite:///nanoserve-log.db is the live log."""
+    _, path = archived
+    monkeypatch.delenv("NANOSERVE_EVENT_LOG_URL", raising=False)
+    monkeypatch.chdir(path.parent.parent)  # where log.db is: nothing named nanoserve-log.db yet
+    assert main(["log", "audit", "--archive", str(path)]) == 0
+    assert "(no live log given or found: not checked against a manifest)" in capsys.readouterr().out
+    (path.parent.parent / "log.db").rename(path.parent.parent / "nanoserve-log.db")
+    assert main(["log", "audit", "--archive", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "checked against the manifest of the live log sqlite:///nanoserve-log.db\n" in out
+    assert "and head hash match the manifest (pool p epoch 1)" in out
