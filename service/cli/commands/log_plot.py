@@ -9,7 +9,9 @@ broken allocator rules (double free, leaks...) are marked on the picture.
 Exit status: 0 picture written and the epoch clean, 1 picture written but the
 audit found violations (or the damage leaves nothing to draw), 2 no picture
 (no log there, unknown pool or epoch, an epoch without allocations, a bad flag,
-matplotlib not installed).
+matplotlib not installed). An epoch cut into segments whose live part holds no
+allocation is drawn from its checkpoint (its allocations are in the segment
+files, said on stderr).
 
 matplotlib is imported here, inside the commands, and only by them: it is the
 ``plot`` extra (``pip install 'nanoserve[plot]'``), not needed to serve.
@@ -83,8 +85,17 @@ def run_plot(args: argparse.Namespace, url: str) -> int:
             return EXIT_VIOLATIONS
         intact_seq = damage.seq - 1
     timeline = read_timeline(url, report.pool_id, report.epoch, intact_seq)
+    cut_seq = timeline.seqs[0] if timeline.seqs and timeline.seqs[0] > 1 else None  # the checkpoint at a cut
     if not timeline.num_intervals:
-        raise ValueError(f"nothing to plot: epoch {report.epoch} of pool {report.pool_id!r} holds no allocations")
+        if cut_seq is None:
+            raise ValueError(f"nothing to plot: epoch {report.epoch} of pool {report.pool_id!r} holds no allocations")
+        # its allocations are all in the segment files: the picture is the pool from the checkpoint on
+        print(
+            f"nanoserve log plot: the live log holds no allocation of epoch {report.epoch} from its checkpoint at "
+            f"seq {cut_seq}: seqs 1..{cut_seq - 1} are archived in segment files (`nanoserve log state --at SEQ` "
+            "names the one holding a seq; plot it with --url sqlite:///FILE)",
+            file=sys.stderr,
+        )
     picture = pool_plot.plot_timeline(
         timeline,
         from_seq=args.from_seq,

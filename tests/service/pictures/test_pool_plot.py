@@ -277,6 +277,37 @@ def test_empty_epoch_exits_2_without_a_picture(url: str, tmp_path: Path, capsys:
     assert not out.exists()
 
 
+def test_a_cut_epoch_whose_allocations_are_all_archived_is_drawn_from_its_checkpoint(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every request of the epoch ended before the cut at its SNAPSHOT 45 (seqs 1..44 in a segment file):
+    the live part holds no allocation, yet the epoch held 20. Was: exit 2, "epoch 1 ... holds no allocations"."""
+    from nanoserve.allocator.log.archive import RetentionPolicy
+    from nanoserve.allocator.log.segment_archive import LiveSize, archive_due_segment
+
+    log = EventLog.open(url, pool_id="default", num_blocks=8, block_size=4, num_events_per_snapshot=10)
+    pool = BlockAllocator(8, 4)
+    for n in range(20):  # seqs 2..45: a request allocates and ends in each batch, SNAPSHOTs at 12, 23, 34, 45
+        pool.free_all(pool.allocate_for(4, f"r{n}"), FreeReason.FINISHED)
+        log.append_batch(None, pool.take_events(), pool.snapshot)
+    log.flush()
+    policy = RetentionPolicy(retention_bytes=1_000)
+    [entry] = archive_due_segment(url, tmp_path / "arch", policy, upgrade, "default", LiveSize())
+    assert (entry.first_seq, entry.last_seq) == (1, 44)
+    log.close(final_state=pool.snapshot())  # 46 POOL_CLOSE
+    out = tmp_path / "cut.svg"
+    assert main(["log", "plot", "--url", url, "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"wrote {out}: 2 events: 0 held intervals, one bar each; occupancy event by event\n"
+    assert captured.err == (
+        "nanoserve log plot: the live log holds no allocation of epoch 1 from its checkpoint at seq 45: seqs 1..44 "
+        "are archived in segment files (`nanoserve log state --at SEQ` names the one holding a seq; plot it with "
+        "--url sqlite:///FILE)\n"
+    )
+    assert bars(out) == set()
+    assert "seqs 1–44 archived: drawn from the checkpoint at 45" in out.read_text()
+
+
 def test_log_without_epochs_exits_2(url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["db", "upgrade", url]) == 0
     capsys.readouterr()
