@@ -19,13 +19,6 @@ EXIT_BAD_CONFIG = 2  # a flag or NANOSERVE_* variable out of range
 EXIT_LOG_UNUSABLE = 3  # the event log's store could not be used at start (checked before the model loads)
 EXIT_LOG_INCOMPLETE = 4  # shut down with events the log could not write: they are named, the epoch stays open
 
-# The engine thread hands the GIL back around each torch op of a step and needs it again after; a
-# thread that holds it busy (the event loop sending a crowd's messages, a reader thread decoding)
-# keeps it up to the switch interval before handing it over: CPython's 5 ms default, against ops of
-# tens of microseconds, let 100 catch-ups and 200 Resumes take most of a running stream's rate.
-# Bench: bench/read_paths.py; docs/engine.md has the figures.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 EXIT_STATUSES = f"""exit status:
   {EXIT_OK}  served and shut down; every event written, the epoch closed
   {EXIT_ERROR}  an unexpected error (its traceback is in the log)
@@ -75,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
     from nanoserve.allocator.log import SecondWriterError
     from nanoserve.service.grpc.server import serve
 
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process is a server: the entry point may choose
     try:
         return asyncio.run(serve(server_config, engine_config))
     except SecondWriterError as exc:  # another live server writes this pool: refuse to start, say why

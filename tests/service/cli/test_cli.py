@@ -267,30 +267,3 @@ def test_generate_names_a_schema_file_it_cannot_read(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "Hi", "--json-schema", str(tmp_path / "missing.json")])
     assert f"argument --json-schema: cannot read {tmp_path / 'missing.json'}: [Errno 2]" in capsys.readouterr().err
-
-
-@pytest.mark.usefixtures("logging_restored")
-def test_serve_runs_with_a_half_millisecond_gil_switch_interval(monkeypatch) -> None:
-    """The engine thread gets the GIL back from a busy event loop within 0.5 ms, not CPython's 5 ms."""
-    import gc
-    import sys
-
-    from nanoserve.engine.errors import EventLogUnusableError
-    from nanoserve.service.cli.main import main
-    from nanoserve.service.grpc import server
-
-    seen: list[float] = []
-
-    async def start_engine(_engine_config: object) -> None:
-        seen.append(sys.getswitchinterval())
-        raise EventLogUnusableError("sqlite:///test.db", "a test stops here")
-
-    monkeypatch.setattr(server, "start_engine", start_engine)
-    interval_s = sys.getswitchinterval()
-    try:
-        main(["serve", "--event-log-url", "none", "--metrics-port", "off", "--log-format", "json"])
-    finally:
-        sys.setswitchinterval(interval_s)
-        gc.unfreeze()
-        gc.enable()
-    assert seen == [pytest.approx(0.0005)]
