@@ -43,6 +43,19 @@ EXIT_UNUSABLE = 2
 OPEN_STATUS = "open (running, or crashed)"
 
 
+def open_status(epoch: int, newest_epoch: int, recovered_by: int | None = None) -> str:
+    """How the log tools name an epoch without POOL_CLOSE: crashed when a later epoch of its pool
+    opened (a server holds its pool's lock for as long as it writes, so the older one is gone),
+    naming the epoch that recovered it where the journal says; else running, or crashed."""
+    if recovered_by is not None:
+        return f"crashed; recovered by epoch {recovered_by}"
+    if epoch + 1 == newest_epoch:
+        return f"crashed; epoch {newest_epoch} opened the pool after it"
+    if epoch < newest_epoch:
+        return f"crashed; epochs {epoch + 1}..{newest_epoch} opened the pool after it"
+    return OPEN_STATUS
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "log",
@@ -188,6 +201,14 @@ def _one_line(exc: BaseException) -> str:
     return store_cause(exc) if isinstance(exc, sa.exc.SQLAlchemyError) else str(exc)
 
 
+def _newest_epochs(epochs: list[Any]) -> dict[str, int]:
+    """pool_id -> its newest epoch, of ``list_epochs``' EpochInfo rows."""
+    newest: dict[str, int] = {}
+    for info in epochs:
+        newest[info.pool_id] = max(info.epoch, newest.get(info.pool_id, 0))
+    return newest
+
+
 @_guarded
 def run_audit(args: argparse.Namespace) -> int:
     from nanoserve.allocator.log import audit, audit_all
@@ -210,8 +231,10 @@ def run_audit(args: argparse.Namespace) -> int:
                 print("nothing to audit: the log holds no epochs")
                 return EXIT_CLEAN
     reports = audit_all(url, args.pool_id) if args.epoch is None else [audit(url, args.pool_id, args.epoch)]
+    with connect(url) as conn:
+        newest = _newest_epochs(list_epochs(conn, None))
     for report in reports:
-        print(report.render(open_status=OPEN_STATUS))
+        print(report.render(open_status=open_status(report.epoch, newest.get(report.pool_id, report.epoch))))
     journal_damage = log_requests.journal_damage_lines(url, [(report.pool_id, report.epoch) for report in reports])
     for line in journal_damage:
         print(f"request journal damaged: {line}")
@@ -416,6 +439,7 @@ def run_epochs(args: argparse.Namespace) -> int:
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)
         recovered_by = log_requests.recovered_by(conn)
+    newest = _newest_epochs(epochs)
     if not epochs and args.pool_id is not None:
         raise LogNotFoundError(f"the log holds no pool {args.pool_id!r}")
     if not epochs:
@@ -432,9 +456,7 @@ def run_epochs(args: argparse.Namespace) -> int:
             str(info.durable_seq),
             f"closed at seq {info.closed_seq}"
             if info.closed
-            else OPEN_STATUS
-            if (info.pool_id, info.epoch) not in recovered_by
-            else f"crashed; recovered by epoch {recovered_by[(info.pool_id, info.epoch)]}",
+            else open_status(info.epoch, newest[info.pool_id], recovered_by.get((info.pool_id, info.epoch))),
         ]
         for info in epochs
     ]

@@ -156,6 +156,25 @@ def test_audit_of_an_open_epoch_says_running_or_crashed(log_url: str, capsys: py
     )
 
 
+def test_an_open_epoch_that_a_later_one_followed_is_crashed_in_audit_and_epochs(
+    log_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    crashed = EventLog.open(log_url, pool_id="p", num_blocks=4, block_size=16)
+    crashed._writer.stop()  # epoch 2 never closed: its server died, and with it its lock
+    crashed._pool_lock.release()
+    EventLog.open(log_url, pool_id="p", num_blocks=4, block_size=16)._writer.stop()  # nor epoch 3, the newest
+    assert main(["log", "audit", "--url", log_url]) == 1  # the fixture's epoch 1 leaks a block
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pool ")]
+    assert heads == [
+        "pool 'p' epoch 1: 5 events, last seq 5, closed",
+        "pool 'p' epoch 2: 1 events, last seq 1, crashed; epoch 3 opened the pool after it",
+        "pool 'p' epoch 3: 1 events, last seq 1, open (running, or crashed)",
+    ]
+    assert main(["log", "epochs", "--url", log_url]) == 0
+    statuses = [line.rsplit("  ", 1)[1].strip() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert statuses == ["closed at seq 5", "crashed; epoch 3 opened the pool after it", "open (running, or crashed)"]
+
+
 def test_state_prints_free_blocks_as_sorted_ranges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"sqlite:///{tmp_path / 'ranges.db'}"
     upgrade(url)
