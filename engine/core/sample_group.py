@@ -58,7 +58,8 @@ class SampleGroup:
         return len(self.finals) == len(self.children)
 
     def child_output(self, child: Request, output: RequestOutput | None) -> RequestOutput | None:
-        """A child's output as the client sees it: the parent's id, serial and metrics, the child's index.
+        """A child's output as the client sees it: the parent's id, serial and metrics (its own finish
+        time on its last output), the child's index.
 
         None when nothing is streamed (best_of > n) or nothing is new. A
         child's final output is recorded and goes out as a non-final one: only
@@ -71,12 +72,15 @@ class SampleGroup:
             self.finals[child.index] = completion
         if not self.streams:
             return None
+        metrics = RequestMetrics(**vars(self.parent.metrics))
+        if completion.finish_reason is not None and output.metrics is not None:
+            metrics.finished_time = output.metrics.finished_time  # the sample's end: its stream's total time
         return dataclasses.replace(
             output,
             request_id=self.parent.request_id,
             finished=False,
             serial=self.parent.serial,
-            metrics=RequestMetrics(**vars(self.parent.metrics)),
+            metrics=metrics,
             prompt=self.parent.prompt,
             abort_cause=None,
         )

@@ -120,6 +120,22 @@ def test_an_abort_ends_every_sample_and_frees_the_pool(llm: LLM) -> None:
     assert not engine.has_unfinished_requests()
 
 
+def test_each_samples_last_streamed_output_carries_its_own_finish_time(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("timed", PROMPT, dataclasses.replace(GREEDY, n=2, max_tokens=3))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    *streamed, final = outputs
+    ends = [output for output in streamed if output.outputs[0].finish_reason is not None]
+    assert sorted(output.outputs[0].index for output in ends) == [0, 1]
+    for end in ends:  # the stream's finish message of that sample: its total time is known (it was '-')
+        assert end.metrics is not None
+        assert end.metrics.finished_time is not None
+        assert end.metrics.finished_time <= final.metrics.finished_time  # type: ignore[union-attr]
+    assert not any(output.metrics.finished_time for output in streamed if output.outputs[0].finish_reason is None)  # type: ignore[union-attr]
+
+
 def test_a_preempted_sample_recomputes_alone_and_every_sample_is_unchanged(
     make_llm: Callable[..., LLM], tmp_path: Path
 ) -> None:
