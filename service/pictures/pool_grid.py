@@ -86,7 +86,7 @@ def draw_pool_grid(state: PoolState, timeline: PoolTimeline, event: Event | None
     at = f"seq {state.last_seq:,}" + ("" if step is None else f" (step {step:,})")
     summary = (
         f"{state.num_allocated:,} allocated, {state.num_free:,} free of {state.num_blocks:,} blocks "
-        f"of {state.block_size} tokens; {len(tables):,} requests hold blocks"
+        f"of {state.block_size} tokens; {_holders(tables)}"
     )
     if "preempted" in without:
         num_waiting = len(without["preempted"])
@@ -288,3 +288,14 @@ def _is_dark(colour: str) -> bool:
     """Whether black text would be hard to read on ``colour`` (relative luminance below 0.4)."""
     red, green, blue = to_rgb(colour)
     return 0.2126 * red + 0.7152 * green + 0.0722 * blue < 0.4
+
+
+def _holders(tables: dict[str, Any]) -> str:
+    """Who holds blocks, in words: a parallel request's samples (``ID#k`` beside the owner ``ID``, the
+    engine's names for them) are counted as its samples, not as requests of their own."""
+    samples = [
+        owner for owner in tables if (base := owner.rpartition("#"))[1] and base[2].isdigit() and base[0] in tables
+    ]
+    num_requests = len(tables) - len(samples)
+    words = f"{num_requests:,} {'request holds' if num_requests == 1 else 'requests hold'} blocks"
+    return words + (f", with {len(samples):,} parallel samples" if samples else "")

@@ -697,8 +697,26 @@ def test_state_lists_the_preempted_requests_waiting(url: str, tmp_path: Path) ->
     assert "holding no block now (the log knows a request once it held one):" in words
     assert "preempted, waiting to be recomputed (2): C (since seq 7), A (since seq 5)" in words
     assert "finished (1): B" in words
-    assert "1 allocated, 5 free of 6 blocks of 4 tokens; 1 requests hold blocks, 2 preempted wait to be recomputed" in (
+    assert "1 allocated, 5 free of 6 blocks of 4 tokens; 1 request holds blocks, 2 preempted wait to be recomputed" in (
         words
+    )
+
+
+def test_state_counts_a_parallel_requests_samples_as_its_samples(url: str, tmp_path: Path) -> None:
+    """A new user read '4 requests hold blocks' for one request of n=3: its samples are named ID#k."""
+    with EventLog.open(url, pool_id="p", num_blocks=8, block_size=4) as log:
+        pool = BlockAllocator(8, 4)
+        prompt = pool.allocate_for(2, "R")  # seq 2: block 0, half full
+        for index in range(3):
+            pool.fork("R", f"R#{index}", prompt, partial=True)  # seqs 3-5
+        for index in range(3):
+            pool.copy_on_write(f"R#{index}", "R", prompt[0])  # seqs 6-8: blocks 1-3, a copy of block 0 each
+        pool.allocate("x#1")  # seq 9: a request whose own id ends in #1, with no owner "x" beside it
+        log.append_batch(0, pool.take_events(), pool.snapshot)
+    out = tmp_path / "state.svg"
+    assert main(["log", "state", "--url", url, "--at", "9", "--svg", str(out)]) == 0
+    assert "5 allocated, 3 free of 8 blocks of 4 tokens; 2 requests hold blocks, with 3 parallel samples" in (
+        svg_words(out)
     )
 
 
