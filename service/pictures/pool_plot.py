@@ -45,6 +45,7 @@ from nanoserve.service.pictures.timeline_view import TimelineView, event_xs
 
 MAX_BARS = 10_000  # held intervals in view drawn one bar each; more: an image of cells
 NUM_CELLS = 1_200  # time cells of the image and of the binned occupancy (about one per pixel)
+MIN_ROWS_CUT = 64  # a pool of up to this many blocks is drawn whole; a larger one from block 0 up to its highest held
 FIGURE_SIZE_IN = (14.0, 9.5)
 PANELS_HEIGHT_IN = 6.8  # the panels together, about: the figure less its heading and x axis
 BLOCK_MAP_WIDTH_IN = 9.0  # about: the figure less the y axis and the legends
@@ -87,8 +88,9 @@ def plot_timeline(
     figure = Figure(figsize=FIGURE_SIZE_IN, layout="constrained")
     axes = figure.subplots(len(ratios), 1, sharex=True, height_ratios=ratios)
     block_ax, occupancy_ax, running_ax = axes[0], axes[-2], axes[-1]
+    num_rows = rows_drawn(view, violations)
     scale = MapScale(
-        row_pt=PANELS_HEIGHT_IN * 72 * ratios[0] / sum(ratios) / max(1, timeline.num_blocks),
+        row_pt=PANELS_HEIGHT_IN * 72 * ratios[0] / sum(ratios) / max(1, num_rows),
         x_pt=BLOCK_MAP_WIDTH_IN * 72 / (frame.right - frame.left),
     )
     titles: dict[str, str] = {}
@@ -108,6 +110,8 @@ def plot_timeline(
         blocks_note = f"{view.num_bars:,} held intervals, one bar each"
         mark_handles, facts = draw_end_marks(block_ax, view, titles, scale, x)
         mark_handles += draft_handles
+    if num_rows < timeline.num_blocks:
+        blocks_note += f" (blocks {num_rows:,}–{timeline.num_blocks - 1:,} not drawn: free throughout)"
     held_handles, held_facts = draw_held_marks(block_ax, view, frame, titles, scale, damaged_seq)
     for owner_id, more in held_facts.items():
         facts.setdefault(owner_id, []).extend(more)
@@ -115,7 +119,7 @@ def plot_timeline(
     occupancy_note = draw_occupancy(occupancy_ax, running_ax, view, NUM_CELLS, x)
     last_sample_x = float(view.cell_middles(NUM_CELLS)[-1]) if aggregated else None
     edge_handles = draw_edges(axes, view, frame, damaged_seq, titles, last_sample_x)
-    _label(block_ax, running_ax, view, frame, x)
+    _label(block_ax, running_ax, view, frame, x, num_rows)
     owner_handles = cell_handles or _owner_handles(timeline, colours, facts)
     legend_title = "requests" + (" (by blocks held)" if colours.num_others else "")
     if cell_handles:
@@ -161,9 +165,21 @@ def _cell_span(view: TimelineView, x: str) -> str:
     return f"{span:,.3g} {unit}, {events}"
 
 
-def _label(block_ax: Any, bottom_ax: Any, view: TimelineView, frame: PlotFrame, x: str) -> None:
+def rows_drawn(view: TimelineView, violations: Sequence[Violation]) -> int:
+    """How many blocks the map draws, from block 0: up to the highest one held in view or named by a
+    violation, at least MIN_ROWS_CUT (the rest of a large pool, free throughout, would squeeze the bars
+    into a line); all of them when that leaves out less than a tenth of the pool."""
+    marked = [violation.block_id for violation in violations if violation.block_id is not None]
+    highest = max([int(view.block.max()) if len(view.block) else -1, *marked])
+    num_blocks = view.timeline.num_blocks
+    if num_blocks <= MIN_ROWS_CUT or highest < 0 or highest + 1 >= num_blocks * 0.9:
+        return num_blocks
+    return max(MIN_ROWS_CUT, highest + 1)
+
+
+def _label(block_ax: Any, bottom_ax: Any, view: TimelineView, frame: PlotFrame, x: str, num_rows: int) -> None:
     block_ax.set_xlim(frame.left, frame.right)
-    block_ax.set_ylim(-0.5, view.timeline.num_blocks - 0.5)
+    block_ax.set_ylim(-0.5, num_rows - 0.5)
     block_ax.set_ylabel("block id")
     block_ax.set_facecolor(FREE_COLOUR)
     bottom_ax.set_xlabel(_AXIS_LABELS[x])

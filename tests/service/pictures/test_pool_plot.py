@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from nanoserve.allocator import BlockAllocator, BlockEvent, EventKind, FreeReason
+from nanoserve.allocator import BlockAllocator, BlockEvent, EventKind, FreeReason, Violation
 from nanoserve.allocator.log import Event, EventLog, audit, replay
 from nanoserve.migrations import upgrade
 from nanoserve.service.cli.main import main
@@ -112,6 +112,31 @@ def test_block_map_has_one_titled_bar_per_held_interval(
     captured = capsys.readouterr()
     assert captured.out == f"wrote {out}: 8 events: 6 held intervals, one bar each; occupancy event by event\n"
     assert "the audit found 3 violation(s), first bad seq 8" in captured.err
+
+
+def test_a_large_pool_is_drawn_up_to_its_highest_held_block(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's first plot of the default pool (2,912 blocks) showed its few bars as a line at the bottom."""
+    from nanoserve.service.pictures import pool_plot
+
+    with EventLog.open(url, pool_id="p", num_blocks=1000, block_size=4) as log:
+        pool = BlockAllocator(1000, 4)
+        held = pool.allocate_for(400, "A")  # seq 2: blocks 0..99
+        log.append_batch(0, pool.take_events(), pool.snapshot)
+        pool.free_all(held, FreeReason.FINISHED)  # seq 3
+        log.append_batch(1, pool.take_events(), pool.snapshot)
+    picture = pool_plot.plot_timeline(read_timeline(url))
+    assert picture.figure.axes[0].get_ylim() == (-0.5, 99.5)
+    assert "100 held intervals, one bar each (blocks 100–999 not drawn: free throughout)" in picture.summary
+    violation = Violation(seq=3, rule="double_free", message="x", block_id=700)  # a mark is never cut off
+    assert pool_plot.plot_timeline(read_timeline(url), violations=[violation]).figure.axes[0].get_ylim() == (
+        -0.5,
+        700.5,
+    )
+    out = tmp_path / "plot.png"
+    assert main(["log", "plot", "--url", url, "-o", str(out)]) == 0
+    assert "(blocks 100–999 not drawn: free throughout)" in capsys.readouterr().out
 
 
 def test_bar_titles_name_steps_and_how_the_holding_ended(url: str, tmp_path: Path) -> None:
