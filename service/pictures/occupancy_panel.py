@@ -1,7 +1,7 @@
 """The panels under a block map: the pool's occupancy, the running requests, and (aggregated) the ends per cell.
 
 Occupancy: allocated blocks (filled) and free ones (grey above them), on the
-pool's scale of 0..num_blocks. Running requests (those holding at least one
+pool's scale of 0..num_blocks (of as many blocks as the map above draws). Running requests (those holding at least one
 block) have a panel and a y axis of their own, so their line is never read as
 the edge of the allocated area. Past ``MAX_OCCUPANCY_POINTS`` events both are
 drawn per cell as the lowest..highest value in it. The end counts are one row
@@ -28,8 +28,13 @@ RUNNING_COLOUR = "#d95f02"
 END_COUNT_ROWS = {"preempted": ("#d62728", "preemptions"), "aborted": ("#2b2b2b", "aborts")}
 
 
-def draw_occupancy(ax: Any, running_ax: Any, view: TimelineView, num_cells: int, x: str) -> str:
-    """Allocated and free blocks on ``ax``, running requests on ``running_ax``; returns how they were drawn."""
+def draw_occupancy(ax: Any, running_ax: Any, view: TimelineView, num_cells: int, x: str, num_rows: int) -> str:
+    """Allocated and free blocks on ``ax``, running requests on ``running_ax``; returns how they were drawn.
+
+    num_rows: the blocks the map above draws (``pool_plot.rows_drawn``); the y axis spans as many (no more
+    blocks can be held in view than the highest id held plus one), or the whole pool where cached-free
+    blocks held before a window would rise above them.
+    """
     timeline = view.timeline
     span = slice(view.first, view.last + 1)
     # each value holds from its event's x to the next one's; the last one up to the view's x_stop
@@ -81,8 +86,11 @@ def draw_occupancy(ax: Any, running_ax: Any, view: TimelineView, num_cells: int,
         )
         running_ax.plot(cell_xs, running_high, drawstyle="steps-post", color=RUNNING_COLOUR, linewidth=0.8)
         note = f"as lowest..highest per cell of {num_cells:,} (about {(len(xs) - 1) / num_cells:,.0f} events each)"
-    ax.set_ylim(0, timeline.num_blocks)
-    ax.set_ylabel("blocks")
+    # a windowed view's cached-free blocks may have been held before the window, above the map's rows
+    cached_peak = float(np.max(np.add(timeline.num_allocated[span], timeline.num_cached_free[span])))
+    top = num_rows if cached_peak <= num_rows else timeline.num_blocks
+    ax.set_ylim(0, top)
+    ax.set_ylabel("blocks" if top == timeline.num_blocks else f"blocks\n(of {timeline.num_blocks:,})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     running_ax.set_ylim(0, max(1.0, float(running.max()) * 1.15))
     running_ax.set_ylabel("running\nrequests", color=RUNNING_COLOUR)

@@ -46,6 +46,7 @@ from nanoserve.service.pictures.timeline_view import TimelineView, event_xs
 MAX_BARS = 10_000  # held intervals in view drawn one bar each; more: an image of cells
 NUM_CELLS = 1_200  # time cells of the image and of the binned occupancy (about one per pixel)
 MIN_ROWS_CUT = 64  # a pool of up to this many blocks is drawn whole; a larger one from block 0 up to its highest held
+MIN_ROWS_DRAWN = 16  # ... but at least this many
 FIGURE_SIZE_IN = (14.0, 9.5)
 PANELS_HEIGHT_IN = 6.8  # the panels together, about: the figure less its heading and x axis
 BLOCK_MAP_WIDTH_IN = 9.0  # about: the figure less the y axis and the legends
@@ -116,7 +117,7 @@ def plot_timeline(
     for owner_id, more in held_facts.items():
         facts.setdefault(owner_id, []).extend(more)
     mark_handles += held_handles + draw_violations(block_ax, view, violations, titles, scale)
-    occupancy_note = draw_occupancy(occupancy_ax, running_ax, view, NUM_CELLS, x)
+    occupancy_note = draw_occupancy(occupancy_ax, running_ax, view, NUM_CELLS, x, num_rows)
     last_sample_x = float(view.cell_middles(NUM_CELLS)[-1]) if aggregated else None
     edge_handles = draw_edges(axes, view, frame, damaged_seq, titles, last_sample_x)
     _label(block_ax, running_ax, view, frame, x, num_rows)
@@ -167,14 +168,14 @@ def _cell_span(view: TimelineView, x: str) -> str:
 
 def rows_drawn(view: TimelineView, violations: Sequence[Violation]) -> int:
     """How many blocks the map draws, from block 0: up to the highest one held in view or named by a
-    violation, at least MIN_ROWS_CUT (the rest of a large pool, free throughout, would squeeze the bars
+    violation, at least MIN_ROWS_DRAWN (the rest of a large pool, free throughout, would squeeze the bars
     into a line); all of them when that leaves out less than a tenth of the pool."""
     marked = [violation.block_id for violation in violations if violation.block_id is not None]
     highest = max([int(view.block.max()) if len(view.block) else -1, *marked])
     num_blocks = view.timeline.num_blocks
     if num_blocks <= MIN_ROWS_CUT or highest < 0 or highest + 1 >= num_blocks * 0.9:
         return num_blocks
-    return max(MIN_ROWS_CUT, highest + 1)
+    return max(MIN_ROWS_DRAWN, highest + 1)
 
 
 def _label(block_ax: Any, bottom_ax: Any, view: TimelineView, frame: PlotFrame, x: str, num_rows: int) -> None:

@@ -128,6 +128,8 @@ def test_a_large_pool_is_drawn_up_to_its_highest_held_block(
         log.append_batch(1, pool.take_events(), pool.snapshot)
     picture = pool_plot.plot_timeline(read_timeline(url))
     assert picture.figure.axes[0].get_ylim() == (-0.5, 99.5)
+    assert picture.figure.axes[1].get_ylim() == (0.0, 100.0)  # the occupancy on the same scale
+    assert picture.figure.axes[1].get_ylabel() == "blocks\n(of 1,000)"
     assert "100 held intervals, one bar each (blocks 100–999 not drawn: free throughout)" in picture.summary
     violation = Violation(seq=3, rule="double_free", message="x", block_id=700)  # a mark is never cut off
     assert pool_plot.plot_timeline(read_timeline(url), violations=[violation]).figure.axes[0].get_ylim() == (
