@@ -163,10 +163,15 @@ def to_event(event: Event) -> apb.AllocationEvent:
     return message
 
 
-def to_audit_response(report: AuditReport, live: bool = False) -> apb.AuditResponse:
-    """``live``: the epoch is the serving process's own, so open means running. A rule
+def to_audit_response(report: AuditReport, live_epoch: int | None = None) -> apb.AuditResponse:
+    """``live_epoch``: the serving process's own epoch of the report's pool: open, it is running; an
+    older open one crashed (this server opened the pool after it, as ``log audit`` says too). A rule
     ``AUDIT_RULES`` lacks is UNSPECIFIED, its name leading the violation's message."""
-    open_status = "open (live: this server's epoch)" if live else "open (running, or crashed)"
+    open_status = "open (running, or crashed)"
+    if live_epoch is not None and report.epoch == live_epoch:
+        open_status = "open (live: this server's epoch)"
+    elif live_epoch is not None and report.epoch < live_epoch:
+        open_status = f"crashed; epoch {live_epoch} (this server's) opened the pool after it"
     message = apb.AuditResponse(
         pool_id=report.pool_id,
         epoch=report.epoch,

@@ -83,8 +83,8 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
         event_log = self._event_log()
         epoch = allocation_convert.to_audit_epoch(request, default=event_log.epoch)
         report = await asyncio.to_thread(audit, event_log.url, pool_id=event_log.pool_id, epoch=epoch)
-        # the server knows its own epoch is open because it is running, not crashed
-        return allocation_convert.to_audit_response(report, live=report.epoch == event_log.epoch)
+        # the server knows its own epoch is open because it is running, and an older open one crashed
+        return allocation_convert.to_audit_response(report, live_epoch=event_log.epoch)
 
     def _event_log(self) -> EventLog:
         event_log = self._engine.event_log

@@ -321,3 +321,17 @@ def test_audit_rule_this_server_cannot_name_keeps_its_name_in_the_message() -> N
         apb.AUDIT_RULE_UNSPECIFIED,
         "refcount_underflow: block 2 freed by a non-holder",
     )
+
+
+@pytest.mark.parametrize(
+    ("live_epoch", "status"),
+    [
+        (None, "open (running, or crashed)"),
+        (2, "open (live: this server's epoch)"),
+        (3, "crashed; epoch 3 (this server's) opened the pool after it"),
+    ],
+)
+def test_audit_response_says_an_older_open_epoch_crashed(live_epoch: int | None, status: str) -> None:
+    """The server opened its epoch after any older open one of its pool: that one's server is gone."""
+    response = allocation_convert.to_audit_response(_report([], closed=False), live_epoch=live_epoch)
+    assert response.summary.splitlines()[0].endswith(f"last seq 9, {status}")
