@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from nanoserve.engine.core.status import ScopeUsage, scope_of
+from nanoserve.service.grpc.ports import PortUnavailableError
 
 # seconds; the decode step of a small model on a CPU is ~10 ms, a long queue minutes
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -277,6 +278,11 @@ class ServerMetrics:
             self.event_log_durable.set(int(log_durable))
 
     def serve_http(self, host: str, port: int) -> tuple[object, int]:
-        """Starts the /metrics HTTP server on a daemon thread; returns (server, bound port)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Starts the /metrics HTTP server on a daemon thread; returns (server, bound port).
+
+        Raises PortUnavailableError (an OSError naming --metrics-port) when the port cannot be bound."""
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise PortUnavailableError("--metrics-port", host, port, exc) from None
         return server, server.server_port

@@ -40,12 +40,13 @@ from nanoserve.allocator.log.errors import safe_url
 from nanoserve.engine import AsyncLLMEngine, EngineConfig
 from nanoserve.engine.core.log_setup import build_engine
 from nanoserve.engine.errors import EventLogUnusableError
-from nanoserve.service.cli.commands.serve import EXIT_LOG_INCOMPLETE, EXIT_LOG_UNUSABLE, EXIT_OK
+from nanoserve.service.cli.commands.serve import EXIT_BAD_CONFIG, EXIT_LOG_INCOMPLETE, EXIT_LOG_UNUSABLE, EXIT_OK
 from nanoserve.service.config import ServerConfig
 from nanoserve.service.grpc.allocation_servicer import AllocationServicer
 from nanoserve.service.grpc.generation_servicer import GenerationServicer
 from nanoserve.service.grpc.interceptors import AuthInterceptor, DrainInterceptor, ErrorInterceptor
 from nanoserve.service.grpc.metrics import ServerMetrics
+from nanoserve.service.grpc.ports import GRPC_OPTIONS, PortUnavailableError, check_port_free
 from nanoserve.service.grpc.read_rate_limit import ReadRateInterceptor
 from nanoserve.service.grpc.request_streamer import RequestStreamer
 from nanoserve.service.grpc.vllm_engine_servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
@@ -121,7 +122,8 @@ class NanoServer:
         interceptors.append(self.read_rate)  # after auth: a refused caller takes no token
         interceptors.append(ErrorInterceptor())
         server = grpc.aio.server(
-            interceptors=interceptors, options=[("grpc.max_receive_message_length", self.max_request_bytes)]
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", self.max_request_bytes), *GRPC_OPTIONS],
         )
         streamer = RequestStreamer(self.engine, self.metrics)
         streamer.record_recovered(self.engine.take_recovered_streams())
@@ -158,9 +160,13 @@ class NanoServer:
         self._start_archiver()
         await self._update_health()
         if self.config.metrics_port is not None:
-            self._metrics_http, self.metrics_port = self.metrics.serve_http(
-                self.config.metrics_host, self.config.metrics_port
-            )
+            try:
+                self._metrics_http, self.metrics_port = self.metrics.serve_http(
+                    self.config.metrics_host, self.config.metrics_port
+                )
+            except PortUnavailableError:
+                await server.stop(0)  # taken since the check before the model loaded: serve nothing
+                raise
         self._monitor = asyncio.create_task(self._monitor_loop(), name="nanoserve-monitor")
         log.info(
             "server_started",
@@ -203,6 +209,7 @@ class NanoServer:
 
     def _bind(self, server: grpc.aio.Server) -> int:
         address = f"{self.config.host}:{self.config.port}"
+        credentials = None
         if self.config.tls_cert and self.config.tls_key:
             client_ca = self.config.tls_client_ca
             credentials = grpc.ssl_server_credentials(
@@ -210,10 +217,12 @@ class NanoServer:
                 root_certificates=Path(client_ca).read_bytes() if client_ca else None,
                 require_client_auth=client_ca is not None,
             )
-            port = server.add_secure_port(address, credentials)
-        else:
-            port = server.add_insecure_port(address)
+        try:
+            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError:  # grpcio >= 1.5x raises where older releases returned 0
+            port = 0
         if port == 0:
+            check_port_free("--port", self.config.host, self.config.port)  # names the cause where it can
             raise OSError(f"could not bind the gRPC port {address}")
         return port
 
@@ -387,6 +396,12 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
     # (a megabyte or two) are frozen with them; it runs from here on.
     gc.freeze()
     gc.enable()
+    try:  # a port another server holds is found before the model loads
+        check_port_free("--port", server_config.host, server_config.port)
+        if server_config.metrics_port is not None:
+            check_port_free("--metrics-port", server_config.metrics_host, server_config.metrics_port)
+    except PortUnavailableError as exc:
+        return _port_unavailable(exc)
     try:
         engine = await start_engine(engine_config)
     except EventLogUnusableError as exc:
@@ -401,6 +416,9 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
     server = NanoServer(engine, server_config)
     try:
         await server.start()
+    except PortUnavailableError as exc:  # taken while the model loaded
+        await engine.shutdown(0.0)
+        return _port_unavailable(exc)
     except Exception:
         await engine.shutdown(0.0)
         raise
@@ -420,3 +438,9 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
         print(f"nanoserve serve: error: {incomplete}", file=sys.stderr, flush=True)
         return EXIT_LOG_INCOMPLETE
     return EXIT_OK
+
+
+def _port_unavailable(exc: PortUnavailableError) -> int:
+    log.error("port_unavailable", setting=exc.setting, host=exc.host, port=exc.port, cause=str(exc))
+    print(f"nanoserve serve: error: {exc}", file=sys.stderr, flush=True)
+    return EXIT_BAD_CONFIG

@@ -188,7 +188,9 @@ def test_serve_imports_with_the_collector_off_and_loads_with_it_on_and_the_impor
     monkeypatch.setattr(config, "build_configs", build_configs)
     monkeypatch.setattr(server, "start_engine", start_engine)
     try:
-        exit_status = main(["serve", "--event-log-url", "none", "--metrics-port", "off", "--log-format", "json"])
+        exit_status = main(
+            ["serve", "--event-log-url", "none", "--port", "0", "--metrics-port", "off", "--log-format", "json"]
+        )
         assert gc.isenabled()
     finally:
         gc.unfreeze()
@@ -267,3 +269,35 @@ def test_generate_names_a_schema_file_it_cannot_read(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "Hi", "--json-schema", str(tmp_path / "missing.json")])
     assert f"argument --json-schema: cannot read {tmp_path / 'missing.json'}: [Errno 2]" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("logging_restored")
+@pytest.mark.parametrize("setting", ["--port", "--metrics-port"])
+def test_serve_refuses_a_port_another_server_listens_on_before_the_model_loads(
+    setting: str, monkeypatch, capsys
+) -> None:
+    """A new user started a second server on 50051: gRPC's SO_REUSEPORT let both listen, and the kernel
+    split the clients between two logs. Now the port is checked before the model loads: exit 2, named."""
+    import socket
+
+    from nanoserve.service.cli.main import main
+    from nanoserve.service.grpc import server
+
+    async def start_engine(_engine_config: object) -> None:
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(server, "start_engine", start_engine)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        flags = {"--port": "0", "--metrics-port": "off", setting: str(port)}
+        args = ["serve", "--event-log-url", "none", "--log-format", "json"]
+        exit_status = main(args + [item for flag, value in flags.items() for item in (flag, value)])
+    assert exit_status == 2  # EXIT_BAD_CONFIG
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    host = "0.0.0.0" if setting == "--port" else "127.0.0.1"
+    assert last_line == (
+        f"nanoserve serve: error: {setting} {port}: {host}:{port} cannot be bound (Address already in use): "
+        f"another server listens there (`ss -ltnp 'sport = :{port}'` names it); stop it or choose another {setting}"
+    )
