@@ -333,9 +333,16 @@ def manifest(url: str, pool_id: str | None = None) -> list[ManifestEntry]:
     live = create_log_engine(url, read_only=True)
     try:
         with live.connect() as conn:
-            query = sa.select(archived_epochs).order_by(archived_epochs.c.pool_id, archived_epochs.c.epoch)
-            if pool_id is not None:
-                query = query.where(archived_epochs.c.pool_id == pool_id)
-            return [ManifestEntry(**row._mapping) for row in conn.execute(query)]
+            return manifest_rows(conn, pool_id)
     finally:
         live.dispose()
+
+
+def manifest_rows(conn: sa.Connection, pool_id: str | None = None) -> list[ManifestEntry]:
+    """``manifest`` on an open connection; none where the log predates the manifest table."""
+    if not sa.inspect(conn).has_table(archived_epochs.name):
+        return []
+    query = sa.select(archived_epochs).order_by(archived_epochs.c.pool_id, archived_epochs.c.epoch)
+    if pool_id is not None:
+        query = query.where(archived_epochs.c.pool_id == pool_id)
+    return [ManifestEntry(**row._mapping) for row in conn.execute(query)]

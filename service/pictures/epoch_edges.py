@@ -21,6 +21,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
+from nanoserve.allocator.log.epoch_status import OPEN_STATUS
 from nanoserve.service.pictures.plot_frame import PlotFrame
 from nanoserve.service.pictures.pool_timeline import PoolTimeline
 from nanoserve.service.pictures.timeline_view import TimelineView
@@ -49,8 +50,11 @@ def draw_edges(
     damaged_seq: int | None,
     titles: dict[str, str],
     last_sample_x: float | None = None,
+    open_status: str = OPEN_STATUS,
 ) -> list[Any]:
     """The edge lines and hatched margins on ``axes`` (the block map first); returns the legend handles.
+
+    open_status: how an epoch without POOL_CLOSE is named at its last durable event (``epoch_status``).
 
     last_sample_x: where the block map last sampled the pool (the middle of
     its last cell, when aggregated): blocks freed after it are said to be.
@@ -67,7 +71,7 @@ def draw_edges(
         handles.append(_edge(axes, frame.x_hi, DAMAGE_STYLE, "damage-marker", "damaged", label, titles))
     elif timeline.closed_seq is None and at_end:
         label = (
-            f"last durable event, seq {last_seq:,}: the epoch is open (running, or crashed). "
+            f"last durable event, seq {last_seq:,}: the epoch is {open_status}. "
             f"Bars reaching this line were held then ({held_then(timeline)})"
         )
         handles.append(_edge(axes, frame.x_hi, CRASH_STYLE, "crash-marker", "last durable event", label, titles))

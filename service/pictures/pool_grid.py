@@ -25,7 +25,6 @@ import math
 import textwrap
 from typing import Any
 
-import numpy as np
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -34,7 +33,7 @@ from nanoserve.allocator import PoolState
 from nanoserve.allocator.log import Event
 from nanoserve.service.pictures.figure_file import Picture
 from nanoserve.service.pictures.owner_colours import FREE_COLOUR, OwnerColours
-from nanoserve.service.pictures.pool_timeline import OPEN, BlockInterval, PoolTimeline
+from nanoserve.service.pictures.pool_timeline import BlockInterval, PoolTimeline
 
 MAX_FREE_SHOWN = 48  # free stack entries drawn (next out first); the rest are counted
 MAX_TABLES_SHOWN = 30  # block tables listed; the rest are counted
@@ -80,7 +79,7 @@ def draw_pool_grid(state: PoolState, timeline: PoolTimeline, event: Event | None
     touched = set(event.block_ids) if event is not None else set()
     _draw_grid(grid_ax, state, tables, colours, num_columns, num_rows, cell_in, titles, touched)
     _draw_free_stack(stack_ax, state, titles, height_in)
-    without = _without_blocks(timeline, set(tables))
+    without = timeline.without_blocks(set(tables))
     _draw_tables(tables_ax, tables, without, colours, titles, height_in)
     step = timeline.step(timeline.num_events - 1)
     at = f"seq {state.last_seq:,}" + ("" if step is None else f" (step {step:,})")
@@ -215,25 +214,6 @@ def _draw_free_stack(ax: Any, state: PoolState, titles: dict[str, str], height_i
     ax.set_ylim(max(len(shown), 1) + 1.5, 0)
     ax.axis("off")
     ax.set_title(f"free stack ({len(stack):,})\nnext out first", fontsize="small")
-
-
-def _without_blocks(timeline: PoolTimeline, holding: set[str]) -> dict[str | None, list[tuple[str, int]]]:
-    """How the last holding ended -> [(owner, seq of that free)] of the owners that held blocks and hold none now.
-
-    Keys are those of WITHOUT_BLOCKS (another reason counts as None); owners in order of that seq, latest first.
-    """
-    owner_ids = np.array(timeline.interval_owner_ids, dtype=np.int64)
-    ends = np.array(timeline.interval_ends, dtype=np.int64)
-    order = np.lexsort((ends, owner_ids))  # by owner, then by end: an owner's last-ending holding is its last
-    is_last = np.r_[owner_ids[order][1:] != owner_ids[order][:-1], True]
-    found: dict[str | None, list[tuple[str, int]]] = {}
-    for j in order[is_last].tolist():
-        owner = timeline.owners[owner_ids[j]]
-        if owner in holding or ends[j] == OPEN:
-            continue
-        reason = timeline.reasons[timeline.interval_reason_codes[j]]
-        found.setdefault(reason if reason in WITHOUT_BLOCKS else None, []).append((owner, timeline.seqs[ends[j]]))
-    return {reason: sorted(found[reason], key=lambda item: -item[1]) for reason in WITHOUT_BLOCKS if reason in found}
 
 
 def _draw_tables(

@@ -33,6 +33,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from nanoserve.allocator import Violation
+from nanoserve.allocator.log.epoch_status import OPEN_STATUS
 from nanoserve.service.pictures.block_map import draw_bars, draw_cells
 from nanoserve.service.pictures.block_marks import MapScale, draw_end_marks, draw_held_marks, draw_violations
 from nanoserve.service.pictures.epoch_edges import draw_edges, held_then
@@ -67,12 +68,16 @@ def plot_timeline(
     x: str = "seq",
     violations: Sequence[Violation] = (),
     damaged_seq: int | None = None,
+    open_status: str = OPEN_STATUS,
 ) -> Picture:
     """Draw the events ``from_seq..to_seq`` of ``timeline`` (see the module docstring).
 
     violations: the audit's, marked where they carry a block. damaged_seq: the
     first seq of a damaged log (the timeline stops before it), marked at the
-    right edge. Raises ValueError when no event lies in the range.
+    right edge. open_status: how an epoch without POOL_CLOSE is named in the
+    heading and at its last durable event (``epoch_status.open_status``: crashed
+    once a later epoch of the pool opened). Raises ValueError when no event lies
+    in the range.
     """
     first = bisect.bisect_left(timeline.seqs, from_seq)
     last = bisect.bisect_right(timeline.seqs, to_seq if to_seq is not None else timeline.seqs[-1]) - 1
@@ -119,7 +124,7 @@ def plot_timeline(
     mark_handles += held_handles + draw_violations(block_ax, view, violations, titles, scale)
     occupancy_note = draw_occupancy(occupancy_ax, running_ax, view, NUM_CELLS, x, num_rows)
     last_sample_x = float(view.cell_middles(NUM_CELLS)[-1]) if aggregated else None
-    edge_handles = draw_edges(axes, view, frame, damaged_seq, titles, last_sample_x)
+    edge_handles = draw_edges(axes, view, frame, damaged_seq, titles, last_sample_x, open_status)
     _label(block_ax, running_ax, view, frame, x, num_rows)
     owner_handles = cell_handles or _owner_handles(timeline, colours, facts)
     legend_title = "requests" + (" (by blocks held)" if colours.num_others else "")
@@ -140,7 +145,10 @@ def plot_timeline(
     if timeline.unknown_kinds:
         parts.append("not drawn: " + ", ".join(f"{n:,} {kind}" for kind, n in sorted(timeline.unknown_kinds.items())))
     summary = "; ".join(parts)
-    heading = [_status_line(timeline, damaged_seq), _window_line(timeline, view, x, damaged_seq is not None)]
+    heading = [
+        _status_line(timeline, damaged_seq, open_status),
+        _window_line(timeline, view, x, damaged_seq is not None),
+    ]
     heading += parts if aggregated else [summary]  # aggregated: a line per part, too long for one
     figure.suptitle("\n".join(heading), fontsize="medium")
     return Picture(figure, titles, summary)
@@ -188,7 +196,7 @@ def _label(block_ax: Any, bottom_ax: Any, view: TimelineView, frame: PlotFrame, 
         bottom_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.10g}"))
 
 
-def _status_line(timeline: PoolTimeline, damaged_seq: int | None) -> str:
+def _status_line(timeline: PoolTimeline, damaged_seq: int | None, open_status: str) -> str:
     """``pool 'p' · epoch 1 · 24 blocks of 4 tokens · closed at seq 107, no block held then``."""
     pool = f"pool {timeline.pool_id!r} · epoch {timeline.epoch} · "
     pool += f"{timeline.num_blocks:,} blocks of {timeline.block_size} tokens"
@@ -202,7 +210,7 @@ def _status_line(timeline: PoolTimeline, damaged_seq: int | None) -> str:
             "no block held then" if held == "no block" else f"{held} still held then: leaked"
         )
     else:
-        status = f"open (running, or crashed) after seq {timeline.seqs[-1]:,}, {held} held then"
+        status = f"{open_status}: last durable seq {timeline.seqs[-1]:,}, {held} held then"
     return f"{pool} · {status}"
 
 

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
+
 from nanoserve.allocator import PoolState
 from nanoserve.allocator.events import BlockEvent, EventKind, FreeReason
 from nanoserve.allocator.log.reader import EpochInfo, connect, read_events, resolve_epoch
@@ -42,6 +44,8 @@ _CLOSE = EventKind.POOL_CLOSE.value
 _DRAFT = FreeReason.DRAFT.value
 NO_STEP = -1  # step_column of an event outside a scheduler step (steps are >= 0)
 OPEN = -1  # interval_ends of an interval still held
+# how the last holding of an owner that holds no block ended, in the order readers list them (None: another reason)
+ENDINGS_WITHOUT_BLOCKS = ("preempted", "finished", "aborted", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +344,31 @@ class PoolTimeline:
             interval = self.interval(j)
             tables.setdefault(interval.owner, []).append(interval)
         return tables
+
+    def without_blocks(self, holding: set[str]) -> dict[str | None, list[tuple[str, int]]]:
+        """How the last holding ended -> [(owner, seq of that free)], of the owners that held blocks and
+        hold none after the last event (``holding``: the owners that do).
+
+        Keys are ENDINGS_WITHOUT_BLOCKS, in that order (another reason counts as None); owners in order
+        of that seq, latest first. A request the log never saw holding a block is not known to it.
+        """
+        owner_ids = np.array(self.interval_owner_ids, dtype=np.int64)
+        ends = np.array(self.interval_ends, dtype=np.int64)
+        order = np.lexsort((ends, owner_ids))  # by owner, then by end: an owner's last-ending holding is its last
+        is_last = np.r_[owner_ids[order][1:] != owner_ids[order][:-1], True]
+        found: dict[str | None, list[tuple[str, int]]] = {}
+        for j in order[is_last].tolist():
+            owner = self.owners[owner_ids[j]]
+            if owner in holding or ends[j] == OPEN:
+                continue
+            reason = self.reasons[self.interval_reason_codes[j]]
+            key = reason if reason in ENDINGS_WITHOUT_BLOCKS else None
+            found.setdefault(key, []).append((owner, self.seqs[ends[j]]))
+        return {
+            reason: sorted(found[reason], key=lambda item: -item[1])
+            for reason in ENDINGS_WITHOUT_BLOCKS
+            if reason in found
+        }
 
 
 def _block_event(event: Event) -> BlockEvent | None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.allocator import EventKind
+from nanoserve.allocator.log.epoch_status import OPEN_STATUS, newest_epochs, open_status
 from nanoserve.service.cli.commands import log_archive, log_format, log_plot, log_requests
 
 EVENT_KINDS = tuple(kind.value for kind in EventKind)
@@ -38,22 +39,6 @@ EVENT_KINDS = tuple(kind.value for kind in EventKind)
 EXIT_CLEAN = 0
 EXIT_VIOLATIONS = 1
 EXIT_UNUSABLE = 2
-
-# an epoch without POOL_CLOSE: a reader of the log cannot tell a running server from a crashed one
-OPEN_STATUS = "open (running, or crashed)"
-
-
-def open_status(epoch: int, newest_epoch: int, recovered_by: int | None = None) -> str:
-    """How the log tools name an epoch without POOL_CLOSE: crashed when a later epoch of its pool
-    opened (a server holds its pool's lock for as long as it writes, so the older one is gone),
-    naming the epoch that recovered it where the journal says; else running, or crashed."""
-    if recovered_by is not None:
-        return f"crashed; recovered by epoch {recovered_by}"
-    if epoch + 1 == newest_epoch:
-        return f"crashed; epoch {newest_epoch} opened the pool after it"
-    if epoch < newest_epoch:
-        return f"crashed; epochs {epoch + 1}..{newest_epoch} opened the pool after it"
-    return OPEN_STATUS
 
 
 def register(subparsers: Any) -> None:
@@ -201,23 +186,20 @@ def _one_line(exc: BaseException) -> str:
     return store_cause(exc) if isinstance(exc, sa.exc.SQLAlchemyError) else str(exc)
 
 
-def _newest_epochs(epochs: list[Any]) -> dict[str, int]:
-    """pool_id -> its newest epoch, of ``list_epochs``' EpochInfo rows."""
-    newest: dict[str, int] = {}
-    for info in epochs:
-        newest[info.pool_id] = max(info.epoch, newest.get(info.pool_id, 0))
-    return newest
-
-
 @_guarded
 def run_audit(args: argparse.Namespace) -> int:
     from nanoserve.allocator.log import audit, audit_all
     from nanoserve.allocator.log.reader import connect, list_epochs
 
     if args.archive is not None:
-        matches, reports = log_archive.run_audit_archive(args, args.url or _default_live_log())
+        live_url = args.url or _default_live_log()
+        matches, reports = log_archive.run_audit_archive(args, live_url)
+        newest: dict[str, int] = {}
+        if live_url is not None:  # an archived epoch without POOL_CLOSE is crashed when a later one opened
+            with connect(live_url) as conn:
+                newest = newest_epochs(conn)
         for report in reports:
-            print(report.render(open_status=OPEN_STATUS))
+            print(report.render(open_status=open_status(report.epoch, newest.get(report.pool_id, report.epoch))))
         archive_url = f"sqlite:///{args.archive}"
         damage = log_requests.journal_damage_lines(archive_url, [(report.pool_id, report.epoch) for report in reports])
         for line in damage:
@@ -232,7 +214,7 @@ def run_audit(args: argparse.Namespace) -> int:
                 return EXIT_CLEAN
     reports = audit_all(url, args.pool_id) if args.epoch is None else [audit(url, args.pool_id, args.epoch)]
     with connect(url) as conn:
-        newest = _newest_epochs(list_epochs(conn, None))
+        newest = newest_epochs(conn)
     for report in reports:
         print(report.render(open_status=open_status(report.epoch, newest.get(report.pool_id, report.epoch))))
     journal_damage = log_requests.journal_damage_lines(url, [(report.pool_id, report.epoch) for report in reports])
@@ -409,6 +391,7 @@ def run_state(args: argparse.Namespace) -> int:
                 ["owner", "num_blocks", "block ids"], [[o, str(len(b)), ",".join(map(str, b))] for o, b in held.items()]
             )
         )
+    _print_preempted(_url(args), state, set(held))
     if args.full:
         cached = f" (and {state.num_cached_free} cached-free, evicted after it: below)" if state.cached_free else ""
         print(f"free stack (next out first){cached}: " + ",".join(map(str, reversed(state.free_block_ids))))
@@ -426,6 +409,24 @@ def run_state(args: argparse.Namespace) -> int:
     return status
 
 
+def _print_preempted(url: str, state: Any, holding: set[str]) -> None:
+    """The requests preempted (blocks freed for recompute) that hold no block at the state's seq: they wait
+    to run again. ``log state --svg`` lists them the same way (``PoolTimeline.without_blocks``)."""
+    from nanoserve.allocator.log import LogDamagedError
+    from nanoserve.service.pictures.pool_timeline import read_timeline
+
+    if state.last_seq is None:
+        return
+    try:
+        timeline = read_timeline(url, state.pool_id, state.epoch, state.last_seq)
+    except LogDamagedError:  # the damage is named below, among the violations
+        return
+    waiting = timeline.without_blocks(holding).get("preempted", [])
+    if waiting:
+        names = ", ".join(f"{owner} (since seq {seq})" for owner, seq in waiting)
+        print(f"preempted, waiting to be recomputed ({len(waiting)}, holding no block): {names}")
+
+
 @_guarded
 def run_plot(args: argparse.Namespace) -> int:
     return log_plot.run_plot(args, _url(args))
@@ -433,33 +434,57 @@ def run_plot(args: argparse.Namespace) -> int:
 
 @_guarded
 def run_epochs(args: argparse.Namespace) -> int:
+    from nanoserve.allocator.log.archive import manifest_rows
     from nanoserve.allocator.log.errors import LogNotFoundError
     from nanoserve.allocator.log.reader import connect, list_epochs
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)
         recovered_by = log_requests.recovered_by(conn)
-    newest = _newest_epochs(epochs)
-    if not epochs and args.pool_id is not None:
+        newest = newest_epochs(conn)
+        in_log = {(info.pool_id, info.epoch) for info in epochs}
+        # epochs moved out of the live log whole (one still in it is being archived: listed once, as it is)
+        archived = [entry for entry in manifest_rows(conn, args.pool_id) if (entry.pool_id, entry.epoch) not in in_log]
+    if not epochs and not archived and args.pool_id is not None:
         raise LogNotFoundError(f"the log holds no pool {args.pool_id!r}")
-    if not epochs:
+    if not epochs and not archived:
         print("no epochs in the log")
         return EXIT_CLEAN
-    rows = [
-        [
-            info.pool_id,
-            str(info.epoch),
-            str(info.num_blocks),
-            str(info.block_size),
-            info.model or "",
-            log_format.utc(info.opened_wall_ns),
-            str(info.durable_seq),
-            f"closed at seq {info.closed_seq}"
-            if info.closed
-            else open_status(info.epoch, newest[info.pool_id], recovered_by.get((info.pool_id, info.epoch))),
-        ]
+    live = [
+        (
+            (info.pool_id, info.epoch),
+            [
+                info.pool_id,
+                str(info.epoch),
+                str(info.num_blocks),
+                str(info.block_size),
+                info.model or "",
+                log_format.utc(info.opened_wall_ns),
+                str(info.durable_seq),
+                f"closed at seq {info.closed_seq}"
+                if info.closed
+                else open_status(info.epoch, newest[info.pool_id], recovered_by.get((info.pool_id, info.epoch))),
+            ],
+        )
         for info in epochs
     ]
+    moved = [
+        (
+            (entry.pool_id, entry.epoch),
+            [
+                entry.pool_id,
+                str(entry.epoch),
+                "",
+                "",
+                "",
+                "",
+                str(entry.last_seq),
+                f"archived to {entry.path} (`log audit --archive` reads it)",
+            ],
+        )
+        for entry in archived
+    ]
+    rows = [row for _, row in sorted(live + moved, key=lambda keyed: keyed[0])]
     print(
         log_format.table(
             ["pool", "epoch", "num_blocks", "block_size", "model", "opened (UTC)", "durable_seq", "status"], rows

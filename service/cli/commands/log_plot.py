@@ -103,6 +103,7 @@ def run_plot(args: argparse.Namespace, url: str) -> int:
         x=args.x,
         violations=report.violations,
         damaged_seq=None if damage is None else damage.seq,
+        open_status=_open_status(url, report.pool_id, report.epoch),
     )
     picture.save(args.output)
     print(f"wrote {args.output}: {picture.summary}")
@@ -150,3 +151,12 @@ def _drawing(action: str) -> tuple[Any, Any] | None:
         print(f"nanoserve log {action}: {MISSING_PLOT_EXTRA}", file=sys.stderr)
         return None
     return pool_plot, figure_file
+
+
+def _open_status(url: str, pool_id: str, epoch: int) -> str:
+    """How the picture names the epoch if it has no POOL_CLOSE: as ``log epochs`` does."""
+    from nanoserve.allocator.log.epoch_status import newest_epochs, open_status
+    from nanoserve.allocator.log.reader import connect
+
+    with connect(url) as conn:
+        return open_status(epoch, newest_epochs(conn).get(pool_id, epoch))

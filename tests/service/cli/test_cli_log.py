@@ -129,6 +129,31 @@ def test_state_at_seq_lists_holders(log_url: str, capsys: pytest.CaptureFixture[
     assert owners == {"A": "0,1", "B": "2"}
 
 
+def test_state_lists_the_preempted_requests_waiting_without_blocks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``log state --svg`` listed preempted requests that hold no block; the text left them out, so a pool
+    short of blocks looked as if nothing waited for it."""
+    url = f"sqlite:///{tmp_path / 'preempted.db'}"
+    upgrade(url)
+    with EventLog.open(url, pool_id="p", num_blocks=4, block_size=16) as log:
+        pool = BlockAllocator(4, 16)
+        pool.allocate_for(20, "A")  # seq 2: [0, 1]
+        pool.allocate("B")  # seq 3: [2]
+        persist(pool, log)
+        pool.free_all([0, 1], FreeReason.PREEMPTED)  # seq 4
+        pool.allocate("C")  # seq 5: [1]
+        persist(pool, log)
+        pool.free_all([2], FreeReason.FINISHED)  # seq 6
+        persist(pool, log)
+    assert main(["log", "state", "--url", url, "--at", "3"]) == 0
+    assert "preempted" not in capsys.readouterr().out
+    assert main(["log", "state", "--url", url, "--at", "6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "preempted, waiting to be recomputed (1, holding no block): A (since seq 4)" in out
+    assert not any(line.startswith("B") for line in out)  # finished: not waiting
+
+
 def test_epochs_lists_each_epoch_with_status(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     log = EventLog.open(log_url, pool_id="p", num_blocks=4, block_size=16)
     log._writer.stop()  # crashed: never closed

@@ -48,11 +48,15 @@ def archived(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, P
 def test_the_live_log_keeps_the_newest_epoch_only(
     archived: tuple[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url, _ = archived
+    url, path = archived
     assert main(["log", "epochs", "--url", url]) == 0
-    out = capsys.readouterr().out
-    assert "closed at seq 4" in out
-    assert [line.split()[1] for line in out.splitlines()[2:] if line.strip()] == ["3"]
+    lines = capsys.readouterr().out.splitlines()[2:]
+    # the archived epochs are listed from the manifest, not skipped: epoch numbers run without a gap
+    assert [line.split()[:2] for line in lines] == [["p", "1"], ["p", "2"], ["p", "3"]]
+    second = path.parent / "p-epoch-00000002.db"
+    assert lines[0].endswith(f"4            archived to {path.resolve()} (`log audit --archive` reads it)")
+    assert lines[1].endswith(f"4            archived to {second.resolve()} (`log audit --archive` reads it)")
+    assert lines[2].endswith("4            closed at seq 4")
     assert main(["log", "archive", "--url", url, "--dest", str(archived[1].parent)]) == 0
     assert capsys.readouterr().out == "nothing to archive\n"
 
@@ -222,3 +226,27 @@ def test_log_audit_archive_checks_against_the_default_live_log_when_it_exists(
     out = capsys.readouterr().out
     assert "checked against the manifest of the live log sqlite:///nanoserve-log.db\n" in out
     assert "and head hash match the manifest (pool p epoch 1)" in out
+
+
+def test_an_archived_crashed_epoch_audits_as_crashed_not_open(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Epoch 1 crashed (no POOL_CLOSE), epochs 2 and 3 followed, epoch 1 was archived: its file's audit said
+    'open (running, or crashed)'; the live log says a later epoch opened the pool, so it is crashed."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    crashed = EventLog.open(url, pool_id="p", num_blocks=4, block_size=16)
+    crashed._writer.stop()  # its server died, and with it its lock
+    crashed._pool_lock.release()
+    _epoch(url)
+    _epoch(url)
+    dest = tmp_path / "archive"
+    assert main(["log", "archive", "--url", url, "--dest", str(dest), "--pool", "p", "--epoch", "1"]) == 0
+    capsys.readouterr()
+    path = dest / "p-epoch-00000001.db"
+    assert main(["log", "audit", "--archive", str(path), "--url", url]) == 0
+    heads = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pool ")]
+    assert heads == ["pool 'p' epoch 1: 1 events, last seq 1, crashed; epochs 2..3 opened the pool after it"]
+    assert main(["log", "epochs", "--url", url]) == 0
+    statuses = [line.split("  ")[-1].strip() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert statuses[0].startswith("archived to ")

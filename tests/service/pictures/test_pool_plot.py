@@ -208,6 +208,23 @@ def test_open_epoch_draws_the_crash_marker_at_the_last_durable_seq(url: str, tmp
     assert "close-marker-0" not in shapes
 
 
+def test_an_open_epoch_a_later_one_followed_is_drawn_as_crashed(url: str, tmp_path: Path) -> None:
+    """``log epochs`` and ``log audit`` named epoch 1 crashed once epoch 2 opened; the plot said 'open
+    (running, or crashed)' in its heading and at its last durable event."""
+    crashed = write_trace(url, close=False)
+    crashed._pool_lock.release()  # its server died, and with it its lock
+    EventLog.open(url, pool_id="p", num_blocks=6, block_size=4).close()
+    out = tmp_path / "crashed.svg"
+    assert main(["log", "plot", "--url", url, "--epoch", "1", "-o", str(out)]) == 0
+    _, text = titled(out)["crash-marker-0"]
+    assert text.startswith("last durable event, seq 7: the epoch is crashed; epoch 2 opened the pool after it. ")
+    texts = [t.text or "" for t in ET.parse(out).getroot().iter(f"{SVG}text")]
+    heading = next(line for line in texts if line.startswith("pool 'p' · epoch 1"))
+    assert heading.endswith(
+        " · crashed; epoch 2 opened the pool after it: last durable seq 7, 3 blocks of 2 requests held then"
+    )
+
+
 def test_range_keeps_the_bars_held_in_it(url: str, tmp_path: Path) -> None:
     write_trace(url)
     out = tmp_path / "range.svg"
