@@ -91,6 +91,8 @@ class TopologyConfig:
         (``nanoserve serve``'s ``--metrics-host`` default); ``serve_args`` may turn them off
         (``--metrics-port off``) but not give them all one port.
     prometheus_port: smg's /metrics (0: a free port).
+    prometheus_host: where smg's /metrics listens (default 127.0.0.1: it answers without a key, as
+        ``nanoserve serve``'s ``--metrics-host`` does; smg's own default is every interface).
     policy: smg's routing policy (``POLICIES``).
     pool_id_prefix: replica i writes the log under pool id ``{prefix}-{i}``.
     event_log_url: the one log every replica writes (``none``: no log); migrated once before they start.
@@ -111,6 +113,7 @@ class TopologyConfig:
     replica_ports: tuple[int, ...] | None = None
     replica_metrics_ports: tuple[int, ...] | None = None
     prometheus_port: int = 29000
+    prometheus_host: str = "127.0.0.1"
     policy: str = "cache_aware"
     pool_id_prefix: str = "replica"
     event_log_url: str = DEFAULT_EVENT_LOG_URL
@@ -279,6 +282,21 @@ class Topology:
         config = self.config
         self.gateway_port = config.gateway_port or free_port(config.host)
         self.prometheus_port = config.prometheus_port or free_port()
+        command = self.smg_command()
+        self.gateway = self._spawn(command, "smg.log", "smg")
+        deadline_s = time.monotonic() + config.startup_timeout_s
+        while not self._gateway_sees_all():
+            self._check_alive(self.gateway, "smg", "smg.log")
+            if time.monotonic() > deadline_s:
+                raise RuntimeError(
+                    f"smg at {self.gateway_url} does not route to all {config.num_replicas} replicas after "
+                    f"{config.startup_timeout_s} s; see {self._log_name('smg.log')}"
+                )
+            time.sleep(POLL_INTERVAL_S)
+
+    def smg_command(self) -> list[str]:
+        """``smg launch`` in front of the replicas, on ``gateway_port`` and ``prometheus_port``."""
+        config = self.config
         command = [
             smg_executable(),
             "launch",
@@ -294,22 +312,15 @@ class Topology:
             str(self.gateway_port),
             "--prometheus-port",
             str(self.prometheus_port),
+            "--prometheus-host",
+            config.prometheus_host,
             "--shutdown-grace-period-secs",
             str(max(1, round(config.grace_s))),
             "--log-json",
         ]
         for pair in config.tenant_api_keys:
             command += ["--tenant-api-key", pair]
-        self.gateway = self._spawn(command, "smg.log", "smg")
-        deadline_s = time.monotonic() + config.startup_timeout_s
-        while not self._gateway_sees_all():
-            self._check_alive(self.gateway, "smg", "smg.log")
-            if time.monotonic() > deadline_s:
-                raise RuntimeError(
-                    f"smg at {self.gateway_url} does not route to all {config.num_replicas} replicas after "
-                    f"{config.startup_timeout_s} s; see {self._log_name('smg.log')}"
-                )
-            time.sleep(POLL_INTERVAL_S)
+        return command
 
     def _gateway_sees_all(self) -> bool:
         """smg's /readiness counts every replica healthy, and it has their model (its tokenizer loaded)."""
@@ -369,8 +380,9 @@ class Topology:
         }
 
     def _spawn(self, command: list[str], log_name: str, name: str) -> subprocess.Popen[bytes]:
-        """Starts ``command``; its output goes to ``log_name`` in log_dir, or (log_dir None) stdout to ours
-        and stderr copied line by line to ours, its last NUM_TAIL_LINES kept for ``_check_alive``."""
+        """Starts ``command``; its output goes to ``log_name`` in log_dir, or (log_dir None) its stdout and
+        stderr are copied line by line to our stderr, the last NUM_TAIL_LINES kept for ``_check_alive``:
+        our stdout carries the ``gateway_ready`` line alone, for a script to read."""
         output: IO[bytes] | None = None
         if self.config.log_dir is not None:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
@@ -383,14 +395,14 @@ class Topology:
         # gateway and the replicas in order (a replica signalled twice would cut its drain short)
         process = subprocess.Popen(
             command,
-            stdout=output,
-            stderr=subprocess.STDOUT if output else subprocess.PIPE,
+            stdout=output or subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
         )
         if output is None:
             tail: deque[str] = deque(maxlen=NUM_TAIL_LINES)
-            copier = threading.Thread(target=_copy_stderr, args=(process, tail), name=f"{name}-stderr", daemon=True)
+            copier = threading.Thread(target=_copy_output, args=(process, tail), name=f"{name}-output", daemon=True)
             copier.start()
             self._tails[name] = (copier, tail)
         return process
@@ -425,10 +437,11 @@ class Topology:
         return str(self.config.log_dir / log_name) if self.config.log_dir is not None else "its output above"
 
 
-def _copy_stderr(process: subprocess.Popen[bytes], tail: deque[str]) -> None:
-    """Copies a process's stderr to ours line by line until it closes, keeping the last lines in ``tail``."""
-    assert process.stderr is not None, "spawned with stderr=PIPE"
-    for raw in process.stderr:
+def _copy_output(process: subprocess.Popen[bytes], tail: deque[str]) -> None:
+    """Copies a process's output (stdout and stderr) to our stderr line by line until it closes, keeping
+    the last lines in ``tail``."""
+    assert process.stdout is not None, "spawned with stdout=PIPE"
+    for raw in process.stdout:
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.buffer.write(raw)
             sys.stderr.buffer.flush()

@@ -60,6 +60,12 @@ def register(subparsers: Any) -> None:
         "--prometheus-port", type=int, default=29000, help="the gateway's /metrics port (default 29000; 0: any free)"
     )
     parser.add_argument(
+        "--prometheus-host",
+        default="127.0.0.1",
+        help="where the gateway's /metrics listens (default 127.0.0.1: it answers without a key; 0.0.0.0 for "
+        "a scraper on another machine)",
+    )
+    parser.add_argument(
         "--policy", choices=POLICIES, default="cache_aware", help="smg routing policy (default cache_aware)"
     )
     parser.add_argument(
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             replica_ports=ports,
             replica_metrics_ports=metrics_ports,
             prometheus_port=args.prometheus_port,
+            prometheus_host=args.prometheus_host,
             policy=args.policy,
             pool_id_prefix=args.pool_id_prefix,
             event_log_url=args.event_log_url,

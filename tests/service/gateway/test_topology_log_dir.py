@@ -1,4 +1,4 @@
-"""``nanoserve gateway --log-dir``: what a failure quotes of a log file appended to across runs."""
+"""``nanoserve gateway``'s processes: where their output goes (``--log-dir``, or our stderr), what a failure quotes."""
 
 from __future__ import annotations
 
@@ -41,3 +41,29 @@ def test_a_process_that_wrote_nothing_this_run_says_so_whatever_the_file_held(tm
     with pytest.raises(RuntimeError, match=expected):
         topology._check_alive(process, "smg", "smg.log")
     topology.stop()
+
+
+def test_without_a_log_dir_the_processes_output_goes_to_stderr_and_stdout_keeps_the_ready_line_alone(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """smg logs to stdout: a new user's script reading `gateway_ready` from the gateway's stdout got smg's
+    JSON log lines mixed in."""
+    topology = Topology(TopologyConfig(num_replicas=1))
+    process = topology._spawn(
+        [sys.executable, "-c", "import sys; print('smg: to stdout'); print('smg: to stderr', file=sys.stderr)"],
+        "smg.log",
+        "smg",
+    )
+    process.wait(timeout=30)
+    topology._tails["smg"][0].join(timeout=30)
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert sorted(err.splitlines()) == ["smg: to stderr", "smg: to stdout"]
+
+
+def test_the_gateways_metrics_listen_on_loopback_unless_asked() -> None:
+    """smg's /metrics answers without a key; it listened on every interface (smg's default)."""
+    command = Topology(TopologyConfig(num_replicas=1)).smg_command()
+    assert command[command.index("--prometheus-host") + 1] == "127.0.0.1"
+    command = Topology(TopologyConfig(num_replicas=1, prometheus_host="0.0.0.0")).smg_command()
+    assert command[command.index("--prometheus-host") + 1] == "0.0.0.0"
