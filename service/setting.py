@@ -38,6 +38,17 @@ def parse_optional_bytes(text: str) -> int | None:
     return None if text.lower() in ("", "none", "auto") else parse_bytes(text)
 
 
+# a parser -> what its values look like, for the message that refuses a NANOSERVE_* variable's value
+EXPECTED_VALUES: dict[Callable[[str], Any], str] = {
+    int: "an integer",
+    float: "a number",
+    parse_optional_int: "an integer, or none/off",
+    parse_bool: "a boolean (1/0, true/false, yes/no, on/off)",
+    parse_bytes: "a byte count (1073741824, 512MiB, 2GiB, 4GB)",
+    parse_optional_bytes: "a byte count (1073741824, 512MiB, 2GiB, 4GB), or auto/none",
+}
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting: flag ``--name-with-dashes``, env ``NANOSERVE_NAME``."""
@@ -64,3 +75,8 @@ class Setting:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+    @property
+    def expected(self) -> str:
+        """What a value of this setting looks like (its type), in words."""
+        return EXPECTED_VALUES.get(self.parse, "text")

@@ -157,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace | None, environ: Mapping[str, str]) -> dict[str, Any]:
     """Setting name -> value: the flag, else the environment variable, else the default.
 
-    Raises ValueError naming the variable when an environment value does not parse.
+    Raises ValueError naming the variable and the type it expects when an environment value does not parse.
     """
     values: dict[str, Any] = {}
     for setting in SETTINGS:
@@ -167,8 +167,8 @@ def resolve(args: argparse.Namespace | None, environ: Mapping[str, str]) -> dict
             raw = environ[setting.env]
             try:
                 values[setting.name] = setting.parse(raw)
-            except ValueError as exc:
-                raise ValueError(f"{setting.env}={raw!r}: {exc}") from None
+            except ValueError:
+                raise ValueError(f"{setting.env}={raw!r}: expected {setting.expected}") from None
             if setting.choices and values[setting.name] not in setting.choices:
                 raise ValueError(f"{setting.env} must be one of {setting.choices}, got {raw!r}")
         else:

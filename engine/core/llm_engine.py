@@ -40,7 +40,12 @@ from nanoserve.engine.errors import (
     PrefixCacheResetRefusedError,
     RequestNotFoundError,
 )
-from nanoserve.engine.journal.request_journal import admit_record, journal_final, output_record, rebuild_requests
+from nanoserve.engine.journal.request_journal import (
+    admit_record,
+    group_finish_record,
+    output_record,
+    rebuild_requests,
+)
 from nanoserve.engine.model.forward_batch import ForwardBatch
 from nanoserve.engine.model.model_runner import ModelRunner
 from nanoserve.engine.sampling.params import SamplingParams
@@ -305,7 +310,8 @@ class LLMEngine:
         """``_finish``, and the final output journaled (a sample's once its group has ended)."""
         ended = self._finish(request, reason, now)
         if self.journaling and ended and ended[-1].finished:
-            self._journal.append(output_record(ended[-1] if request.group is None else journal_final(ended[-1])))
+            final = ended[-1]
+            self._journal.append(output_record(final) if request.group is None else group_finish_record(final))
         return ended
 
     def _verify_drafts(self, verified: list[tuple[ScheduledChunk, torch.Tensor]]) -> list[RequestOutput]:

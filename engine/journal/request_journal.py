@@ -46,14 +46,19 @@ def admit_record(request: Request) -> JournalRecord:
     return JournalRecord(JournalKind.ADMIT, request.request_id, data)
 
 
-def journal_final(output: RequestOutput) -> RequestOutput:
-    """What the journal keeps of a parallel-sampling request's final output: its ending, no tokens.
+def group_finish_record(output: RequestOutput) -> JournalRecord:
+    """The FINISH record of a parallel-sampling request's final output: its ending, no tokens.
 
     The samples' tokens are not journaled (docs/parallel-sampling.md): the
-    FINISH record closes the request for recovery and says how it ended.
+    FINISH record closes the request for recovery and says how it ended, with
+    ``sample_finish_reasons``: each returned sample's finish reason, by index
+    (samples of one request may end differently: one on a stop, one at its length).
     """
     first = dataclasses.replace(output.outputs[0], text="", token_ids=[], logprobs=None)
-    return dataclasses.replace(output, outputs=[first], delta_text="", delta_token_ids=[], delta_logprobs=None)
+    ending = dataclasses.replace(output, outputs=[first], delta_text="", delta_token_ids=[], delta_logprobs=None)
+    record = output_record(ending)
+    record.data["sample_finish_reasons"] = [sample.finish_reason for sample in output.outputs]
+    return record
 
 
 def output_record(output: RequestOutput) -> JournalRecord:

@@ -13,16 +13,19 @@ from dataclasses import dataclass, field
 
 from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.sampling.counter_rng import MAX_SEED, MIN_SEED
+from nanoserve.engine.sampling.limits import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from nanoserve.engine.structured.constraint import Constraint
 from nanoserve.engine.text.stored_text import check_stored_text
 
-MAX_LOGPROBS = 20  # most top alternatives returned per generated token
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_CACHE_SALT_CHARS = 256
-MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound on one request's logit_bias map
-MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100] (OpenAI): -100 bans a token, 100 all but forces it
 # Below this temperature a request is greedy, exactly: a logit gap of 1e-3 is already a factor of e**100
 # between two tokens, so nothing is lost, and no division by a near-zero temperature is left to overflow
 # (vLLM treats temperature < 1e-5 as greedy too).
@@ -194,7 +197,12 @@ class SamplingParams:
             "finite and > 0 (1: off)",
         )
         for name in ("presence_penalty", "frequency_penalty"):
-            _require_number(name, getattr(self, name), lambda p: -2.0 <= p <= 2.0, "in [-2, 2]")
+            _require_number(
+                name,
+                getattr(self, name),
+                lambda p: -MAX_PENALTY <= p <= MAX_PENALTY,
+                f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+            )
         _require(
             "seed",
             self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED),

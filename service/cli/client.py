@@ -32,6 +32,30 @@ def open_channel(server: str, tls: bool = False, ca_cert: str | None = None) -> 
     return grpc.insecure_channel(server, CHANNEL_OPTIONS)
 
 
+def status_hint(code: grpc.StatusCode, details: str, server: str, token_given: bool = False) -> str | None:
+    """What a CLI user can do about a call that ended with ``code``: one line, or None when the
+    status and its details say it already (the server's own INVALID_ARGUMENT names the field).
+
+    UNAVAILABLE with a refused connection means nothing listens at ``server``; other UNAVAILABLEs
+    (reset, TLS handshake, name lookup) cannot tell a crash from a wrong address, and say both.
+    """
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if "Connection refused" in details:
+            return (
+                f"nothing listens at {server}: `nanoserve serve` is not running there "
+                "(--server or NANOSERVE_SERVER names the address)"
+            )
+        return (
+            f"the server at {server} went away or cannot be reached: is `nanoserve serve` running there "
+            "(--server or NANOSERVE_SERVER names the address; --tls for a TLS server)?"
+        )
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        if token_given:
+            return "the server does not accept the token given (--token or NANOSERVE_AUTH_TOKEN)"
+        return "the server requires a token: pass --token TOKEN or set NANOSERVE_AUTH_TOKEN"
+    return None
+
+
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 

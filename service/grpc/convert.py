@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from google.protobuf.duration_pb2 import Duration
 
-from nanoserve.engine.core.outputs import RequestMetrics
+from nanoserve.engine.core.outputs import AbortCause, RequestMetrics
 from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.sampling.params import SamplingParams
 from nanoserve.engine.structured.constraint import Constraint, ConstraintKind
@@ -32,6 +32,17 @@ FINISH_REASONS: dict[str, pb.FinishReason] = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+}
+ABORT_CAUSES: dict[AbortCause, pb.AbortCause] = {
+    AbortCause.ABORT_RPC: pb.ABORT_CAUSE_ABORT_RPC,
+    AbortCause.CANCELLED: pb.ABORT_CAUSE_CANCELLED,
+    AbortCause.DEADLINE: pb.ABORT_CAUSE_DEADLINE,
+    AbortCause.SHUTDOWN: pb.ABORT_CAUSE_SHUTDOWN,
+    AbortCause.ENGINE_ERROR: pb.ABORT_CAUSE_ENGINE_ERROR,
+    AbortCause.NOT_RECOVERED: pb.ABORT_CAUSE_NOT_RECOVERED,
+    AbortCause.CALLER: pb.ABORT_CAUSE_CALLER,
+    AbortCause.SLOW_CONSUMER: pb.ABORT_CAUSE_SLOW_CONSUMER,
+    AbortCause.GRAMMAR: pb.ABORT_CAUSE_GRAMMAR,
 }
 # proto role -> the engine's chat template role
 CHAT_ROLES: dict[pb.ChatRole, str] = {
@@ -244,6 +255,8 @@ def to_finish(output: RequestOutput) -> pb.Finish:
         timings=to_timings(summary),
         num_preemptions=summary.num_preemptions,
     )
+    if output.abort_cause is not None:
+        finish.abort_cause = ABORT_CAUSES[output.abort_cause]
     if isinstance(completion.stop_reason, str):
         finish.stop_string = completion.stop_reason
     elif isinstance(completion.stop_reason, int):

@@ -23,6 +23,19 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class AbortCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ABORT_CAUSE_UNSPECIFIED: _ClassVar[AbortCause]
+    ABORT_CAUSE_ABORT_RPC: _ClassVar[AbortCause]
+    ABORT_CAUSE_CANCELLED: _ClassVar[AbortCause]
+    ABORT_CAUSE_DEADLINE: _ClassVar[AbortCause]
+    ABORT_CAUSE_SHUTDOWN: _ClassVar[AbortCause]
+    ABORT_CAUSE_ENGINE_ERROR: _ClassVar[AbortCause]
+    ABORT_CAUSE_NOT_RECOVERED: _ClassVar[AbortCause]
+    ABORT_CAUSE_CALLER: _ClassVar[AbortCause]
+    ABORT_CAUSE_SLOW_CONSUMER: _ClassVar[AbortCause]
+    ABORT_CAUSE_GRAMMAR: _ClassVar[AbortCause]
 CHAT_ROLE_UNSPECIFIED: ChatRole
 CHAT_ROLE_SYSTEM: ChatRole
 CHAT_ROLE_USER: ChatRole
@@ -31,6 +44,16 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+ABORT_CAUSE_UNSPECIFIED: AbortCause
+ABORT_CAUSE_ABORT_RPC: AbortCause
+ABORT_CAUSE_CANCELLED: AbortCause
+ABORT_CAUSE_DEADLINE: AbortCause
+ABORT_CAUSE_SHUTDOWN: AbortCause
+ABORT_CAUSE_ENGINE_ERROR: AbortCause
+ABORT_CAUSE_NOT_RECOVERED: AbortCause
+ABORT_CAUSE_CALLER: AbortCause
+ABORT_CAUSE_SLOW_CONSUMER: AbortCause
+ABORT_CAUSE_GRAMMAR: AbortCause
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -174,20 +197,22 @@ class Timings(_message.Message):
     def __init__(self, queue_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., ttft: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total_time: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("reason", "stop_string", "stop_token_id", "usage", "timings", "num_preemptions")
+    __slots__ = ("reason", "stop_string", "stop_token_id", "usage", "timings", "num_preemptions", "abort_cause")
     REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_CAUSE_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     stop_string: str
     stop_token_id: int
     usage: Usage
     timings: Timings
     num_preemptions: int
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    abort_cause: AbortCause
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., abort_cause: _Optional[_Union[AbortCause, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish", "index", "prompt_logprobs")

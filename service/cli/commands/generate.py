@@ -25,9 +25,14 @@ import time
 import uuid
 from typing import Any
 
+from nanoserve.engine.sampling.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from nanoserve.service.cli.arguments import INT32_MAX, INT64_MAX, INT64_MIN, integer, number
+
 # a CLI user expects a whole answer; API clients that leave max_tokens unset get the engine's default
 DEFAULT_MAX_TOKENS = 256
+EXIT_ABORTED = 1  # the request ended with finish reason abort (the finish line names the cause)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+LOGPROBS_NOTE = "note: --logprobs: the logprobs are in the --json output; this prints the text"
 
 
 def register(subparsers: Any) -> None:
@@ -64,14 +69,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--request-id", default="", help="request id (default: the server assigns one)")
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=number(0.0, low_open=True),
         default=None,
         metavar="SECONDS",
         help="deadline of the call; when it passes the server aborts the request",
     )
     parser.add_argument(
         "--wait-ready",
-        type=float,
+        type=number(0.0),
         default=0.0,
         metavar="SECONDS",
         help="first wait up to this long for the server's health to be SERVING (for scripts that just started it); "
@@ -83,37 +88,55 @@ def register(subparsers: Any) -> None:
     sampling = parser.add_argument_group("sampling (unset: the engine's defaults)")
     sampling.add_argument(
         "--max-tokens",
-        type=int,
+        type=integer(1),
         default=DEFAULT_MAX_TOKENS,
         help=f"new tokens at most (>= 1) [default: {DEFAULT_MAX_TOKENS}, the API's default is the engine's]",
     )
     sampling.add_argument(
-        "--min-tokens", type=int, default=0, help="new tokens before EOS or a stop may end the request"
+        "--min-tokens", type=integer(0), default=0, help="new tokens before EOS or a stop may end the request"
     )
-    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    sampling.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, in (0, 1]")
-    sampling.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0 = off)")
+    sampling.add_argument("--temperature", type=number(0.0), default=None, help="0 = greedy")
     sampling.add_argument(
-        "--min-p", type=float, default=None, help="drop tokens below min_p x the top probability, in [0, 1]"
+        "--top-p", type=number(0.0, 1.0, low_open=True), default=None, help="nucleus sampling mass, in (0, 1]"
     )
-    sampling.add_argument("--seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    sampling.add_argument(
+        "--top-k", type=integer(0), default=None, help="sample from the k most likely tokens (0 = off)"
+    )
+    sampling.add_argument(
+        "--min-p", type=number(0.0, 1.0), default=None, help="drop tokens below min_p x the top probability, in [0, 1]"
+    )
+    sampling.add_argument(
+        "--seed", type=integer(INT64_MIN, INT64_MAX), default=None, help="per-request seed (reproducible sampling)"
+    )
     sampling.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not printed")
-    sampling.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
-    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    sampling.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1 = off")
-    sampling.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; 0 = off")
-    sampling.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]; 0 = off")
     sampling.add_argument(
-        "--logprobs", type=int, default=None, help="return the chosen token's logprob and the top N (0..20)"
+        "--stop-token-id", type=integer(0), action="append", default=[], help="stop token id (repeatable)"
+    )
+    sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    sampling.add_argument("--repetition-penalty", type=number(0.0, low_open=True), default=None, help="> 0; 1 = off")
+    sampling.add_argument(
+        "--presence-penalty", type=number(-MAX_PENALTY, MAX_PENALTY), default=None, help="in [-2, 2]; 0 = off"
+    )
+    sampling.add_argument(
+        "--frequency-penalty", type=number(-MAX_PENALTY, MAX_PENALTY), default=None, help="in [-2, 2]; 0 = off"
+    )
+    sampling.add_argument(
+        "--logprobs",
+        type=integer(0, MAX_LOGPROBS),
+        default=None,
+        help=f"return the chosen token's logprob and the top N (0..{MAX_LOGPROBS})",
     )
     sampling.add_argument(
         "--n",
-        type=int,
+        type=integer(1),
         default=None,
         help="samples of the prompt (1..the server's --max-parallel-samples); each is printed whole when it ends",
     )
     sampling.add_argument(
-        "--best-of", type=int, default=None, help="samples generated (>= n); the n of highest cumulative logprob return"
+        "--best-of",
+        type=integer(1),
+        default=None,
+        help="samples generated (>= n); the n of highest cumulative logprob return",
     )
     sampling.add_argument(
         "--logit-bias",
@@ -125,12 +148,15 @@ def register(subparsers: Any) -> None:
     )
     sampling.add_argument(
         "--prompt-logprobs",
-        type=int,
+        type=integer(0, MAX_LOGPROBS),
         default=None,
-        help="also return each prompt token's logprob and the top N (0..20)",
+        help=f"also return each prompt token's logprob and the top N (0..{MAX_LOGPROBS})",
     )
     sampling.add_argument(
-        "--truncate-prompt-tokens", type=int, default=None, help="keep the prompt's last N tokens (-1: as many as fit)"
+        "--truncate-prompt-tokens",
+        type=integer(1, also=-1),
+        default=None,
+        help="keep the prompt's last N tokens (-1: as many as fit)",
     )
     structured = parser.add_argument_group("structured output (at most one; the output must match it)")
     constraint = structured.add_mutually_exclusive_group()
@@ -159,9 +185,14 @@ def _bias_entry(text: str) -> tuple[int, float]:
     try:
         if not equals:
             raise ValueError(text)
-        return int(token_id), float(bias)
+        entry = int(token_id), float(bias)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be ID=BIAS (an integer, a number), got {text!r}") from None
+    if not 0 <= entry[0] <= INT32_MAX or not -MAX_LOGIT_BIAS <= entry[1] <= MAX_LOGIT_BIAS:
+        raise argparse.ArgumentTypeError(
+            f"must be ID=BIAS with ID >= 0 and BIAS in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {text!r}"
+        )
+    return entry
 
 
 def build_request(args: argparse.Namespace) -> Any:
@@ -210,6 +241,8 @@ def _finish_line(finish: Any) -> str:
     from nanoserve.v1 import generation_pb2 as pb
 
     reason = pb.FinishReason.Name(finish.reason).removeprefix("FINISH_REASON_").lower()
+    if finish.reason == pb.FINISH_REASON_ABORT:
+        reason += f" ({pb.AbortCause.Name(finish.abort_cause).removeprefix('ABORT_CAUSE_').lower()})"
     t = finish.timings
     return (
         f"[{reason}; {finish.usage.prompt_tokens} prompt ({finish.usage.cached_tokens} cached) + "
@@ -223,6 +256,14 @@ def _seconds(timings: Any, field: str) -> str:
     if not timings.HasField(field):
         return "-"
     return f"{getattr(timings, field).ToNanoseconds() / 1e9:.3f} s"
+
+
+def _error_lines(exc: Any, args: argparse.Namespace) -> str:
+    """``_error_line``, and below it what the user can do about it (``client.status_hint``), if anything."""
+    from nanoserve.service.cli.client import status_hint
+
+    hint = status_hint(exc.code(), exc.details() or "", args.server, token_given=bool(args.token))
+    return _error_line(exc) if hint is None else f"{_error_line(exc)}\nhint: {hint}"
 
 
 def _error_line(exc: Any) -> str:
@@ -247,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     from nanoserve.v1 import generation_pb2_grpc
 
     request = build_request(args)
+    num_samples = request.sampling.best_of or request.sampling.n or 1
     resumable = args.wait_ready > 0
     if resumable and not request.request_id:
         request.request_id = uuid.uuid4().hex
@@ -258,9 +300,11 @@ def run(args: argparse.Namespace) -> int:
         metadata = auth_metadata(args.token)
         deadline = None if args.timeout is None else time.monotonic() + args.timeout
         call: Any = stub.Generate(request, timeout=args.timeout, metadata=metadata)
-        printer = _Printer(args.json, samples=(request.sampling.n or 1) > 1 or request.sampling.HasField("best_of"))
-        if request.sampling.HasField("logprobs") and not args.json:
-            print("note: --logprobs: the logprobs are in the --json output; this prints the text", file=sys.stderr)
+        printer = _Printer(
+            args.json,
+            samples=num_samples > 1 or request.sampling.HasField("best_of"),
+            note=LOGPROBS_NOTE if request.sampling.HasField("logprobs") and not args.json else None,
+        )
         resuming = False  # the current call is a Resume
         while True:
             interrupt = _CancelOnInterrupt(call)
@@ -268,7 +312,9 @@ def run(args: argparse.Namespace) -> int:
                 with interrupt:
                     for response in call:
                         printer.print(response)
-                return _interrupted(printer) if interrupt.interrupted else 0
+                if interrupt.interrupted:
+                    return _interrupted(printer)
+                return EXIT_ABORTED if printer.aborted else 0
             except grpc.RpcError as exc:
                 if interrupt.interrupted:  # the call ended because Ctrl-C cancelled it
                     return _interrupted(printer)
@@ -282,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 if not (resumable and exc.code() == grpc.StatusCode.UNAVAILABLE):
                     printer.end_line()
-                    print(_error_line(exc), file=sys.stderr)
+                    print(_error_lines(exc, args), file=sys.stderr)
                     return 1
                 # the text's line stays open: the resumed stream continues it, so stdout is the uninterrupted text
                 # (on a terminal, where both streams meet, the message starts a line of its own)
@@ -292,6 +338,17 @@ def run(args: argparse.Namespace) -> int:
                     printer.end_line()
                     print(f"error: {args.server} not SERVING again within {args.wait_ready:g} s", file=sys.stderr)
                     return 1
+                if num_samples > 1:  # Resume serves one-sample requests only: start the request over
+                    refused = _abort_recovered(stub, request.request_id, metadata, deadline)
+                    if refused is not None:
+                        printer.end_line()
+                        print(_error_lines(refused, args), file=sys.stderr)
+                        return 1
+                    print(_sent_again_line(request, num_samples), file=sys.stderr)
+                    printer.start_over()
+                    call = stub.Generate(request, timeout=_remaining(deadline), metadata=metadata)
+                    resuming = False
+                    continue
                 print(
                     f"resuming request {request.request_id} after {printer.num_tokens} tokens (the server is back)",
                     file=sys.stderr,
@@ -301,6 +358,38 @@ def run(args: argparse.Namespace) -> int:
                 resuming = True
             except KeyboardInterrupt:  # Ctrl-C with no call streaming (waiting to resume): nothing to cancel
                 return _interrupted(printer)
+
+
+def _abort_recovered(stub: Any, request_id: str, metadata: Any, deadline: float | None) -> Any:
+    """Aborts the server's recovered copy of a parallel request (which nobody could follow), so that
+    sending it again neither runs it twice nor meets its id; None when done or when the server holds no
+    such live request (not journaled before the crash, or ended since: NOT_FOUND), else the RpcError."""
+    import grpc
+
+    from nanoserve.v1 import generation_pb2 as pb
+
+    try:
+        stub.Abort(pb.AbortRequest(request_id=request_id), timeout=_remaining(deadline), metadata=metadata)
+    except grpc.RpcError as exc:
+        return None if exc.code() == grpc.StatusCode.NOT_FOUND else exc
+    return None
+
+
+def _sent_again_line(request: Any, num_samples: int) -> str:
+    """The one line that says a parallel request was started over after a crash, and whether its samples
+    will be the ones already printed (seeded or greedy: the sampler draws each token from the seed and
+    its position alone) or may differ."""
+    sampling = request.sampling
+    if sampling.HasField("seed"):
+        same = f"seed {sampling.seed}: the same samples"
+    elif sampling.HasField("temperature") and sampling.temperature == 0:
+        same = "greedy: the same samples"
+    else:
+        same = "no --seed: the samples may differ"
+    return (
+        f"request {request.request_id} has {num_samples} samples, which Resume cannot continue (the journal keeps "
+        f"no tokens of parallel samples): aborted it on the server and sent it again from its prompt ({same})"
+    )
 
 
 class _CancelOnInterrupt:
@@ -349,8 +438,10 @@ def _remaining(deadline: float | None) -> float | None:
 class _Printer:
     """Prints streamed messages; knows whether a line of text is left open."""
 
-    def __init__(self, as_json: bool, samples: bool = False) -> None:
+    def __init__(self, as_json: bool, samples: bool = False, note: str | None = None) -> None:
         self._as_json = as_json
+        self._note = note  # said on stderr with the first message: only once the server took the request
+        self.aborted = False  # a finish with reason abort came (a sample's, or the request's)
         self._samples: dict[int, str] | None = {} if samples else None  # index -> text so far (n / best_of)
         self._line_open = False  # text written since the last newline
         self.num_tokens = 0  # token ids received: where a resumed stream starts
@@ -358,7 +449,13 @@ class _Printer:
     def print(self, response: Any) -> None:
         from google.protobuf.json_format import MessageToDict
 
+        from nanoserve.v1 import generation_pb2 as pb
+
+        if self._note is not None:
+            print(self._note, file=sys.stderr)
+            self._note = None
         self.num_tokens += len(response.token_ids)
+        self.aborted = self.aborted or response.finish.reason == pb.FINISH_REASON_ABORT
         if self._as_json:
             message = MessageToDict(response, preserving_proto_field_name=True)
             if self._samples is not None:  # proto3 JSON leaves out a 0: sample 0's messages would have no index
@@ -381,6 +478,13 @@ class _Printer:
         if response.HasField("finish"):
             self.end_line()
             print(_finish_line(response.finish), file=sys.stderr)
+
+    def start_over(self) -> None:
+        """Forgets the partial samples and the token count: the request was sent again from its prompt."""
+        if self._samples is not None:
+            self._samples.clear()
+        self.end_line()
+        self.num_tokens = 0
 
     @property
     def line_open(self) -> bool:

@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from nanoserve.service.cli.client import health_status, open_channel, wait_ready
+    from nanoserve.service.cli.client import health_status, open_channel, status_hint, wait_ready
 
     with open_channel(args.server, tls=args.tls, ca_cert=args.ca_cert) as channel:
         if args.wait > 0:
@@ -61,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{args.server}: unknown service {args.service!r}; known: {known}", file=sys.stderr)
                 return EXIT_UNKNOWN_SERVICE
             print(f"{args.server}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            hint = status_hint(exc.code(), exc.details() or "", args.server)
+            if hint is not None:
+                print(f"hint: {hint}", file=sys.stderr)
             return EXIT_UNREACHABLE
     print(status)
     return EXIT_SERVING if status == "SERVING" else EXIT_NOT_SERVING

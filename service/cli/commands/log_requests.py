@@ -32,8 +32,13 @@ def add_requests(actions: Any, add_source: Callable[[argparse.ArgumentParser, st
 
 
 def request_rows(entries: list[JournalEntry]) -> list[list[str]]:
-    """One row per (epoch, request): epoch, request id, admitted, prompt tokens, output tokens, state."""
-    rows: dict[tuple[int, str], dict[str, Any]] = {}
+    """One row per admission: epoch, request id, admitted, prompt tokens, output tokens, state.
+
+    A request id may be admitted more than once in an epoch (a recovered request aborted and sent
+    again, or any id reused once its request ended): each ADMIT starts a row of its own, and the
+    records after it, up to the next ADMIT of that id, are that row's."""
+    rows: list[dict[str, Any]] = []
+    current: dict[tuple[int, str], dict[str, Any]] = {}  # (epoch, request id) -> its latest admission's row
     recovered_in: dict[tuple[int, str], int] = {}  # (crashed epoch, request id) -> epoch that took it over
     for entry in entries:
         if entry.kind == JournalKind.RECOVER.value:
@@ -43,33 +48,51 @@ def request_rows(entries: list[JournalEntry]) -> list[list[str]]:
         key = (entry.epoch, entry.request_id)
         if entry.kind == JournalKind.ADMIT.value:
             source = entry.data.get("recovered_from")
-            rows[key] = {
+            sampling = entry.data.get("sampling")
+            current[key] = {
+                "key": key,
                 "admitted": "admitted" if source is None else f"recovered from epoch {source}",
                 "num_prompt_tokens": len(entry.data.get("prompt_token_ids", [])),
                 "num_tokens": entry.data.get("num_prior_tokens", 0),
                 "state": None,
                 "num_samples": max(int(sampling.get("n") or 1), int(sampling.get("best_of") or 1))
-                if isinstance(sampling := entry.data.get("sampling"), dict)
+                if isinstance(sampling, dict)
                 else 1,
             }
+            rows.append(current[key])
             continue
-        row = rows.setdefault(key, {"admitted": "-", "num_prompt_tokens": 0, "num_tokens": 0, "state": None})
+        row = current.get(key)
+        if row is None:  # its ADMIT is not in what was read (an older part archived)
+            row = current[key] = {"key": key, "admitted": "-", "num_prompt_tokens": 0, "num_tokens": 0, "state": None}
+            rows.append(row)
         row["num_tokens"] = max(row["num_tokens"], entry.data["start"] + len(entry.data.get("token_ids", [])))
         if entry.kind == JournalKind.FINISH.value:
-            reason = entry.data.get("finish_reason")
-            detail = entry.data.get("abort_cause") if reason == "abort" else reason
-            row["state"] = f"{'aborted' if reason == 'abort' else 'finished'} ({detail})"
+            row["state"] = _ending(entry.data)
     table = []
-    for (epoch, request_id), row in rows.items():
+    for row in rows:
+        epoch, request_id = row["key"]
         state = row["state"]
         if state is None:
-            taken = recovered_in.get((epoch, request_id))
+            # only the id's last admission in the epoch can be the one a crash cut and a later epoch took over
+            taken = recovered_in.get((epoch, request_id)) if current[(epoch, request_id)] is row else None
             state = "running, or cut by a crash" if taken is None else f"recovered in epoch {taken}"
         num_samples = row.get("num_samples", 1)
         # parallel sampling: the samples' tokens are not journaled (docs/parallel-sampling.md), so none are counted
         output = str(row["num_tokens"]) if num_samples == 1 else f"- ({num_samples} samples, not journaled)"
         table.append([str(epoch), request_id, row["admitted"], str(row["num_prompt_tokens"]), output, state])
     return table
+
+
+def _ending(finish: dict[str, Any]) -> str:
+    """A FINISH's state: ``finished (stop)``, ``aborted (cause)``; a parallel request whose samples ended
+    differently names each sample's reason by index: ``finished (#0 stop, #1 length)``."""
+    reason = finish.get("finish_reason")
+    if reason == "abort":
+        return f"aborted ({finish.get('abort_cause')})"
+    reasons = finish.get("sample_finish_reasons") or [reason]
+    if len(set(reasons)) == 1:
+        return f"finished ({reasons[0]})"
+    return "finished (" + ", ".join(f"#{index} {sample}" for index, sample in enumerate(reasons)) + ")"
 
 
 REQUEST_HEADER = ["epoch", "request_id", "admitted", "prompt_tokens", "output_tokens", "state"]
