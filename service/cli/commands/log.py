@@ -32,7 +32,7 @@ from typing import Any
 
 from nanoserve.allocator import EventKind
 from nanoserve.allocator.log.epoch_status import OPEN_STATUS, newest_epochs, open_status
-from nanoserve.service.cli.commands import log_archive, log_format, log_plot, log_requests
+from nanoserve.service.cli.commands import log_archive, log_format, log_owner, log_plot, log_requests
 
 EVENT_KINDS = tuple(kind.value for kind in EventKind)
 
@@ -263,7 +263,9 @@ def run_show(args: argparse.Namespace) -> int:
     rows: list[list[str]] = []
     damage: list[Damage] = []
     for epoch in epochs:
-        owners = [args.owner] if args.owner is None else [args.owner, *_forked_children(args, pool_id, epoch)]
+        owners = [args.owner]
+        if args.owner is not None:
+            owners += log_owner.forked_children(_url(args), pool_id, epoch, args.owner, args.from_seq, args.to_seq)
         epoch_rows: list[tuple[int, list[str]]] = []  # (seq, cells): one owner's events, then its samples'
         for owner in owners:
             scan = scan_events(
@@ -296,7 +298,10 @@ def run_show(args: argparse.Namespace) -> int:
     if not any(row[-1] for row in rows):  # no prefix-cache event: the table of the plain pool
         header.pop()
         rows = [row[:-1] for row in rows]
-    print(log_format.table(["epoch", *header] if len(epochs) > 1 else header, rows))
+    if rows:
+        print(log_format.table(["epoch", *header] if len(epochs) > 1 else header, rows))
+    else:  # as `log requests` and `log epochs` say they found nothing: exit 0
+        print(_nothing_found(args, pool_id, epochs))
     for item in damage:
         print(f"damaged: {item}")
     for epoch in epochs:
@@ -304,39 +309,35 @@ def run_show(args: argparse.Namespace) -> int:
     if args.owner is not None and pool_id is not None:
         for line in log_requests.owner_lines(_url(args), pool_id, args.owner):
             print(line)
-        if not rows and args.epoch is None:
-            _say_not_searched(_url(args), pool_id, args.owner)
+    if args.owner is not None and not rows:
+        print(log_owner.tenant_hint(_url(args), pool_id, epochs, args.owner), file=sys.stderr)
+        not_searched = (
+            None if args.epoch is not None or pool_id is None else log_owner.not_searched_line(_url(args), pool_id)
+        )
+        if not_searched is not None:
+            print(f"note: {not_searched}", file=sys.stderr)
     return EXIT_CLEAN if not damage else EXIT_VIOLATIONS
 
 
-def _say_not_searched(url: str, pool_id: str, owner: str) -> None:
-    """On stderr: ``owner`` has no event in the live log, and the epochs archived whole were not searched."""
-    from nanoserve.allocator.log.reader import archived_epoch_files, connect
+def _nothing_found(args: argparse.Namespace, pool_id: str | None, epochs: list[int | None]) -> str:
+    """The line said instead of an empty table: which filters found no event in which pool and epochs."""
+    from nanoserve.allocator.log.reader import connect, resolve_epoch
 
-    with connect(url) as conn:
-        files = archived_epoch_files(conn, pool_id)
-    if files:
-        named = ", ".join(f"epoch {epoch} in {path}" for epoch, path in files)
-        print(
-            f"nanoserve log show: no event of owner {owner!r} in the live log; its archived epochs are not "
-            f"searched ({named}): read one with --url sqlite:///FILE",
-            file=sys.stderr,
-        )
-
-
-def _forked_children(args: argparse.Namespace, pool_id: str | None, epoch: int | None) -> list[str]:
-    """The owners a FORK of the epoch names ``args.owner`` the parent of (parallel sampling's samples), in order."""
-    from nanoserve.allocator.log import Damage, scan_events
-
-    children: list[str] = []
-    scan = scan_events(_url(args), pool_id, epoch, args.from_seq, args.to_seq, kind="fork")
-    try:
-        for item in scan:
-            if not isinstance(item, Damage) and item.parent == args.owner and item.owner not in children:
-                children.append(item.owner or "")
-    finally:
-        scan.close()
-    return children
+    if epochs == [None]:  # the newest epoch: named, as the others are
+        with connect(_url(args)) as conn:
+            info = resolve_epoch(conn, pool_id, None)
+        pool_id, epochs = info.pool_id, [info.epoch]
+    what = "no event"
+    if args.owner is not None:
+        what += f" of owner {args.owner!r}"
+    if args.kind is not None:
+        what += f" of kind {args.kind}"
+    if args.block is not None:
+        what += f" touching block {args.block}"
+    if args.from_seq > 1 or args.to_seq is not None:
+        what += f" in seqs {args.from_seq}..{'' if args.to_seq is None else args.to_seq}"
+    numbers = ", ".join(str(epoch) for epoch in epochs)
+    return f"{what} in pool {pool_id!r} epoch{'s' if len(epochs) > 1 else ''} {numbers}"
 
 
 @_guarded
