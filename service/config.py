@@ -154,7 +154,21 @@ def build_configs(
     """
     from nanoserve.engine.config import EngineConfig
 
-    values = resolve(args, os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    values = resolve(args, environ)
     server = {s.name: values[s.name] for s in SETTINGS if s.layer == "server"}
     engine = {s.name: values[s.name] for s in SETTINGS if s.layer == "engine"}
-    return ServerConfig(**server), EngineConfig.from_kwargs(**engine)
+    try:
+        return ServerConfig(**server), EngineConfig.from_kwargs(**engine)
+    except ValueError as exc:
+        raise ValueError(_with_variable(str(exc), args, environ)) from None
+
+
+def _with_variable(message: str, args: argparse.Namespace | None, environ: Mapping[str, str]) -> str:
+    """``message`` (``"<setting> must be ..."``) led by the variable that gave the value, when a
+    ``NANOSERVE_*`` variable and not a flag did: the user set the variable, not the name."""
+    name = message.partition(" ")[0]
+    setting = next((s for s in SETTINGS if s.name == name), None)
+    if setting is None or (args is not None and hasattr(args, name)) or setting.env not in environ:
+        return message
+    return f"{setting.env}={environ[setting.env]!r}: {message}"

@@ -323,10 +323,10 @@ def _nothing_found(args: argparse.Namespace, pool_id: str | None, epochs: list[i
     """The line said instead of an empty table: which filters found no event in which pool and epochs."""
     from nanoserve.allocator.log.reader import connect, resolve_epoch
 
-    if epochs == [None]:  # the newest epoch: named, as the others are
+    if pool_id is None or epochs == [None]:  # the log's only pool, its newest epoch: named, as the others are
         with connect(_url(args)) as conn:
-            info = resolve_epoch(conn, pool_id, None)
-        pool_id, epochs = info.pool_id, [info.epoch]
+            info = resolve_epoch(conn, pool_id, epochs[0])
+        pool_id, epochs = info.pool_id, epochs if epochs != [None] else [info.epoch]
     what = "no event"
     if args.owner is not None:
         what += f" of owner {args.owner!r}"

@@ -343,3 +343,47 @@ def test_output_whose_reader_went_away_stops_quietly_with_141(log_url: str, comm
     _, stderr = nanoserve.communicate(timeout=60)
     assert stderr.decode() == ""  # no traceback, no "Exception ignored ... BrokenPipeError"
     assert nanoserve.returncode == 141
+
+
+TENANT_HINT = (
+    "hint: a tenant's request is owned as <tenant>/<request_id> where tenants are configured ('default/nosuch' "
+    "with --auth-token), and sample i of a parallel request as <owner>#i; `nanoserve log requests` lists the "
+    "request ids\n"
+)
+
+
+def test_show_owner_that_has_no_event_says_so_and_how_tenants_owners_are_named(
+    log_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a new user got an empty table and exit 0, silently
+    assert main(["log", "show", "--url", log_url, "--owner", "nosuch"]) == 0  # as `log requests` finding none
+    out, err = capsys.readouterr()
+    assert out == "no event of owner 'nosuch' in pool 'p' epoch 1\n"
+    assert err == TENANT_HINT
+    assert main(["log", "show", "--url", log_url, "--owner", "nosuch", "--epoch", "1", "--kind", "free"]) == 0
+    assert capsys.readouterr().out == "no event of owner 'nosuch' of kind free in pool 'p' epoch 1\n"
+
+
+def test_show_without_owner_that_finds_nothing_names_its_filters(
+    log_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["log", "show", "--url", log_url, "--block", "3", "--from", "2"]) == 0
+    assert capsys.readouterr() == ("no event touching block 3 in seqs 2.. in pool 'p' epoch 1\n", "")
+
+
+def test_show_owner_of_a_client_id_names_the_tenants_owners_of_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a server with tenants the log's owner of a client's id ``x`` is ``<tenant>/x``."""
+    url = f"sqlite:///{tmp_path / 'tenants.db'}"
+    upgrade(url)
+    with EventLog.open(url, pool_id="p", num_blocks=4, block_size=16) as log:
+        pool = BlockAllocator(4, 16)
+        pool.allocate("team-a/x")
+        pool.allocate("team-b/x#0")  # a sample of team-b's x
+        pool.allocate("team-a/xx")
+        persist(pool, log)
+    assert main(["log", "show", "--url", url, "--owner", "x"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "no event of owner 'x' in pool 'p' epoch 1\n"
+    assert err == "hint: a tenant's request is owned as <tenant>/<request_id>: found 'team-a/x', 'team-b/x'\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -214,3 +215,33 @@ def test_bad_speculative_settings_are_refused_naming_the_setting(argv: tuple[str
 def test_an_unknown_speculative_method_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match=r"NANOSERVE_SPECULATIVE must be one of \('off', 'ngram', 'auto'\)"):
         build_configs(_parse(), environ={"NANOSERVE_SPECULATIVE": "eagle"})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("NANOSERVE_PORT", "abc", "an integer"),
+        ("NANOSERVE_GRACE_S", "soon", "a number"),
+        ("NANOSERVE_EVENT_LOG_SYNC", "maybe", "a boolean (1/0, true/false, yes/no, on/off)"),
+        ("NANOSERVE_KV_CACHE_MEMORY", "lots", "a byte count (1073741824, 512MiB, 2GiB, 4GB)"),
+        ("NANOSERVE_NUM_THREADS", "many", "an integer, or none/off"),
+    ],
+)
+def test_a_variable_that_does_not_parse_is_named_with_the_type_it_expects(
+    variable: str, value: str, expected: str
+) -> None:
+    # a new user read "invalid literal for int() with base 10: 'abc'"
+    with pytest.raises(ValueError, match=f"^{re.escape(f'{variable}={value!r}: expected {expected}')}$"):
+        build_configs(_parse(), environ={variable: value})
+
+
+def test_every_setting_says_what_its_values_look_like() -> None:
+    assert [s.name for s in SETTINGS if s.parse is not str and s.expected == "text"] == []
+
+
+def test_a_variable_out_of_range_is_named_before_the_setting_it_sets() -> None:
+    message = "port must be in [0, 65535] (0 = any free port), got 70000"
+    with pytest.raises(ValueError, match="^" + re.escape("NANOSERVE_PORT='70000': " + message) + "$"):
+        build_configs(_parse(), environ={"NANOSERVE_PORT": "70000"})
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):  # a flag's value: named as the setting
+        build_configs(_parse("--port", "70000"), environ={"NANOSERVE_PORT": "1"})

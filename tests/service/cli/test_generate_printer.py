@@ -33,3 +33,27 @@ def test_json_output_of_several_samples_names_sample_0_too(capsys: pytest.Captur
     out, err = capsys.readouterr()
     assert [json.loads(line)["index"] for line in out.splitlines()] == [0, 1, 0]
     assert [line.split(":")[0] for line in err.splitlines()] == ["sample 1", "sample 0"]
+
+
+def test_an_aborted_finish_names_its_cause_and_marks_the_printer_aborted(capsys: pytest.CaptureFixture[str]) -> None:
+    # a new user's request cut by the server's shutdown printed "[abort; ...]" and exited 0
+    printer = _Printer(as_json=False)
+    finish = pb.Finish(
+        reason=pb.FINISH_REASON_ABORT, abort_cause=pb.ABORT_CAUSE_SHUTDOWN, usage=pb.Usage(prompt_tokens=3)
+    )
+    printer.print(pb.GenerateResponse(text="Once", token_ids=[7]))
+    assert not printer.aborted
+    printer.print(pb.GenerateResponse(finish=finish))
+    assert printer.aborted
+    assert capsys.readouterr() == (
+        "Once\n",
+        "[abort (shutdown); 3 prompt (0 cached) + 0 completion tokens; ttft -; total -]\n",
+    )
+
+
+def test_the_note_is_said_with_the_first_message_only(capsys: pytest.CaptureFixture[str]) -> None:
+    printer = _Printer(as_json=False, note="note: said once")
+    assert capsys.readouterr().err == ""  # nothing before the server answered
+    printer.print(pb.GenerateResponse(text="a", token_ids=[1]))
+    printer.print(pb.GenerateResponse(text="b", token_ids=[2]))
+    assert capsys.readouterr() == ("ab", "note: said once\n")

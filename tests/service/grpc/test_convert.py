@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from nanoserve.allocator import EventKind, FreeReason, PoolState, Violation
 from nanoserve.allocator.log import AuditReport, Event
-from nanoserve.engine.core.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from nanoserve.engine.core.outputs import AbortCause, CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from nanoserve.engine.sampling.params import SamplingParams
 from nanoserve.engine.text.prompts import ChatPrompt, TokensPrompt
 from nanoserve.service.grpc import allocation_convert, convert
@@ -145,6 +146,13 @@ def test_last_output_carries_finish_usage_and_timings() -> None:
     assert finish.num_preemptions == 1
 
 
+def test_an_aborted_finish_carries_its_cause_and_another_none() -> None:
+    aborted = dataclasses.replace(_output(finished=True, finish_reason="abort"), abort_cause=AbortCause.SHUTDOWN)
+    assert convert.to_response(aborted).finish.abort_cause == pb.ABORT_CAUSE_SHUTDOWN
+    stopped = convert.to_response(_output(finished=True, finish_reason="stop")).finish
+    assert stopped.abort_cause == pb.ABORT_CAUSE_UNSPECIFIED
+
+
 def test_timings_a_request_never_reached_stay_unset() -> None:
     output = _output(finished=True, finish_reason="abort")
     assert output.metrics is not None
@@ -223,12 +231,13 @@ def test_event_kind_from_a_newer_log_is_unspecified() -> None:
     ("names", "enum", "prefix"),
     [
         (convert.FINISH_REASONS, pb.FinishReason, "FINISH_REASON_"),
+        ({cause.value: value for cause, value in convert.ABORT_CAUSES.items()}, pb.AbortCause, "ABORT_CAUSE_"),
         ({name: value for value, name in convert.CHAT_ROLES.items()}, pb.ChatRole, "CHAT_ROLE_"),
         (allocation_convert.EVENT_KINDS, apb.EventKind, "EVENT_KIND_"),
         (allocation_convert.FREE_REASONS, apb.FreeReason, "FREE_REASON_"),
         (allocation_convert.AUDIT_RULES, apb.AuditRule, "AUDIT_RULE_"),
     ],
-    ids=["finish-reason", "chat-role", "event-kind", "free-reason", "audit-rule"],
+    ids=["finish-reason", "abort-cause", "chat-role", "event-kind", "free-reason", "audit-rule"],
 )
 def test_each_table_maps_every_enum_value_but_unspecified_by_its_own_name(
     names: dict[str, int], enum: Any, prefix: str
@@ -238,6 +247,10 @@ def test_each_table_maps_every_enum_value_but_unspecified_by_its_own_name(
         for name in enum.DESCRIPTOR.values_by_name
         if name != f"{prefix}UNSPECIFIED"
     }
+
+
+def test_abort_causes_cover_the_engines() -> None:
+    assert set(convert.ABORT_CAUSES) == set(AbortCause)
 
 
 def test_event_kinds_and_free_reasons_cover_the_allocators() -> None:
