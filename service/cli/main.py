@@ -19,7 +19,7 @@ from collections.abc import Sequence
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell shows for a command whose reader went away
 
-COMMANDS: tuple[str, ...] = ("serve", "generate", "health", "log", "db", "gateway")
+COMMANDS: tuple[str, ...] = ("serve", "generate", "resume", "health", "log", "db", "gateway")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,22 +50,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--system", default=None, help="a system message placed before the user message (implies --chat)"
     )
-    parser.add_argument(
-        "--server",
-        default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
-        help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
-    )
-    parser.add_argument(
-        "--token",
-        default=os.environ.get("NANOSERVE_AUTH_TOKEN"),
-        help="bearer token, when the server requires one [env NANOSERVE_AUTH_TOKEN]",
-    )
-    parser.add_argument(
-        "--tls", action="store_true", help="connect with TLS (system root certificates unless --ca-cert)"
-    )
-    parser.add_argument(
-        "--ca-cert", default=None, help="PEM file of the CA that signed the server's certificate (implies --tls)"
-    )
+    add_connection_flags(parser)
     parser.add_argument("--request-id", default="", help="request id (default: the server assigns one)")
     parser.add_argument(
         "--timeout",
@@ -179,6 +164,26 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """--server, --token, --tls and --ca-cert: how a client command reaches the server."""
+    parser.add_argument(
+        "--server",
+        default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
+        help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("NANOSERVE_AUTH_TOKEN"),
+        help="bearer token, when the server requires one [env NANOSERVE_AUTH_TOKEN]",
+    )
+    parser.add_argument(
+        "--tls", action="store_true", help="connect with TLS (system root certificates unless --ca-cert)"
+    )
+    parser.add_argument(
+        "--ca-cert", default=None, help="PEM file of the CA that signed the server's certificate (implies --tls)"
+    )
+
+
 def _bias_entry(text: str) -> tuple[int, float]:
     """``--logit-bias ID=BIAS`` as (token id, bias); argparse reports anything else (exit 2)."""
     token_id, equals, bias = text.partition("=")
@@ -258,7 +263,7 @@ def _seconds(timings: Any, field: str) -> str:
     return f"{getattr(timings, field).ToNanoseconds() / 1e9:.3f} s"
 
 
-def _error_lines(exc: Any, args: argparse.Namespace) -> str:
+def error_lines(exc: Any, args: argparse.Namespace) -> str:
     """``_error_line``, and below it what the user can do about it (``client.status_hint``), if anything."""
     from nanoserve.service.cli.client import status_hint
 
@@ -300,35 +305,35 @@ def run(args: argparse.Namespace) -> int:
         metadata = auth_metadata(args.token)
         deadline = None if args.timeout is None else time.monotonic() + args.timeout
         call: Any = stub.Generate(request, timeout=args.timeout, metadata=metadata)
-        printer = _Printer(
+        printer = StreamPrinter(
             args.json,
             samples=num_samples > 1 or request.sampling.HasField("best_of"),
             note=LOGPROBS_NOTE if request.sampling.HasField("logprobs") and not args.json else None,
         )
         resuming = False  # the current call is a Resume
         while True:
-            interrupt = _CancelOnInterrupt(call)
+            interrupt = CancelOnInterrupt(call)
             try:
                 with interrupt:
                     for response in call:
                         printer.print(response)
                 if interrupt.interrupted:
-                    return _interrupted(printer)
+                    return interrupted_exit(printer)
                 return EXIT_ABORTED if printer.aborted else 0
             except grpc.RpcError as exc:
                 if interrupt.interrupted:  # the call ended because Ctrl-C cancelled it
-                    return _interrupted(printer)
+                    return interrupted_exit(printer)
                 if resuming and exc.code() == grpc.StatusCode.NOT_FOUND and printer.num_tokens == 0:
                     # the crash came before the journal held the request: nothing was sent, so send it again
                     print(
                         f"request {request.request_id} was not journaled before the crash; sent again", file=sys.stderr
                     )
                     resuming = False
-                    call = stub.Generate(request, timeout=_remaining(deadline), metadata=metadata)
+                    call = stub.Generate(request, timeout=remaining_s(deadline), metadata=metadata)
                     continue
                 if not (resumable and exc.code() == grpc.StatusCode.UNAVAILABLE):
                     printer.end_line()
-                    print(_error_lines(exc, args), file=sys.stderr)
+                    print(error_lines(exc, args), file=sys.stderr)
                     return 1
                 # the text's line stays open: the resumed stream continues it, so stdout is the uninterrupted text
                 # (on a terminal, where both streams meet, the message starts a line of its own)
@@ -342,11 +347,11 @@ def run(args: argparse.Namespace) -> int:
                     refused = _abort_recovered(stub, request.request_id, metadata, deadline)
                     if refused is not None:
                         printer.end_line()
-                        print(_error_lines(refused, args), file=sys.stderr)
+                        print(error_lines(refused, args), file=sys.stderr)
                         return 1
                     print(_sent_again_line(request, num_samples), file=sys.stderr)
                     printer.start_over()
-                    call = stub.Generate(request, timeout=_remaining(deadline), metadata=metadata)
+                    call = stub.Generate(request, timeout=remaining_s(deadline), metadata=metadata)
                     resuming = False
                     continue
                 print(
@@ -354,10 +359,10 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 resume = pb.ResumeRequest(request_id=request.request_id, after_token_index=printer.num_tokens)
-                call = stub.Resume(resume, timeout=_remaining(deadline), metadata=metadata)
+                call = stub.Resume(resume, timeout=remaining_s(deadline), metadata=metadata)
                 resuming = True
             except KeyboardInterrupt:  # Ctrl-C with no call streaming (waiting to resume): nothing to cancel
-                return _interrupted(printer)
+                return interrupted_exit(printer)
 
 
 def _abort_recovered(stub: Any, request_id: str, metadata: Any, deadline: float | None) -> Any:
@@ -369,7 +374,7 @@ def _abort_recovered(stub: Any, request_id: str, metadata: Any, deadline: float 
     from nanoserve.v1 import generation_pb2 as pb
 
     try:
-        stub.Abort(pb.AbortRequest(request_id=request_id), timeout=_remaining(deadline), metadata=metadata)
+        stub.Abort(pb.AbortRequest(request_id=request_id), timeout=remaining_s(deadline), metadata=metadata)
     except grpc.RpcError as exc:
         return None if exc.code() == grpc.StatusCode.NOT_FOUND else exc
     return None
@@ -392,7 +397,7 @@ def _sent_again_line(request: Any, num_samples: int) -> str:
     )
 
 
-class _CancelOnInterrupt:
+class CancelOnInterrupt:
     """While a call streams, Ctrl-C (SIGINT) cancels it and is remembered, instead of raising
     KeyboardInterrupt wherever the main thread is: inside grpc's locks that loses the interrupt
     (the stream runs on to its end) or breaks the lock ("cannot release un-acquired lock"),
@@ -408,7 +413,7 @@ class _CancelOnInterrupt:
         self._installed = False
         self._previous: Any = None
 
-    def __enter__(self) -> _CancelOnInterrupt:
+    def __enter__(self) -> CancelOnInterrupt:
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
             self._installed = True
@@ -424,18 +429,18 @@ class _CancelOnInterrupt:
         threading.Thread(target=self._call.cancel, name="cancel-on-interrupt", daemon=True).start()
 
 
-def _interrupted(printer: _Printer) -> int:
+def interrupted_exit(printer: StreamPrinter) -> int:
     """Ctrl-C's exit: the open line ended, nothing on stderr, 130 as shells report it."""
     printer.end_line()
     return EXIT_INTERRUPTED
 
 
-def _remaining(deadline: float | None) -> float | None:
+def remaining_s(deadline: float | None) -> float | None:
     """Seconds left until ``deadline`` (time.monotonic()); None without one."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-class _Printer:
+class StreamPrinter:
     """Prints streamed messages; knows whether a line of text is left open."""
 
     def __init__(self, as_json: bool, samples: bool = False, note: str | None = None) -> None:

@@ -222,7 +222,7 @@ def test_generate_ctrl_c_while_streaming_cancels_the_call_without_raising() -> N
     import signal
     import threading
 
-    from nanoserve.service.cli.commands.generate import _CancelOnInterrupt
+    from nanoserve.service.cli.commands.generate import CancelOnInterrupt
 
     cancelled = threading.Event()
 
@@ -232,7 +232,7 @@ def test_generate_ctrl_c_while_streaming_cancels_the_call_without_raising() -> N
             return True
 
     before = signal.getsignal(signal.SIGINT)
-    with _CancelOnInterrupt(Call()) as interrupt:
+    with CancelOnInterrupt(Call()) as interrupt:
         signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt here
         assert cancelled.wait(timeout=5.0)
     assert interrupt.interrupted

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nanoserve.service.cli.commands.generate import _Printer
+from nanoserve.service.cli.commands.generate import StreamPrinter
 from nanoserve.v1 import generation_pb2 as pb
 
 
@@ -17,7 +17,7 @@ def _finish(completion_tokens: int, cached_tokens: int) -> pb.Finish:
 
 def test_json_output_says_on_stderr_how_many_prompt_tokens_were_cached(capsys: pytest.CaptureFixture[str]) -> None:
     # a new user found stderr empty under --json, where docs/cli.md promises the cached count
-    printer = _Printer(as_json=True)
+    printer = StreamPrinter(as_json=True)
     printer.print(pb.GenerateResponse(request_id="r", text="Hi", token_ids=[19556]))
     printer.print(pb.GenerateResponse(request_id="r", text="!", token_ids=[17], finish=_finish(2, 64)))
     out, err = capsys.readouterr()
@@ -26,7 +26,7 @@ def test_json_output_says_on_stderr_how_many_prompt_tokens_were_cached(capsys: p
 
 
 def test_json_output_of_several_samples_names_sample_0_too(capsys: pytest.CaptureFixture[str]) -> None:
-    printer = _Printer(as_json=True, samples=True)
+    printer = StreamPrinter(as_json=True, samples=True)
     printer.print(pb.GenerateResponse(request_id="r", text="a", token_ids=[1], index=0))
     printer.print(pb.GenerateResponse(request_id="r", text="b", token_ids=[2], index=1, finish=_finish(1, 0)))
     printer.print(pb.GenerateResponse(request_id="r", text="c", token_ids=[3], index=0, finish=_finish(2, 0)))
@@ -37,7 +37,7 @@ def test_json_output_of_several_samples_names_sample_0_too(capsys: pytest.Captur
 
 def test_an_aborted_finish_names_its_cause_and_marks_the_printer_aborted(capsys: pytest.CaptureFixture[str]) -> None:
     # a new user's request cut by the server's shutdown printed "[abort; ...]" and exited 0
-    printer = _Printer(as_json=False)
+    printer = StreamPrinter(as_json=False)
     finish = pb.Finish(
         reason=pb.FINISH_REASON_ABORT, abort_cause=pb.ABORT_CAUSE_SHUTDOWN, usage=pb.Usage(prompt_tokens=3)
     )
@@ -52,7 +52,7 @@ def test_an_aborted_finish_names_its_cause_and_marks_the_printer_aborted(capsys:
 
 
 def test_the_note_is_said_with_the_first_message_only(capsys: pytest.CaptureFixture[str]) -> None:
-    printer = _Printer(as_json=False, note="note: said once")
+    printer = StreamPrinter(as_json=False, note="note: said once")
     assert capsys.readouterr().err == ""  # nothing before the server answered
     printer.print(pb.GenerateResponse(text="a", token_ids=[1]))
     printer.print(pb.GenerateResponse(text="b", token_ids=[2]))

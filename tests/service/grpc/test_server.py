@@ -919,3 +919,23 @@ async def test_a_seeded_sample_is_the_same_from_the_prefix_cache(tmp_path: Path)
     assert (uncached[2], cached[2]) == (0, 48)
     assert cached[:2] == uncached[:2]
     assert len(uncached[0]) == 24
+
+
+async def test_resume_cli_streams_a_finished_requests_text_again_by_its_id(served: Served) -> None:
+    """A user whose `generate` went away had no command to get the completion back: `nanoserve resume ID`."""
+    server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
+    question = ("--chat", "What is the capital of France?", "--max-tokens", "24", "--temperature", "0")
+    code, stdout, stderr = await _cli("generate", "--server", server, "--request-id", "resume-cli-1", *question)
+    assert (code, stdout) == (0, EXPECTED_CHAT_TEXT + "\n"), stderr
+    code, resumed, resumed_err = await _cli("resume", "--server", server, "resume-cli-1")
+    assert (code, resumed) == (0, EXPECTED_CHAT_TEXT + "\n"), resumed_err
+    assert resumed_err.splitlines()[-1].startswith("[stop; ")
+    code, lines, _ = await _cli("resume", "--server", server, "resume-cli-1", "--after-token", "3", "--json")
+    messages = [json.loads(line) for line in lines.splitlines()]
+    code_all, all_lines, _ = await _cli("resume", "--server", server, "resume-cli-1", "--json")
+    every = [t for m in (json.loads(line) for line in all_lines.splitlines()) for t in m.get("token_ids", [])]
+    assert code == code_all == 0
+    assert [t for m in messages for t in m.get("token_ids", [])] == every[3:]
+    code, stdout, stderr = await _cli("resume", "--server", server, "no-such-request")
+    assert (code, stdout) == (1, "")
+    assert stderr.startswith("error: NOT_FOUND: ")

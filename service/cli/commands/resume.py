@@ -1,0 +1,96 @@
+"""``nanoserve resume REQUEST_ID``: stream a request's completion again, from the journal, by its id.
+
+    nanoserve resume REQUEST_ID [--after-token N] [--json] [--server HOST:PORT] [--token T]
+
+For a client that went away (a closed terminal, a dropped connection): the
+server keeps streaming nothing to it, but journals every token, and a running
+request runs on until it ends. ``Resume`` streams the request's tokens after
+``--after-token`` (0: the whole completion) and follows it live until it ends.
+The output is ``generate``'s: the text on stdout, the finish line on stderr.
+Requests of several samples (``--n``/``--best-of``) cannot be resumed (the
+journal keeps no tokens of parallel samples). Exit status: 0 done, 1 an error
+(NOT_FOUND: no such request in the live journal; FAILED_PRECONDITION: the
+server keeps no journal) or a request that ended aborted, 2 a flag mistake,
+130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from nanoserve.service.cli.arguments import INT64_MAX, integer, number
+from nanoserve.service.cli.commands.generate import (
+    EXIT_ABORTED,
+    CancelOnInterrupt,
+    StreamPrinter,
+    add_connection_flags,
+    error_lines,
+    interrupted_exit,
+)
+
+EXIT_ERROR = 1
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "resume",
+        help="stream a request's completion again by its id (after the client went away)",
+        description="Stream the completion of a running or finished request again, from the server's request "
+        "journal, and follow it live until it ends: what `generate` printed, for a client that went away. "
+        "Exit 0 done, 1 error or aborted, 130 Ctrl-C.",
+    )
+    parser.add_argument(
+        "request_id",
+        metavar="REQUEST_ID",
+        help="the request's id (generate --request-id, or the id "
+        "the server assigned: `nanoserve log requests` lists them)",
+    )
+    parser.add_argument(
+        "--after-token",
+        type=integer(0, INT64_MAX),
+        default=0,
+        metavar="N",
+        help="start after the first N output tokens (the ones already printed) [default: 0, the whole completion]",
+    )
+    add_connection_flags(parser)
+    parser.add_argument(
+        "--timeout",
+        type=number(0.0, low_open=True),
+        default=None,
+        metavar="SECONDS",
+        help="deadline of the call (the request itself runs on)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per streamed message instead of the text"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from nanoserve.service.cli.client import auth_metadata, open_channel
+    from nanoserve.v1 import generation_pb2 as pb
+    from nanoserve.v1 import generation_pb2_grpc
+
+    request = pb.ResumeRequest(request_id=args.request_id, after_token_index=args.after_token)
+    printer = StreamPrinter(args.json)
+    with open_channel(args.server, tls=args.tls, ca_cert=args.ca_cert) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        call = stub.Resume(request, timeout=args.timeout, metadata=auth_metadata(args.token))
+        interrupt = CancelOnInterrupt(call)
+        try:
+            with interrupt:
+                for response in call:
+                    printer.print(response)
+        except grpc.RpcError as exc:
+            if interrupt.interrupted:
+                return interrupted_exit(printer)
+            printer.end_line()
+            print(error_lines(exc, args), file=sys.stderr)
+            return EXIT_ERROR
+    if interrupt.interrupted:
+        return interrupted_exit(printer)
+    return EXIT_ABORTED if printer.aborted else 0
