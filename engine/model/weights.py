@@ -123,7 +123,9 @@ def resolve_model_path(model: str | None) -> Path:
         return path
     if path.is_dir() and (path / "config.json").is_file():
         return path
-    raise FileNotFoundError(f"model must be a .gguf file or a folder with config.json, got {model!r}")
+    if not path.exists():
+        raise FileNotFoundError(f"{model!r}: no such file or folder (a .gguf file, or a folder with config.json)")
+    raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a folder with config.json")
 
 
 def load_checkpoint(path: Path, quantization: str = "none") -> Checkpoint:

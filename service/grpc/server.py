@@ -396,6 +396,11 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
     # (a megabyte or two) are frozen with them; it runs from here on.
     gc.freeze()
     gc.enable()
+    unusable = _model_unusable(engine_config)
+    if unusable is not None:  # a mistyped --model or --device is found before anything else starts
+        log.error("model_unusable", cause=unusable)
+        print(f"nanoserve serve: error: {unusable}", file=sys.stderr, flush=True)
+        return EXIT_BAD_CONFIG
     try:  # a port another server holds is found before the model loads
         check_port_free("--port", server_config.host, server_config.port)
         if server_config.metrics_port is not None:
@@ -444,3 +449,19 @@ def _port_unavailable(exc: PortUnavailableError) -> int:
     log.error("port_unavailable", setting=exc.setting, host=exc.host, port=exc.port, cause=str(exc))
     print(f"nanoserve serve: error: {exc}", file=sys.stderr, flush=True)
     return EXIT_BAD_CONFIG
+
+
+def _model_unusable(engine_config: EngineConfig) -> str | None:
+    """Why ``--model`` or ``--device`` cannot be used, as one line naming the flag; None when they can."""
+    from nanoserve.engine.model.device import resolve_device
+    from nanoserve.engine.model.weights import resolve_model_path
+
+    try:
+        resolve_model_path(engine_config.model.model)
+    except FileNotFoundError as exc:
+        return f"--model {exc}"
+    try:
+        resolve_device(engine_config.model.device)
+    except (ValueError, RuntimeError) as exc:
+        return f"--device {engine_config.model.device}: {exc}"
+    return None

@@ -10,6 +10,7 @@ same picture gives the same bytes.
 from __future__ import annotations
 
 import io
+import os
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,10 +43,19 @@ class Picture:
 
 
 def figure_format(path: str | Path) -> str:
-    """``svg`` or ``png`` from the file name; ValueError naming the suffixes otherwise."""
+    """``svg`` or ``png`` from the file name, checked before the drawing's work: ValueError naming the
+    suffixes, or saying why ``path`` cannot be written (a folder, a missing or read-only folder)."""
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in FORMATS:
         raise ValueError(f"the picture's file must end in .svg or .png, got {str(path)!r}")
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise ValueError(f"cannot write the picture to {str(path)!r}: it is a folder")
+    if not folder.is_dir():
+        raise ValueError(f"cannot write the picture to {str(path)!r}: no folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"cannot write the picture to {str(path)!r}: permission denied")
     return suffix
 
 
@@ -58,13 +68,18 @@ def save_figure(figure: Any, path: str | Path, titles: Mapping[str, str], fmt: s
     import matplotlib as mpl
 
     fmt = fmt or figure_format(path)
-    if fmt == "png":
-        figure.savefig(path, format="png", dpi=PNG_DPI)
-        return
     buffer = io.BytesIO()
-    with mpl.rc_context({"svg.hashsalt": "nanoserve", "svg.fonttype": "none"}):
-        figure.savefig(buffer, format="svg", metadata={"Date": None})
-    Path(path).write_bytes(add_titles(buffer.getvalue(), titles))
+    if fmt == "png":
+        figure.savefig(buffer, format="png", dpi=PNG_DPI)
+        data = buffer.getvalue()
+    else:
+        with mpl.rc_context({"svg.hashsalt": "nanoserve", "svg.fonttype": "none"}):
+            figure.savefig(buffer, format="svg", metadata={"Date": None})
+        data = add_titles(buffer.getvalue(), titles)
+    try:
+        Path(path).write_bytes(data)
+    except OSError as exc:  # the folder went away or filled up since figure_format checked it
+        raise ValueError(f"cannot write the picture to {str(path)!r}: {exc.strerror or exc}") from None
 
 
 def add_titles(svg: bytes, titles: Mapping[str, str]) -> bytes:

@@ -2,10 +2,12 @@
 
     nanoserve resume REQUEST_ID [--after-token N] [--json] [--server HOST:PORT] [--token T]
 
-For a client that went away (a closed terminal, a dropped connection): the
-server keeps streaming nothing to it, but journals every token, and a running
-request runs on until it ends. ``Resume`` streams the request's tokens after
-``--after-token`` (0: the whole completion) and follows it live until it ends.
+The server journals every token of a request: ``Resume`` streams them after
+``--after-token`` (0: the whole completion), then follows the request live
+until it ends: a finished request's completion again, a running one's from a
+second terminal (Ctrl-C here leaves it running). A client that went away
+cancelled its call, and the server aborted that request (cause ``cancelled``):
+resume prints what it generated until then.
 The output is ``generate``'s: the text on stdout, the finish line on stderr.
 Requests of several samples (``--n``/``--best-of``) cannot be resumed (the
 journal keeps no tokens of parallel samples). Exit status: 0 done, 1 an error
@@ -36,10 +38,11 @@ EXIT_ERROR = 1
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "resume",
-        help="stream a request's completion again by its id (after the client went away)",
+        help="stream a request's completion again by its id (a finished one, or a running one to its end)",
         description="Stream the completion of a running or finished request again, from the server's request "
-        "journal, and follow it live until it ends: what `generate` printed, for a client that went away. "
-        "Exit 0 done, 1 error or aborted, 130 Ctrl-C.",
+        "journal, and follow it live until it ends, as `generate` printed it. A request whose client went away "
+        "was aborted (cancelled): what it generated until then is printed. Exit 0 done, 1 error or aborted, "
+        "130 Ctrl-C (the request runs on).",
     )
     parser.add_argument(
         "request_id",

@@ -15,15 +15,16 @@ from nanoserve.service.settings import add_arguments
 # exit statuses of `nanoserve serve` (README "When the event log is in trouble")
 EXIT_OK = 0  # served, shut down, every event of the epoch written and the epoch closed
 EXIT_ERROR = 1  # an unexpected error (its traceback is in the log)
-EXIT_BAD_CONFIG = 2  # a flag or NANOSERVE_* variable out of range, or a port that cannot be bound
+EXIT_BAD_CONFIG = 2  # a flag or NANOSERVE_* variable out of range, no model at --model, or a port that cannot be bound
 EXIT_LOG_UNUSABLE = 3  # the event log's store could not be used at start (checked before the model loads)
 EXIT_LOG_INCOMPLETE = 4  # shut down with events the log could not write: they are named, the epoch stays open
 
 EXIT_STATUSES = f"""exit status:
   {EXIT_OK}  served and shut down; every event written, the epoch closed
   {EXIT_ERROR}  an unexpected error (its traceback is in the log)
-  {EXIT_BAD_CONFIG}  a flag or NANOSERVE_* variable is out of range, or --port / --metrics-port cannot be
-     bound (another server listens there): checked before the model loads
+  {EXIT_BAD_CONFIG}  a flag or NANOSERVE_* variable is out of range, --model names no model file or folder,
+     --device is not on this machine, or --port / --metrics-port cannot be bound (another server
+     listens there): one line on stderr; checked before the model loads
   {EXIT_LOG_UNUSABLE}  the event log is unusable at start (store down, read-only or full, no schema, another
      writer, another live server on the same --pool-id): one line on stderr names the store and the
      cause; checked before the model loads (the --pool-id lock when the epoch opens, after it)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nanoserve.service.cli.commands.generate import build_request
@@ -301,3 +303,35 @@ def test_serve_refuses_a_port_another_server_listens_on_before_the_model_loads(
         f"nanoserve serve: error: {setting} {port}: {host}:{port} cannot be bound (Address already in use): "
         f"another server listens there (`ss -ltnp 'sport = :{port}'` names it); stop it or choose another {setting}"
     )
+
+
+@pytest.mark.usefixtures("logging_restored")
+def test_serve_names_a_model_path_or_device_it_cannot_use_in_one_line_before_anything_starts(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A new user's mistyped --model ended in a 40-line asyncio traceback and exit 1 (an unexpected error)."""
+    import torch
+
+    from nanoserve.service.cli.main import main
+    from nanoserve.service.grpc import server
+
+    async def start_engine(_engine_config: object) -> None:
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr(server, "start_engine", start_engine)
+    base = ["serve", "--event-log-url", "none", "--port", "0", "--metrics-port", "off", "--log-format", "json"]
+    missing = tmp_path / "missing.gguf"
+    assert main([*base, "--model", str(missing)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"nanoserve serve: error: --model {str(missing)!r}: no such file or folder "
+        "(a .gguf file, or a folder with config.json)"
+    )
+    assert main([*base, "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"nanoserve serve: error: --model {str(tmp_path)!r} is neither a .gguf file nor a folder with config.json"
+    )
+    if not torch.cuda.is_available():
+        assert main([*base, "--device", "cuda"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            "nanoserve serve: error: --device cuda: device 'cuda' requested but CUDA is not available"
+        )

@@ -225,6 +225,23 @@ def test_an_open_epoch_a_later_one_followed_is_drawn_as_crashed(url: str, tmp_pa
     )
 
 
+@pytest.mark.parametrize("command", ["plot", "state"])
+def test_a_picture_path_that_cannot_be_written_is_one_line_and_exit_2_before_drawing(
+    url: str, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's `log plot -o /nonexistent/dir/x.svg` drew the whole picture, then ended in a traceback."""
+    write_trace(url)
+    (tmp_path / "folder.svg").mkdir()
+    flag = ["-o"] if command == "plot" else ["--at", "5", "--svg"]
+    for path, why in [
+        (tmp_path / "missing" / "x.svg", f"no folder {str(tmp_path / 'missing')!r}"),
+        (tmp_path / "folder.svg", "it is a folder"),
+    ]:
+        assert main(["log", command, "--url", url, *flag, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"nanoserve log {command}: cannot write the picture to {str(path)!r}: {why}\n"
+
+
 def test_range_keeps_the_bars_held_in_it(url: str, tmp_path: Path) -> None:
     write_trace(url)
     out = tmp_path / "range.svg"
