@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 INT32_MAX = 2**31 - 1  # the contract's int32 fields (max_tokens, n, logprobs, ...)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # its int64 (seed)
+MAX_SALT_CHARS = 256  # GenerateRequest.cache_salt, as the server checks it
+GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:")  # gRPC name syntax targets, taken as given
 
 
 def integer(low: int, high: int = INT32_MAX, also: int | None = None) -> Callable[[str], int]:
@@ -49,9 +51,35 @@ def number(low: float, high: float = math.inf, low_open: bool = False) -> Callab
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number {allowed}, got {text!r}") from None
         above_low = value > low if low_open else value >= low
-        if not (math.isfinite(value) and above_low and value <= high):
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number {allowed}, got {text}")
+        if not (above_low and value <= high):
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
         return value
 
     parse.__name__ = "number"
     return parse
+
+
+def salt(text: str) -> str:
+    """A cache salt: 1..256 characters (an empty one would silently mean "no salt")."""
+    if not 1 <= len(text) <= MAX_SALT_CHARS:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_SALT_CHARS} characters, got {len(text)}")
+    return text
+
+
+def server_address(text: str) -> str:
+    """A gRPC target: ``HOST:PORT`` (``[IPv6]:PORT``), or a gRPC URI (``dns:``, ``unix:``, ``ipv4:``, ``ipv6:``).
+
+    A URL with another scheme (``http://...``) or a host without a port is refused: gRPC would dial a
+    misformatted name, or port 443, and fail with a message about neither."""
+    if text.startswith(GRPC_SCHEMES):
+        return text
+    if "://" in text:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT (no scheme; e.g. localhost:50051), got {text!r}")
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536 or host.endswith(":"):
+        raise argparse.ArgumentTypeError(
+            f"must be HOST:PORT with a port in 1..65535 (e.g. localhost:50051), got {text!r}"
+        )
+    return text

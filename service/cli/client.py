@@ -40,6 +40,15 @@ def status_hint(code: grpc.StatusCode, details: str, server: str, token_given: b
     (reset, TLS handshake, name lookup) cannot tell a crash from a wrong address, and say both.
     """
     if code == grpc.StatusCode.UNAVAILABLE:
+        if "shutting down" in details:  # the server answered: its message says what to do
+            return None
+        if "WRONG_VERSION_NUMBER" in details:  # a TLS client, a plaintext server
+            return f"the server at {server} does not speak TLS: drop --tls (and --ca-cert)"
+        if "handshake" in details.lower() or "certificate" in details.lower():
+            return (
+                f"the TLS handshake with {server} failed: --ca-cert must name the CA that signed the server's "
+                "certificate (and the certificate must name the address in --server)"
+            )
         if "Connection refused" in details:
             return (
                 f"nothing listens at {server}: `nanoserve serve` is not running there "
@@ -54,6 +63,15 @@ def status_hint(code: grpc.StatusCode, details: str, server: str, token_given: b
             return "the server does not accept the token given (--token or NANOSERVE_AUTH_TOKEN)"
         return "the server requires a token: pass --token TOKEN or set NANOSERVE_AUTH_TOKEN"
     return None
+
+
+def unready_hint(channel: grpc.Channel, server: str) -> str | None:
+    """Why ``server`` is not SERVING now, as ``status_hint`` says it (one health check), or its status."""
+    try:
+        status = health_status(channel, timeout_s=2.0)
+    except grpc.RpcError as exc:
+        return status_hint(exc.code(), exc.details() or "", server)
+    return f"the server at {server} answers {status}"
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -27,13 +27,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nanoserve",
         description="LLM inference server: gRPC streaming over a paged KV cache with an event-sourced block allocator.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"nanoserve.service.cli.commands.{name}").register(subparsers)
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), for bug reports."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nanoserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC's C core logs at INFO by default, and a failed TLS handshake is two lines of it on a client's
+    # stderr before the status the command explains; GRPC_VERBOSITY=INFO brings them back. Read at import.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     # Before anything imports torch: its OpenMP pool reads the wait policy once, at start.
     from nanoserve.engine.model.threads import prefer_bounded_spin
 

@@ -18,7 +18,8 @@ GRPC_OPTIONS = (("grpc.so_reuseport", 0),)
 
 class PortUnavailableError(OSError):
     """A port the server is configured to listen on cannot be bound: taken by another process
-    (errno EADDRINUSE), privileged (EACCES), or an address this machine lacks (EADDRNOTAVAIL).
+    (errno EADDRINUSE), privileged (EACCES), an address this machine lacks (EADDRNOTAVAIL), or a
+    host name that does not resolve (``socket.gaierror``).
 
     ``setting`` names the flag (``--port``, ``--metrics-port``)."""
 
@@ -45,13 +46,13 @@ def check_port_free(setting: str, host: str, port: int) -> None:
     Port 0 (any free port) is always free. The check binds a socket as a server
     does (SO_REUSEADDR, no SO_REUSEPORT) and closes it at once; the real bind
     later can still lose a race, and then says the same. A host that does not
-    resolve is left to the real bind, which names it.
+    resolve is refused here too (its cause, e.g. "Name or service not known").
     """
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
+    except socket.gaierror as exc:
+        raise PortUnavailableError(setting, host, port, exc) from None
+    if port == 0:
         return
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as probe:

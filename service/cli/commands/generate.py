@@ -26,7 +26,7 @@ import uuid
 from typing import Any
 
 from nanoserve.engine.sampling.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
-from nanoserve.service.cli.arguments import INT32_MAX, INT64_MAX, INT64_MIN, integer, number
+from nanoserve.service.cli.arguments import INT32_MAX, INT64_MAX, INT64_MIN, integer, number, salt, server_address
 
 # a CLI user expects a whole answer; API clients that leave max_tokens unset get the engine's default
 DEFAULT_MAX_TOKENS = 256
@@ -141,7 +141,8 @@ def register(subparsers: Any) -> None:
         "--truncate-prompt-tokens",
         type=integer(1, also=-1),
         default=None,
-        help="keep the prompt's last N tokens (-1: as many as fit)",
+        help="keep the prompt's last N tokens (-1: the last max_model_len - 1, room for one new token; to leave "
+        "room for --max-tokens M, give max_model_len - M)",
     )
     structured = parser.add_argument_group("structured output (at most one; the output must match it)")
     constraint = structured.add_mutually_exclusive_group()
@@ -158,7 +159,8 @@ def register(subparsers: Any) -> None:
     constraint.add_argument("--json-object", action="store_true", default=None, help="any JSON object")
     parser.add_argument(
         "--cache-salt",
-        default="",
+        type=salt,
+        default=None,
         help="prefix caching shares KV blocks only between requests with the same salt (1..256 characters)",
     )
     parser.set_defaults(func=run)
@@ -168,6 +170,7 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     """--server, --token, --tls and --ca-cert: how a client command reaches the server."""
     parser.add_argument(
         "--server",
+        type=server_address,
         default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
         help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
     )
@@ -204,7 +207,7 @@ def build_request(args: argparse.Namespace) -> Any:
     """The GenerateRequest the flags describe."""
     from nanoserve.v1 import generation_pb2 as pb
 
-    request = pb.GenerateRequest(request_id=args.request_id, cache_salt=args.cache_salt)
+    request = pb.GenerateRequest(request_id=args.request_id, cache_salt=args.cache_salt or "")
     if args.chat or args.system is not None:
         messages = [pb.ChatMessage(role=pb.CHAT_ROLE_SYSTEM, content=args.system)] if args.system else []
         messages.append(pb.ChatMessage(role=pb.CHAT_ROLE_USER, content=args.prompt))
@@ -264,14 +267,14 @@ def _seconds(timings: Any, field: str) -> str:
 
 
 def error_lines(exc: Any, args: argparse.Namespace) -> str:
-    """``_error_line``, and below it what the user can do about it (``client.status_hint``), if anything."""
+    """``error_line``, and below it what the user can do about it (``client.status_hint``), if anything."""
     from nanoserve.service.cli.client import status_hint
 
     hint = status_hint(exc.code(), exc.details() or "", args.server, token_given=bool(args.token))
-    return _error_line(exc) if hint is None else f"{_error_line(exc)}\nhint: {hint}"
+    return error_line(exc) if hint is None else f"{error_line(exc)}\nhint: {hint}"
 
 
-def _error_line(exc: Any) -> str:
+def error_line(exc: Any) -> str:
     """``error: CODE: details``, and the server's retry hint (google.rpc.RetryInfo) when it sent one."""
     from google.rpc import error_details_pb2
     from grpc_status import rpc_status
@@ -288,7 +291,7 @@ def _error_line(exc: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from nanoserve.service.cli.client import auth_metadata, open_channel, wait_ready
+    from nanoserve.service.cli.client import auth_metadata, open_channel, unready_hint, wait_ready
     from nanoserve.v1 import generation_pb2 as pb
     from nanoserve.v1 import generation_pb2_grpc
 
@@ -299,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
         request.request_id = uuid.uuid4().hex
     with open_channel(args.server, tls=args.tls, ca_cert=args.ca_cert) as channel:
         if args.wait_ready > 0 and not wait_ready(channel, args.wait_ready):
-            print(f"error: {args.server} not SERVING after {args.wait_ready} s", file=sys.stderr)
+            print(f"error: {args.server} not SERVING after {args.wait_ready:g} s", file=sys.stderr)
+            _print_hint(unready_hint(channel, args.server))
             return 1
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         metadata = auth_metadata(args.token)
@@ -307,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         call: Any = stub.Generate(request, timeout=args.timeout, metadata=metadata)
         printer = StreamPrinter(
             args.json,
-            samples=num_samples > 1 or request.sampling.HasField("best_of"),
+            samples=(request.sampling.n or 1) > 1,  # best_of > n = 1 returns one sample: printed as one
             note=LOGPROBS_NOTE if request.sampling.HasField("logprobs") and not args.json else None,
         )
         resuming = False  # the current call is a Resume
@@ -333,15 +337,22 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 if not (resumable and exc.code() == grpc.StatusCode.UNAVAILABLE):
                     printer.end_line()
-                    print(error_lines(exc, args), file=sys.stderr)
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and printer.request_id and num_samples == 1:
+                        # the stream was flowing: the server went away under it, and journaled the request
+                        print(error_line(exc), file=sys.stderr)
+                        _print_hint(_resume_hint(printer.request_id, printer.num_tokens))
+                    else:
+                        print(error_lines(exc, args), file=sys.stderr)
                     return 1
                 # the text's line stays open: the resumed stream continues it, so stdout is the uninterrupted text
                 # (on a terminal, where both streams meet, the message starts a line of its own)
                 gap = "\n" if printer.line_open and sys.stderr.isatty() else ""
-                print(f"{gap}{_error_line(exc)}; waiting up to {args.wait_ready:g} s to resume", file=sys.stderr)
+                print(f"{gap}{error_line(exc)}; waiting up to {args.wait_ready:g} s to resume", file=sys.stderr)
                 if not wait_ready(channel, args.wait_ready):
                     printer.end_line()
                     print(f"error: {args.server} not SERVING again within {args.wait_ready:g} s", file=sys.stderr)
+                    _print_hint(unready_hint(channel, args.server))
+                    _print_hint(_resume_hint(request.request_id, printer.num_tokens))
                     return 1
                 if num_samples > 1:  # Resume serves one-sample requests only: start the request over
                     refused = _abort_recovered(stub, request.request_id, metadata, deadline)
@@ -363,6 +374,22 @@ def run(args: argparse.Namespace) -> int:
                 resuming = True
             except KeyboardInterrupt:  # Ctrl-C with no call streaming (waiting to resume): nothing to cancel
                 return interrupted_exit(printer)
+
+
+def _print_hint(hint: str | None) -> None:
+    if hint is not None:
+        print(f"hint: {hint}", file=sys.stderr)
+
+
+def _resume_hint(request_id: str, num_tokens: int) -> str | None:
+    """How to get the rest of a stream the server's crash cut: the journal holds it."""
+    if not request_id:
+        return None
+    after = f" --after-token {num_tokens}" if num_tokens else ""
+    return (
+        f"the server journals request {request_id}: once it is back, `nanoserve resume {request_id}{after}` "
+        "prints the rest (generate --wait-ready SECONDS resumes by itself)"
+    )
 
 
 def _abort_recovered(stub: Any, request_id: str, metadata: Any, deadline: float | None) -> Any:
@@ -450,6 +477,8 @@ class StreamPrinter:
         self._samples: dict[int, str] | None = {} if samples else None  # index -> text so far (n / best_of)
         self._line_open = False  # text written since the last newline
         self.num_tokens = 0  # token ids received: where a resumed stream starts
+        self.request_id = ""  # the request's id, as the server's messages give it (it may assign one)
+        self.finish: Any = None  # the last Finish received
 
     def print(self, response: Any) -> None:
         from google.protobuf.json_format import MessageToDict
@@ -460,6 +489,9 @@ class StreamPrinter:
             print(self._note, file=sys.stderr)
             self._note = None
         self.num_tokens += len(response.token_ids)
+        self.request_id = response.request_id or self.request_id
+        if response.HasField("finish"):
+            self.finish = response.finish
         self.aborted = self.aborted or response.finish.reason == pb.FINISH_REASON_ABORT
         if self._as_json:
             message = MessageToDict(response, preserving_proto_field_name=True)

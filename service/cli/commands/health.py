@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from nanoserve.service.cli.arguments import server_address
+
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_UNKNOWN_SERVICE = 0, 1, 2, 3
 # the services a nanoserve server reports health for ('' is the whole server)
 KNOWN_SERVICES = ("", "nanoserve.v1.GenerationService", "nanoserve.v1.AllocationService", "vllm.grpc.engine.VllmEngine")
@@ -25,6 +27,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--server",
+        type=server_address,
         default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
         help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
     )

@@ -96,4 +96,11 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_ERROR
     if interrupt.interrupted:
         return interrupted_exit(printer)
+    finish = printer.finish
+    if finish is not None and args.after_token > finish.usage.completion_tokens:
+        print(
+            f"note: --after-token {args.after_token} is past the request's {finish.usage.completion_tokens} output "
+            "tokens: no text after it",
+            file=sys.stderr,
+        )
     return EXIT_ABORTED if printer.aborted else 0

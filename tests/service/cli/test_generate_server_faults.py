@@ -107,3 +107,54 @@ def test_a_request_the_server_aborts_names_the_cause_and_exits_1(tiny_model_dir:
     # on main: "[abort; ...]" and exit 0
     assert cli.returncode == 1, err
     assert err.splitlines()[-1].startswith("[abort (shutdown); ")
+
+
+def test_a_stream_a_crash_cuts_without_wait_ready_names_the_request_and_how_to_resume_it(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's stream cut by a crash said only 'went away or cannot be reached ... --tls for a TLS server',
+    though the restarted server recovered the request (its id server-assigned, printed nowhere)."""
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    port = free_port()
+    command = serve_command(url, tiny_model_dir, "cut", port)
+    server = Server(command)
+    cli = subprocess.Popen(
+        _generate(port, "--temperature", "0", "--max-tokens", "1000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    assert cli.stdout is not None
+    lines = [cli.stdout.readline() for _ in range(3)]
+    if not all(lines):
+        raise AssertionError(f"generate ended early: {read_rest(cli, 30)}")
+    before = [json.loads(line) for line in lines]
+    server.kill()
+    out, err = read_rest(cli, 60)
+    received = sum(len(m.get("token_ids", [])) for m in before) + sum(
+        len(json.loads(line).get("token_ids", [])) for line in out.splitlines() if line.strip()
+    )
+    request_id = before[0]["request_id"]
+    assert cli.returncode == 1, err
+    assert err.splitlines()[-1] == (
+        f"hint: the server journals request {request_id}: once it is back, `nanoserve resume {request_id} "
+        f"--after-token {received}` prints the rest (generate --wait-ready SECONDS resumes by itself)"
+    )
+    assert err.splitlines()[-2].startswith("error: UNAVAILABLE: ")
+    server = Server(command)  # the request is recovered: the hint's command gives the rest
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            *("-m", "nanoserve.service.cli.main", "resume", request_id, "--server", f"127.0.0.1:{port}"),
+            *("--after-token", str(received), "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=120,
+    )
+    server.stop()
+    assert resumed.returncode == 0, resumed.stderr
+    rest = sum(len(json.loads(line).get("token_ids", [])) for line in resumed.stdout.splitlines())
+    assert received + rest == 1000

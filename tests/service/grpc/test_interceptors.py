@@ -152,13 +152,13 @@ async def test_other_errors_carry_no_status_details(
 
 def _cli_error_line(port: int, request_id: str) -> str:
     """``nanoserve generate``'s error line for the status a blocking call to Abort gets."""
-    from nanoserve.service.cli.commands.generate import _error_line
+    from nanoserve.service.cli.commands.generate import error_line
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
             generation_pb2_grpc.GenerationServiceStub(channel).Abort(pb.AbortRequest(request_id=request_id))
         except grpc.RpcError as exc:
-            return _error_line(exc)
+            return error_line(exc)
     raise AssertionError("Abort succeeded")
 
 

@@ -34,3 +34,15 @@ def test_the_metrics_port_taken_is_named() -> None:
             ServerMetrics().serve_http("127.0.0.1", port)
     assert str(caught.value).startswith(f"--metrics-port {port}: 127.0.0.1:{port} cannot be bound (")
     assert str(caught.value).endswith("stop it or choose another --metrics-port")
+
+
+@pytest.mark.parametrize("port", [0, 51931])
+def test_a_host_that_does_not_resolve_is_refused_before_the_model_loads(port: int) -> None:
+    """`serve --host 999.1.1.1` loaded the model, opened an epoch, then ended in a traceback."""
+    from nanoserve.service.grpc.ports import check_port_free
+
+    with pytest.raises(PortUnavailableError) as caught:
+        check_port_free("--port", "999.1.1.1", port)
+    message = str(caught.value)
+    assert message.startswith(f"--port {port}: 999.1.1.1:{port} cannot be bound (")
+    assert message.endswith("); choose another --port or --host")

@@ -936,6 +936,11 @@ async def test_resume_cli_streams_a_finished_requests_text_again_by_its_id(serve
     every = [t for m in (json.loads(line) for line in all_lines.splitlines()) for t in m.get("token_ids", [])]
     assert code == code_all == 0
     assert [t for m in messages for t in m.get("token_ids", [])] == every[3:]
+    code, past, past_err = await _cli("resume", "--server", server, "resume-cli-1", "--after-token", "5000")
+    assert (code, past) == (0, ""), past_err
+    finish, note = past_err.splitlines()
+    assert finish.startswith("[stop; ")
+    assert note == f"note: --after-token 5000 is past the request's {len(every)} output tokens: no text after it"
     code, stdout, stderr = await _cli("resume", "--server", server, "no-such-request")
     assert (code, stdout) == (1, "")
     assert stderr.startswith("error: NOT_FOUND: ")
