@@ -33,6 +33,7 @@ DEFAULT_MAX_TOKENS = 256
 EXIT_ABORTED = 1  # the request ended with finish reason abort (the finish line names the cause)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 LOGPROBS_NOTE = "note: --logprobs: the logprobs are in the --json output; this prints the text"
+PROMPT_LOGPROBS_NOTE = "note: --prompt-logprobs: the prompt's logprobs are in the --json output; this prints the text"
 
 
 def register(subparsers: Any) -> None:
@@ -312,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
         printer = StreamPrinter(
             args.json,
             samples=(request.sampling.n or 1) > 1,  # best_of > n = 1 returns one sample: printed as one
-            note=LOGPROBS_NOTE if request.sampling.HasField("logprobs") and not args.json else None,
+            note=_logprobs_note(request.sampling, args.json),
         )
         resuming = False  # the current call is a Resume
         while True:
@@ -374,6 +375,15 @@ def run(args: argparse.Namespace) -> int:
                 resuming = True
             except KeyboardInterrupt:  # Ctrl-C with no call streaming (waiting to resume): nothing to cancel
                 return interrupted_exit(printer)
+
+
+def _logprobs_note(sampling: Any, as_json: bool) -> str | None:
+    """The note that plain output leaves out the logprobs asked for (said once the server took the request)."""
+    if as_json:
+        return None
+    notes = [LOGPROBS_NOTE] if sampling.HasField("logprobs") else []
+    notes += [PROMPT_LOGPROBS_NOTE] if sampling.HasField("prompt_logprobs") else []
+    return "\n".join(notes) or None
 
 
 def _print_hint(hint: str | None) -> None:

@@ -45,8 +45,7 @@ def register(subparsers: Any) -> None:
             "SIGTERM or SIGINT shuts down gracefully: new calls are refused, streams in "
             "flight get --grace-s seconds to finish, the rest are aborted, the log is "
             "flushed and closed. Each flag also reads the NANOSERVE_* variable named in its help. "
-            "Exit 0 after a clean shutdown, 2 on a bad setting, 3 when another live server writes "
-            "--pool-id in the event log."
+            "The exit statuses are listed below."
         ),
         epilog=EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -57,3 +57,15 @@ def test_the_note_is_said_with_the_first_message_only(capsys: pytest.CaptureFixt
     printer.print(pb.GenerateResponse(text="a", token_ids=[1]))
     printer.print(pb.GenerateResponse(text="b", token_ids=[2]))
     assert capsys.readouterr() == ("ab", "note: said once\n")
+
+
+def test_plain_output_notes_each_kind_of_logprobs_it_leaves_out() -> None:
+    """--prompt-logprobs without --json printed the text alone, with no word (--logprobs had a note)."""
+    from nanoserve.service.cli.commands.generate import LOGPROBS_NOTE, PROMPT_LOGPROBS_NOTE, _logprobs_note
+    from nanoserve.v1 import generation_pb2 as pb
+
+    assert _logprobs_note(pb.SamplingParameters(prompt_logprobs=2), as_json=False) == PROMPT_LOGPROBS_NOTE
+    both = pb.SamplingParameters(logprobs=0, prompt_logprobs=0)
+    assert _logprobs_note(both, as_json=False) == f"{LOGPROBS_NOTE}\n{PROMPT_LOGPROBS_NOTE}"
+    assert _logprobs_note(both, as_json=True) is None
+    assert _logprobs_note(pb.SamplingParameters(max_tokens=3), as_json=False) is None
