@@ -98,12 +98,15 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool = False) -> AuditReport:
+def audit_epoch(
+    conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool = False, fold: bool = True
+) -> AuditReport:
     """Audit one epoch on an open connection (see ``audit``).
 
     An intact epoch is folded in C (``intact_fold``; ``AuditReport.folded``),
     any other replayed by the Python ``Replayer``, which names what is wrong:
-    the report is the same either way.
+    the report is the same either way. ``fold`` False: the Python replay
+    alone (the reference the fold is tested and benchmarked against).
 
     from_checkpoint: audit only the tail since the epoch's newest verified
     checkpoint (``replay.checkpoint_start``: a SNAPSHOT whose own hash links
@@ -114,7 +117,7 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
     the epoch from genesis, or from its cut when its older part is archived
     (``segment.cut_start``: the first stored row chained to the manifest's head hash).
     """
-    folded = None if from_checkpoint else fold_intact(conn, info)
+    folded = fold_intact(conn, info) if fold and not from_checkpoint else None
     if folded is not None:
         replayer = folded.replayer
     else:
@@ -196,13 +199,14 @@ def _plot_hint(violation: Violation) -> str:
     return f" (plot --from {first} --to {last})"
 
 
-def audit(url: str, pool_id: str | None = None, epoch: int | None = None) -> AuditReport:
-    """Audit one epoch: ``pool_id`` None means the log's only pool, ``epoch`` None its newest.
+def audit(url: str, pool_id: str | None = None, epoch: int | None = None, *, fold: bool = True) -> AuditReport:
+    """Audit one epoch: ``pool_id`` None means the log's only pool, ``epoch`` None its newest; ``fold``
+    False replays it in Python alone (see ``audit_epoch``).
 
     Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch.
     """
     with connect(url) as conn:
-        return audit_epoch(conn, resolve_epoch(conn, pool_id, epoch))
+        return audit_epoch(conn, resolve_epoch(conn, pool_id, epoch), fold=fold)
 
 
 def audit_all(url: str, pool_id: str | None = None) -> list[AuditReport]:

@@ -1,0 +1,99 @@
+"""Benchmark the full offline audit of a prefix-cache epoch: the C fold against the Python replay.
+
+    .venv/bin/python -m bench.full_audit [--num-events 200000 1000000] [--repeats 3] [--url-dir DIR]
+
+For each ``--num-events`` N, writes a crashed epoch of N events of
+bench/recovery.py's live prefix-cache workload (requests sharing a few prompts:
+ALLOCATE_FOR, SHARE, REGISTER, FREE_ALL, RELEASE, EVICT; a SNAPSHOT every
+10,000 events; its request journal) as the writer stores it (packed rows, keys
+named by id), then times the full audit from genesis (``audit()``, what
+``nanoserve log audit`` runs per epoch) in this process, the Python replay
+(``fold=False``) and the C fold of an intact epoch (``intact_fold``)
+alternately, best of ``--repeats``; and ``nanoserve log audit`` once each way
+in a fresh process (start-up, imports and the journal's chain included;
+``NANOSERVE_AUDIT_FOLD=python`` for the Python replay). Both reports must be
+equal and clean. Prints events/s and the ratio. Target: >= 1,000,000 events/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import recovery
+from nanoserve.allocator.log import AuditReport, audit, intact_fold_build
+from nanoserve.migrations import upgrade
+
+
+def cli_audit_s(url: str, fold: bool) -> float:
+    """Wall seconds of ``nanoserve log audit --url URL`` in a fresh process."""
+    env = dict(os.environ)
+    if not fold:
+        env["NANOSERVE_AUDIT_FOLD"] = "python"
+    began = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "nanoserve.service.cli.main", "log", "audit", "--url", url],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    elapsed = time.perf_counter() - began
+    if done.returncode != 0 or "clean" not in done.stdout:
+        raise RuntimeError(f"nanoserve log audit failed ({done.returncode}): {done.stdout}{done.stderr}")
+    return elapsed
+
+
+def measure(url: str, repeats: int) -> dict[str, float]:
+    """Best seconds of each way, the runs interleaved so the machine's load hits both alike."""
+    best = {"python": float("inf"), "fold": float("inf")}
+    reports: dict[str, AuditReport] = {}
+    for _ in range(repeats):
+        for way in best:
+            began = time.perf_counter()
+            reports[way] = audit(url, recovery.POOL_ID, 1, fold=way == "fold")
+            best[way] = min(best[way], time.perf_counter() - began)
+    if reports["python"] != reports["fold"] or not reports["fold"].clean or not reports["fold"].folded:
+        raise RuntimeError(f"the reports differ, or the epoch was not folded clean: {reports['fold'].render()}")
+    best["events"] = reports["fold"].num_events
+    best["cli python"], best["cli fold"] = cli_audit_s(url, False), cli_audit_s(url, True)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-events", type=int, nargs="+", default=[200_000, 1_000_000])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--url-dir", type=Path, default=None, help="where the SQLite logs go (default: a temp dir)")
+    args = parser.parse_args()
+    if intact_fold_build.load() is None:
+        print(f"intact_fold not built: {intact_fold_build.unavailable_reason()}")
+        return 1
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; best of {args.repeats}")
+    print(
+        f"{'events':>10} {'Python replay':>14} {'C fold':>8} {'Python events/s':>16} {'fold events/s':>14} "
+        f"{'ratio':>6} {'log audit: Python':>18} {'fold':>7}"
+    )
+    with tempfile.TemporaryDirectory(dir=args.url_dir) as tmp:
+        for num_events in args.num_events:
+            url = f"sqlite:///{Path(tmp) / f'audit-{num_events}.db'}"
+            upgrade(url)
+            written = argparse.Namespace(real_events=num_events, events_per_snapshot=10_000, seed=0)
+            recovery.write_crashed_epoch(url, num_events, written)
+            best = measure(url, args.repeats)
+            events = best["events"]
+            print(
+                f"{events:>10,.0f} {best['python']:>12.2f} s {best['fold']:>6.3f} s {events / best['python']:>16,.0f} "
+                f"{events / best['fold']:>14,.0f} {best['python'] / best['fold']:>5.1f}x "
+                f"{best['cli python']:>16.2f} s {best['cli fold']:>5.2f} s",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
