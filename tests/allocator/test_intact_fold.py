@@ -38,7 +38,7 @@ from nanoserve.allocator import (
     extend_block_keys,
 )
 from nanoserve.allocator.log import EventLog, intact_fold_build
-from nanoserve.allocator.log.audit import AuditReport, audit_epoch
+from nanoserve.allocator.log.audit import AuditReport, audit, audit_epoch
 from nanoserve.allocator.log.batch import Batch, seal_event_rows
 from nanoserve.allocator.log.hash_chain import chain_hash, genesis_hash
 from nanoserve.allocator.log.key_refs import KeyIds
@@ -418,3 +418,18 @@ def _head(path: Path) -> bytes:
         head = conn.execute(sa.select(pool_epochs.c.head_hash)).scalar_one()
     engine.dispose()
     return bytes(head)
+
+
+def test_without_a_compiler_the_audit_replays_in_python(
+    template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "known.db"
+    shutil.copy(template, path)
+    known_epoch(path)
+    monkeypatch.setenv("NANOSERVE_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there
+    monkeypatch.setattr(intact_fold_build, "_compiler", lambda: [str(tmp_path / "no-such-cc")])
+    monkeypatch.setattr(intact_fold_build, "_state", {})
+    assert intact_fold_build.load() is None
+    assert intact_fold_build.unavailable_reason().startswith("FileNotFoundError: ")
+    report = audit(f"sqlite:///{path}", POOL_ID, 1)
+    assert (report.folded, report.clean, report.num_events) == (False, True, 8)
