@@ -40,7 +40,7 @@ from nanoserve.allocator import (
 from nanoserve.allocator.log import EventLog, intact_fold_build
 from nanoserve.allocator.log.audit import AuditReport, audit, audit_epoch
 from nanoserve.allocator.log.batch import Batch, seal_event_rows
-from nanoserve.allocator.log.hash_chain import chain_hash, genesis_hash
+from nanoserve.allocator.log.hash_chain import chain_hash
 from nanoserve.allocator.log.key_refs import KeyIds
 from nanoserve.allocator.log.reader import connect, resolve_epoch
 from nanoserve.allocator.log.record_codec import split_record
@@ -126,6 +126,7 @@ def write_epoch(path: Path, seed: int, num_steps: int, close: bool, with_family:
     engine = create_log_engine(url)
     with engine.connect() as conn:
         seq, head = conn.execute(sa.select(pool_epochs.c.durable_seq, pool_epochs.c.head_hash)).one()
+    start_hash = head  # POOL_INIT's, which the first row written here chains from
     commits: list[list[Row]] = []
     rng = random.Random(seed + 1)
     step = 0
@@ -153,7 +154,7 @@ def write_epoch(path: Path, seed: int, num_steps: int, close: bool, with_family:
         seq, head, closed_seq = sealed.last_seq, sealed.head_hash, sealed.closed_seq
     commits.append(pending)
     if edit is not None:
-        commits, head = edit(commits)
+        commits, head = edit(commits, start_hash, head)
     key_ids = KeyIds()
     with engine.begin() as conn:
         for rows in commits:
@@ -165,9 +166,8 @@ def write_epoch(path: Path, seed: int, num_steps: int, close: bool, with_family:
     return url
 
 
-def resealed(commits: list[list[Row]], records: dict[int, str]) -> tuple[list[list[Row]], bytes]:
-    """The commits with the records at some seqs replaced and every hash chained again from genesis."""
-    previous = genesis_hash(POOL_ID, 1)
+def resealed(commits: list[list[Row]], records: dict[int, str], previous: bytes) -> tuple[list[list[Row]], bytes]:
+    """The commits with the records at some seqs replaced and every hash chained again from ``previous``."""
     out = []
     for rows in commits:
         new = []
@@ -321,14 +321,13 @@ def test_a_damaged_epoch_gives_the_python_replays_report(
     path = tmp_path / f"damaged-{seed}.db"
     shutil.copy(template, path)
 
-    def edit(commits: list[list[Row]]) -> tuple[list[list[Row]], bytes]:
+    def edit(commits: list[list[Row]], start_hash: bytes, head: bytes) -> tuple[list[list[Row]], bytes]:
         rows = [row for commit in commits for row in commit]
         chosen = rng.sample(rows, min(len(rows), rng.randint(1, 2)))
         records = {row[2]: edited_record(row[5], rng) for row in chosen}
         if how == "resealed":
-            return resealed(commits, records)
-        edited = [[(*row[:5], records.get(row[2], row[5]), *row[6:]) for row in commit] for commit in commits]
-        return edited, rows[-1][6]
+            return resealed(commits, records, start_hash)
+        return [[(*row[:5], records.get(row[2], row[5]), *row[6:]) for row in commit] for commit in commits], head
 
     url = write_epoch(path, seed, num_steps, close, False, edit if how != "stored" else None)
     if how == "stored":
