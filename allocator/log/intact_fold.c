@@ -1265,7 +1265,7 @@ static PyObject *state_of(Fold *f) {
     }
     free(order);
     uint8_t *h = f->previous;
-    return Py_BuildValue("(NNNNNNLLy#OLO)", free_ids, owners, sharers, cached, block_keys, key_blocks,
+    return Py_BuildValue("(NNNNNNLLy#NLO)", free_ids, owners, sharers, cached, block_keys, key_blocks,
                          (long long)f->expected_seq, (long long)f->batch_end, (const char *)h, (Py_ssize_t)HASH_BYTES,
                          f->closed_seq >= 0 ? PyLong_FromLongLong(f->closed_seq) : Py_NewRef(Py_None),
                          (long long)f->num_events, f->saw_draft ? Py_True : Py_False);
