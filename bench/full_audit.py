@@ -8,8 +8,9 @@ ALLOCATE_FOR, SHARE, REGISTER, FREE_ALL, RELEASE, EVICT; a SNAPSHOT every
 10,000 events; its request journal) as the writer stores it (packed rows, keys
 named by id), then times the full audit from genesis (``audit()``, what
 ``nanoserve log audit`` runs per epoch) in this process, the Python replay
-(``fold=False``) and the C fold of an intact epoch (``intact_fold``)
-alternately, best of ``--repeats``; and ``nanoserve log audit`` once each way
+(``fold=False``), the C fold of an intact epoch (``intact_fold``, with its
+helper threads: one per further CPU, three at most) and the fold on the caller's
+thread alone, alternately, best of ``--repeats``; and ``nanoserve log audit`` once each way
 in a fresh process (start-up, imports and the journal's chain included;
 ``NANOSERVE_AUDIT_FOLD=python`` for the Python replay). Both reports must be
 equal and clean. Prints events/s and the ratio. Target: >= 1,000,000 events/s.
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench import recovery
-from nanoserve.allocator.log import AuditReport, audit, intact_fold_build
+from nanoserve.allocator.log import AuditReport, audit, intact_fold, intact_fold_build
 from nanoserve.migrations import upgrade
 
 
@@ -74,9 +75,10 @@ def main() -> int:
         print(f"intact_fold not built: {intact_fold_build.unavailable_reason()}")
         return 1
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; best of {args.repeats}")
+    print(f"helper threads of the fold: {intact_fold._num_helpers()}")
     print(
-        f"{'events':>10} {'Python replay':>14} {'C fold':>8} {'Python events/s':>16} {'fold events/s':>14} "
-        f"{'ratio':>6} {'log audit: Python':>18} {'fold':>7}"
+        f"{'events':>10} {'Python replay':>14} {'C fold':>8} {'1 thread':>9} {'Python events/s':>16} "
+        f"{'fold events/s':>14} {'1 thread':>10} {'ratio':>6} {'log audit: Python':>18} {'fold':>7}"
     )
     with tempfile.TemporaryDirectory(dir=args.url_dir) as tmp:
         for num_events in args.num_events:
@@ -87,8 +89,9 @@ def main() -> int:
             best = measure(url, args.repeats)
             events = best["events"]
             print(
-                f"{events:>10,.0f} {best['python']:>12.2f} s {best['fold']:>6.3f} s {events / best['python']:>16,.0f} "
-                f"{events / best['fold']:>14,.0f} {best['python'] / best['fold']:>5.1f}x "
+                f"{events:>10,.0f} {best['python']:>12.2f} s {best['fold']:>6.3f} s {best['fold 1 thread']:>7.3f} s "
+                f"{events / best['python']:>16,.0f} {events / best['fold']:>14,.0f} "
+                f"{events / best['fold 1 thread']:>10,.0f} {best['python'] / best['fold']:>5.1f}x "
                 f"{best['cli python']:>16.2f} s {best['cli fold']:>5.2f} s",
                 flush=True,
             )

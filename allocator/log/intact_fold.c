@@ -340,15 +340,17 @@ static void key_encode(const uint8_t *key, char *out) {
     out[o++] = alphabet[(v >> 6) & 63];
 }
 
-/* Whether the block's token ids are LEB128 varints in canonical base64url, the last one whole. */
+/* Whether the block's token ids are LEB128 varints in canonical base64url, the last one whole: every
+ * character of the alphabet, and the last group decodes without bits to spare to a byte below 0x80. */
 static int tokens_valid(const char *s, size_t n) {
-    uint8_t stack_raw[256];
-    uint8_t *raw = n <= 340 ? stack_raw : malloc(n);
-    if (!raw) return 0;
-    ssize_t len = b64_decode(s, n, raw);
-    int ok = len >= 0 && (len == 0 || raw[len - 1] < 0x80);
-    if (raw != stack_raw) free(raw);
-    return ok;
+    if (n == 0) return 1;
+    if (n % 4 == 1) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (B64[(unsigned char)s[i]] < 0) return 0;
+    size_t last = n % 4 ? n % 4 : 4;
+    uint8_t out[3];
+    ssize_t len = b64_decode(s + n - last, last, out);
+    return len > 0 && out[len - 1] < 0x80;
 }
 
 /* Strict UTF-8 (what Python's bytes.decode() takes: no overlong form, no surrogate, at most U+10FFFF). */
