@@ -13,8 +13,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 
-# g++ builds nanoserve's CPU kernels (engine/model/kernels/) once, below.
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+# g++ builds nanoserve's CPU kernels (engine/model/kernels/) once, below; with the zlib and OpenSSL
+# headers, gcc also builds the full audit's C fold (allocator/log/intact_fold.c).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ zlib1g-dev libssl-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 # torch first, on its own layer: it is the largest and changes least.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
@@ -33,8 +35,8 @@ RUN pip install ".[gateway]" && useradd --create-home --uid 10001 nanoserve
 
 USER nanoserve
 WORKDIR /home/nanoserve
-# into ~/.cache/nanoserve/kernels, so that the container only loads them
-RUN python -m nanoserve.engine.model.kernels
+# into ~/.cache/nanoserve/kernels and ~/.cache/nanoserve/intact_fold, so that the container only loads them
+RUN python -m nanoserve.engine.model.kernels && python -m nanoserve.allocator.log.intact_fold_build
 # metrics answer without a token: inside the container they bind every address so a published
 # port reaches them; docker-compose.yml publishes that port on the host's 127.0.0.1 only
 ENV NANOSERVE_HOST=0.0.0.0 \

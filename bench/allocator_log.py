@@ -9,8 +9,9 @@
    from a producer running as fast as it can, until all are durable.
 3. Replay + audit of a log of ``--num-events`` events on SQLite: full replay,
    replay from the newest snapshot, the audit (replay and every check in one
-   pass) in one process and with the hash chain verified in a second process
-   (the peers), and ``nanoserve log audit`` as the user runs it (a fresh
+   pass) by the Python replay in one process and with the hash chain verified
+   in a second process (the peers), by the C fold of an intact epoch
+   (``intact_fold``, what ``audit`` runs), and ``nanoserve log audit`` as the user runs it (a fresh
    process). Wall and CPU seconds (every process: the chain verifier and the
    CLI count), best and median of ``--repeats`` interleaved runs.
 
@@ -138,12 +139,13 @@ def timed_all(work: Callable[[], object]) -> tuple[float, float]:
 
 
 def audit_with(url: str, *, verifier: bool) -> object:
-    """Audit with the hash chain verified in a second process (``verifier``) or in this one."""
+    """Audit by the Python replay with the hash chain verified in a second process (``verifier``) or in this
+    one (an intact epoch is otherwise folded in C: "audit, C fold")."""
     saved = replay_module.NUM_EVENTS_FOR_VERIFIER, replay_module._has_idle_core
     replay_module.NUM_EVENTS_FOR_VERIFIER = 1 if verifier else sys.maxsize
     replay_module._has_idle_core = lambda: True
     try:
-        return audit(url)
+        return audit(url, fold=False)
     finally:
         replay_module.NUM_EVENTS_FOR_VERIFIER, replay_module._has_idle_core = saved
 
@@ -166,6 +168,7 @@ def replay_audit(url: str, num_repeats: int) -> list[tuple[str, list[tuple[float
         ("replay, from newest snapshot", lambda: replay(url)),
         ("audit, one process", lambda: audit_with(url, verifier=False)),
         ("audit, chain verified in 2nd process", lambda: audit_with(url, verifier=True)),
+        ("audit, C fold (intact_fold)", lambda: audit(url)),
         ("replay+audit: nanoserve log audit", lambda: cli_audit(url)),
     ]
     report = audit(url)

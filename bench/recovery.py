@@ -55,6 +55,7 @@ from nanoserve.allocator import (
 from nanoserve.allocator.block_table import BlockTable
 from nanoserve.allocator.log import EventLog, audit
 from nanoserve.allocator.log.batch import Batch, seal_event_rows
+from nanoserve.allocator.log.key_refs import KeyIds
 from nanoserve.allocator.log.reader import connect
 from nanoserve.allocator.log.schema import pool_epochs
 from nanoserve.allocator.log.snapshot_codec import snapshot_data
@@ -178,6 +179,7 @@ class EpochFiller:
         self.journal_hash = journal_genesis(POOL_ID, epoch)
         self.checkpoints = LiveCheckpoints()
         self.event_rows: list[Row] = []
+        self.key_ids = KeyIds()  # packed rows name their keys by id, as the writer stores them
         self.step_rows: list[tuple[object, ...]] = []
         self.index_rows: list[tuple[object, ...]] = []
         self.checkpoint_rows: list[CheckpointRow] = []
@@ -214,7 +216,7 @@ class EpochFiller:
     def commit(self) -> None:
         """Store the rows appended so far in one transaction, the epoch row's head moved with them."""
         with self.engine.begin() as conn:
-            insert_rows(conn, self.event_rows)
+            insert_rows(conn, self.event_rows, self.key_ids)
             insert_through_driver(conn, journal_steps, STEP_COLUMNS, self.step_rows)
             insert_through_driver(conn, journal_requests, INDEX_COLUMNS, self.index_rows)
             insert_through_driver(conn, journal_checkpoints, CHECKPOINT_COLUMNS, self.checkpoint_rows)
@@ -223,6 +225,7 @@ class EpochFiller:
                 .where(pool_epochs.c.pool_id == POOL_ID, pool_epochs.c.epoch == self.epoch)
                 .values(durable_seq=self.seq, head_hash=self.head_hash)
             )
+        self.key_ids.commit()
         self.event_rows, self.step_rows, self.index_rows, self.checkpoint_rows = [], [], [], []
 
 

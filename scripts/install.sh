@@ -19,3 +19,6 @@ python -m pip install --quiet -e ".[dev]"
 # nanoserve's CPU kernels (engine/model/kernels/): built once here (about 30 s) so that `serve` only loads them.
 # Without a C++ compiler the build fails, says why, and the engine runs on torch's kernels instead.
 python -m nanoserve.engine.model.kernels || echo "install.sh: kernels not built; quantized GGUF weights will use torch's kernels"
+# The full audit's C fold (allocator/log/intact_fold.c): built once here (about 2 s) so that `log audit` only loads it.
+# Without a C compiler or the zlib and OpenSSL headers the build says why, and the audit runs the Python replay alone.
+python -m nanoserve.allocator.log.intact_fold_build || echo "install.sh: intact_fold not built; log audit will replay in Python"

@@ -21,6 +21,7 @@ import sqlalchemy as sa
 
 from nanoserve.allocator.log.draft_audit import draft_violations
 from nanoserve.allocator.log.errors import LogNotFoundError
+from nanoserve.allocator.log.intact_fold import fold_intact
 from nanoserve.allocator.log.plot_range import HoldingStarts, plot_range
 from nanoserve.allocator.log.reader import (
     EpochInfo,
@@ -57,6 +58,9 @@ class AuditReport:
     leaked: dict[int, str] = field(default_factory=dict)
     from_seq: int = 1  # the first seq read: 1 for a full audit, a checkpoint's seq for a tail audit
     num_archived: int = 0  # seqs 1..num_archived are archived as segments (a full audit starts after them)
+    # which path replayed it: True the C fold of an intact epoch (``intact_fold``), False the Python replay;
+    # both give the same report, so it takes no part in ``==``
+    folded: bool = field(default=False, compare=False)
 
     @property
     def clean(self) -> bool:
@@ -94,8 +98,15 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool = False) -> AuditReport:
+def audit_epoch(
+    conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool = False, fold: bool = True
+) -> AuditReport:
     """Audit one epoch on an open connection (see ``audit``).
+
+    An intact epoch is folded in C (``intact_fold``; ``AuditReport.folded``),
+    any other replayed by the Python ``Replayer``, which names what is wrong:
+    the report is the same either way. ``fold`` False: the Python replay
+    alone (the reference the fold is tested and benchmarked against).
 
     from_checkpoint: audit only the tail since the epoch's newest verified
     checkpoint (``replay.checkpoint_start``: a SNAPSHOT whose own hash links
@@ -106,9 +117,13 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
     the epoch from genesis, or from its cut when its older part is archived
     (``segment.cut_start``: the first stored row chained to the manifest's head hash).
     """
-    start = (lambda: checkpoint_start(conn, info)) if from_checkpoint else (lambda: cut_start(conn, info))
-    replayer = replay_epoch(conn, info, None, start)
-    replayer.finish()
+    folded = fold_intact(conn, info) if fold and not from_checkpoint else None
+    if folded is not None:
+        replayer = folded.replayer
+    else:
+        start = (lambda: checkpoint_start(conn, info)) if from_checkpoint else (lambda: cut_start(conn, info))
+        replayer = replay_epoch(conn, info, None, start)
+        replayer.finish()
     closed_seq = replayer.closed_seq
     closed = closed_seq is not None
     leaked: dict[int, str] = {}
@@ -117,7 +132,9 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
         for block_id, owner in leaked.items():
             replayer.violate(closed_seq, "leaked_block", "block still allocated at POOL_CLOSE", block_id, owner)
     state = replayer.state()
-    found = replayer.violations + draft_violations(conn, info, replayer.start_seq)
+    found = list(replayer.violations)
+    if folded is None or folded.has_drafts:  # the fold saw every record: without a draft reason, the rule holds
+        found += draft_violations(conn, info, replayer.start_seq)
     violations = _in_packed_rows(conn, info, sorted(found, key=lambda violation: violation.seq))
     return AuditReport(
         pool_id=info.pool_id,
@@ -130,6 +147,7 @@ def audit_epoch(conn: sa.Connection, info: EpochInfo, *, from_checkpoint: bool =
         leaked=leaked,
         from_seq=replayer.start_seq,
         num_archived=0 if from_checkpoint else replayer.start_seq - 1,
+        folded=folded is not None,
     )
 
 
@@ -181,13 +199,14 @@ def _plot_hint(violation: Violation) -> str:
     return f" (plot --from {first} --to {last})"
 
 
-def audit(url: str, pool_id: str | None = None, epoch: int | None = None) -> AuditReport:
-    """Audit one epoch: ``pool_id`` None means the log's only pool, ``epoch`` None its newest.
+def audit(url: str, pool_id: str | None = None, epoch: int | None = None, *, fold: bool = True) -> AuditReport:
+    """Audit one epoch: ``pool_id`` None means the log's only pool, ``epoch`` None its newest; ``fold``
+    False replays it in Python alone (see ``audit_epoch``).
 
     Raises LogNotFoundError (a ValueError) for an unknown log, pool or epoch.
     """
     with connect(url) as conn:
-        return audit_epoch(conn, resolve_epoch(conn, pool_id, epoch))
+        return audit_epoch(conn, resolve_epoch(conn, pool_id, epoch), fold=fold)
 
 
 def audit_all(url: str, pool_id: str | None = None) -> list[AuditReport]:

@@ -47,6 +47,7 @@ __all__ = [
     "record_at",
     "rows_query",
     "stored_hash",
+    "stored_rows",
 ]
 
 # the largest seq a BigInteger column holds; a query for more finds nothing
@@ -158,6 +159,26 @@ def event_rows(
                     raise LogReadError(seq, store_cause(exc)) from exc
         finally:
             cursor.close()
+
+
+def stored_rows(
+    conn: sa.Connection, pool_id: str, epoch: int, num_rows_per_chunk: int = 64
+) -> Generator[list[tuple[Any, ...]], None, None]:
+    """Every stored row of one epoch in seq order, in chunks, as stored: ``(seq, kind, owner, record, hash,
+    last_seq, records)``, a packed row not expanded (``last_seq`` and ``records`` None for a row of its own,
+    and for every row of a table before migration 0008).
+
+    For the audit's C fold (``intact_fold``), which expands and checks them itself. The driver's
+    errors come as they are: the caller falls back to ``event_rows``, which names the damage.
+    """
+    columns = (*EVENT_COLUMNS, *(_PACKED_COLUMNS if has_packed_rows(conn) else _NO_PACKED_COLUMNS))
+    cursor = _cursor(conn)
+    try:
+        cursor.execute(*compile_for_driver(conn, rows_query(pool_id, epoch, 1, None, columns)))
+        while chunk := cursor.fetchmany(num_rows_per_chunk):
+            yield chunk
+    finally:
+        cursor.close()
 
 
 class _Expander:
