@@ -18,6 +18,7 @@ Invariant: at most one pass runs at a time; ``stop`` waits for the pass in fligh
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -49,7 +50,9 @@ class LogArchiver:
     """Archives ``pool_id``'s epochs of the log at ``url`` that ``policy`` no longer keeps, every ``interval_s``.
 
     passes: passes finished so far; archived: every epoch archived so far, in order;
-    segments: every segment of the open epoch archived so far, in order.
+    segments: every segment of the open epoch archived so far, in order. on_segments: called (on the
+    archiver's thread) after a pass that moved segments of the open epoch out of the store; the
+    server drops the stored events its catch-ups keep (``StoredEvents.forget``).
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class LogArchiver:
         dest_dir: Path,
         policy: RetentionPolicy,
         interval_s: float = RETENTION_INTERVAL_S,
+        on_segments: Callable[[], object] | None = None,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0 seconds, got {interval_s}")
@@ -67,6 +71,7 @@ class LogArchiver:
         self.dest_dir = dest_dir
         self.policy = policy
         self.interval_s = interval_s
+        self.on_segments = on_segments
         self.passes = 0
         self.archived: list[ManifestEntry] = []
         self.segments: list[SegmentEntry] = []
@@ -100,6 +105,8 @@ class LogArchiver:
         for segment in segments:
             _log_archived("event_log_segment_archived", segment)
         self.segments.extend(segments)
+        if segments and self.on_segments is not None:
+            self.on_segments()
         self.passes += 1
         return entries
 

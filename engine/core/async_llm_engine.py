@@ -55,6 +55,7 @@ from nanoserve.engine.core.request_intake import RequestIntake
 from nanoserve.engine.core.request_stream import RequestStream, StreamRegistry
 from nanoserve.engine.core.resume_followers import ResumeFollowers, read_journaled
 from nanoserve.engine.core.status import ModelInfo, PoolStatus, with_log_progress
+from nanoserve.engine.core.stored_events import StoredEvents
 from nanoserve.engine.errors import (
     EngineDeadError,
     EventLogNotDurableError,
@@ -119,6 +120,8 @@ class AsyncLLMEngine:
         self._gate = DurabilityGate(self._streams.dispatch, lambda: self._engine.event_log if self._engine else None)
         # Resume and WatchEvents catch-up read the log here, a bounded number at a time
         self.log_reads = LogReads(config.event_log.max_concurrent_log_reads, config.event_log.max_tenant_log_reads)
+        # the pages of stored events catch-ups read, decoded once for all of them (forget: after an archive cut)
+        self.stored_events = StoredEvents(self.log_reads)
         # what the read paths send goes out at this pace while requests run (as of the last step)
         generating = lambda: self._pool_status is not None and self._pool_status.num_running > 0  # noqa: E731
         self.read_pacer = ReadPacer(config.event_log.max_read_items_per_s, generating)

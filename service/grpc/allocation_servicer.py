@@ -72,8 +72,8 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
                 f"files in --event-log-archive-dir, read by `nanoserve log show --url sqlite:///FILE`); ask for 1 "
                 f"(from the checkpoint at {archived + 1}) or at least {archived + 1}"
             )
-        reads, pacer, tenant = self._engine.log_reads, self._engine.read_pacer, CALLER.get().tenant
-        async for event in follow_events(event_log, next_seq, self._max_queued_events, reads, pacer, tenant):
+        stored, pacer, tenant = self._engine.stored_events, self._engine.read_pacer, CALLER.get().tenant
+        async for event in follow_events(event_log, next_seq, self._max_queued_events, stored, pacer, tenant):
             if event is not None:  # None: caught up with the store
                 yield self._event_messages.message(event)
 

@@ -8,14 +8,13 @@ commit subscription after that.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from nanoserve.allocator import EventKind
-from nanoserve.allocator.log import Event, EventLog, EventStream, EventStreamLagged, read_events
-from nanoserve.engine.core.log_reads import LogReads, ReadPacer
+from nanoserve.allocator.log import Event, EventLog, EventStream, EventStreamLagged
+from nanoserve.engine.core.log_reads import ReadPacer
+from nanoserve.engine.core.stored_events import StoredEvents
 
-NUM_EVENTS_PER_PAGE = 1000  # stored events read per query while catching up
 NUM_EVENTS_PER_PACE = 64  # stored events sent per turn at the read pacer
 
 
@@ -23,7 +22,7 @@ async def follow_events(
     event_log: EventLog,
     from_seq: int,
     max_queued_events: int = 100_000,
-    reads: LogReads | None = None,
+    stored: StoredEvents | None = None,
     pacer: ReadPacer | None = None,
     scope: str = "",
 ) -> AsyncIterator[Event | None]:
@@ -35,16 +34,17 @@ async def follow_events(
     seq. A follower that falls more than ``max_queued_events`` behind is cut
     off by the log (``EventStreamLagged``) and catches up from the store again
     (and yields None again). Raises the log reader's errors
-    (``LogUnavailableError``, ``LogDamagedError``). reads: the reader threads the stored
-    pages are read and decoded on, one page per turn (None: a thread of asyncio's own).
-    pacer: the stored events go out at its pace, and the reads take their turns, under ``scope``
-    (the caller's tenant).
+    (``LogUnavailableError``, ``LogDamagedError``). stored: the pages of stored events the server's
+    catch-ups share, read on its reader threads (None: pages of this call's own, each read on a
+    thread of asyncio's own). pacer: the stored events go out at its pace, and the reads take their
+    turns, under ``scope`` (the caller's tenant).
     """
+    stored = stored if stored is not None else StoredEvents()
     next_seq = from_seq
     while True:
         live = EventStream(event_log, max_queued_events=max_queued_events)
         try:
-            async for event in _stored_events(event_log, next_seq, reads, scope):
+            async for event in _stored_events(event_log, next_seq, stored, scope):
                 if pacer is not None and (event.seq - from_seq) % NUM_EVENTS_PER_PACE == 0:
                     await pacer.take(scope, NUM_EVENTS_PER_PACE)
                 yield event
@@ -65,22 +65,14 @@ async def follow_events(
             live.close()
 
 
-async def _stored_events(
-    event_log: EventLog, from_seq: int, reads: LogReads | None, scope: str
-) -> AsyncIterator[Event]:
-    """Committed events of the current epoch from ``from_seq``, a page per query (a turn on ``reads``,
-    in ``scope``'s turn). The callers of one scope asking for the same page before its query starts
-    share the query and the page's ``Event`` objects (``LogReads.run_shared``): a crowd catching up
-    at once reads and decodes each page about once, not once per caller."""
+async def _stored_events(event_log: EventLog, from_seq: int, stored: StoredEvents, scope: str) -> AsyncIterator[Event]:
+    """Committed events of the current epoch from ``from_seq``, a page at a time (``StoredEvents.page``, in
+    ``scope``'s turn at the reader threads): a crowd catching up reads and decodes each page about
+    once, and each later caller only the events committed since."""
     while True:
-        query = (event_log.url, event_log.pool_id, event_log.epoch, from_seq, from_seq + NUM_EVENTS_PER_PAGE - 1)
-        page: list[Event] = await (
-            reads.run_shared(query, read_events, *query, scope=scope)
-            if reads is not None
-            else asyncio.to_thread(read_events, *query)
-        )
+        page = await stored.page(event_log, from_seq, scope)
         for event in page:
             yield event
-        if len(page) < NUM_EVENTS_PER_PAGE:
+        if len(page) < stored.num_events_per_page:
             return
         from_seq = page[-1].seq + 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import signal
 import sys
@@ -308,6 +309,10 @@ class NanoServer:
             self.engine.config.event_log.pool_id,
             Path(dest) if dest is not None else default_archive_dir(url),
             policy,
+            # a cut moved the epoch's first rows: the pages catch-ups keep no longer match the store
+            on_segments=functools.partial(
+                asyncio.get_running_loop().call_soon_threadsafe, self.engine.stored_events.forget
+            ),
         )
         self.archiver.start()
 

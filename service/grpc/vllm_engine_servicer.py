@@ -177,7 +177,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         num_batches = 0  # KV batches of the epoch so far
         pending: list[Event] = []  # the events of the logged batch being read
         pacer, tenant = self._engine.read_pacer, CALLER.get().tenant
-        async for event in follow_events(event_log, 1, reads=self._engine.log_reads, pacer=pacer, scope=tenant):
+        async for event in follow_events(event_log, 1, stored=self._engine.stored_events, pacer=pacer, scope=tenant):
             if event is None:  # caught up with the store: what is there to resume from is known
                 if start > num_batches + 1:
                     raise InvalidRequestError(

@@ -182,7 +182,8 @@ async def test_watchers_catching_up_at_once_share_each_page_read_and_get_the_sam
     tiny_served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from nanoserve.allocator.log import read_events
-    from nanoserve.service.grpc import allocation_convert, event_follower
+    from nanoserve.engine.core import stored_events
+    from nanoserve.service.grpc import allocation_convert
     from nanoserve.v1 import allocation_pb2 as apb
     from nanoserve.v1 import allocation_pb2_grpc
 
@@ -193,7 +194,7 @@ async def test_watchers_catching_up_at_once_share_each_page_read_and_get_the_sam
         time.sleep(0.1)  # the first reads hold the reader threads while the rest of the crowd arrives
         return read_events(url, pool_id, epoch, from_seq, until_seq)
 
-    monkeypatch.setattr(event_follower, "read_events", counted_read)
+    monkeypatch.setattr(stored_events, "read_events", counted_read)
     stub = generation_pb2_grpc.GenerationServiceStub(tiny_served.channel)
     sampling = pb.SamplingParameters(max_tokens=8, temperature=0.0, ignore_eos=True)
     async for _ in stub.Generate(pb.GenerateRequest(prompt="some events", sampling=sampling)):
