@@ -227,6 +227,60 @@ async def test_watchers_catching_up_at_once_share_each_page_read_and_get_the_sam
     assert all(n <= num_threads + 1 for n in reads_by_page.values()), reads_by_page
 
 
+async def test_a_later_watcher_reads_only_the_events_committed_since_the_last_catch_up(
+    tiny_served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nanoserve.allocator.log import read_events
+    from nanoserve.engine.core import stored_events
+    from nanoserve.v1 import allocation_pb2 as apb
+    from nanoserve.v1 import allocation_pb2_grpc
+
+    reads_made: list[int] = []
+
+    def counted_read(url: str, pool_id: str, epoch: int, from_seq: int, until_seq: int) -> object:
+        reads_made.append(from_seq)
+        return read_events(url, pool_id, epoch, from_seq, until_seq)
+
+    monkeypatch.setattr(stored_events, "read_events", counted_read)
+    generation = generation_pb2_grpc.GenerationServiceStub(tiny_served.channel)
+    allocation = allocation_pb2_grpc.AllocationServiceStub(tiny_served.channel)
+    sampling = pb.SamplingParameters(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def generate(prompt: str) -> int:
+        async for _ in generation.Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling)):
+            pass
+        log = tiny_served.engine.event_log
+        assert log is not None and log.flush(timeout_s=10)
+        return (await allocation.GetPoolStatus(apb.GetPoolStatusRequest())).last_seq
+
+    async def watch(last_seq: int) -> list[bytes]:
+        call = _raw_stream(
+            tiny_served.channel, "/nanoserve.v1.AllocationService/WatchEvents", apb.WatchEventsRequest(from_seq=1)
+        )
+        received = []
+        async for raw in call:
+            received.append(raw)
+            if apb.WatchEventsResponse.FromString(raw).event.seq >= last_seq:
+                break
+        call.cancel()
+        return received
+
+    first_last = await generate("one catch-up")
+    first = await watch(first_last)
+    reads_made.clear()
+    again = await watch(first_last)  # nothing committed since: the store is not asked
+    assert (again, reads_made) == (first, [])
+
+    second_last = await generate("more events")
+    later = await watch(second_last)
+    assert reads_made == [first_last + 1]  # the events committed since the last catch-up, not the page again
+    assert later[: len(first)] == first and len(later) == second_last
+    log = tiny_served.engine.event_log
+    assert [apb.WatchEventsResponse.FromString(raw).event.seq for raw in later] == [
+        e.seq for e in read_events(log.url, log.pool_id, log.epoch, 1, second_last)
+    ]
+
+
 async def test_a_watch_from_the_first_seq_asks_the_store_nothing_before_it_reads(
     tiny_served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
