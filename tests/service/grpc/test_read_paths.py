@@ -250,7 +250,8 @@ async def test_a_later_watcher_reads_only_the_events_committed_since_the_last_ca
         async for _ in generation.Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling)):
             pass
         log = tiny_served.engine.event_log
-        assert log is not None and log.flush(timeout_s=10)
+        assert log is not None
+        assert log.flush(timeout_s=10)
         return (await allocation.GetPoolStatus(apb.GetPoolStatusRequest())).last_seq
 
     async def watch(last_seq: int) -> list[bytes]:
@@ -274,7 +275,8 @@ async def test_a_later_watcher_reads_only_the_events_committed_since_the_last_ca
     second_last = await generate("more events")
     later = await watch(second_last)
     assert reads_made == [first_last + 1]  # the events committed since the last catch-up, not the page again
-    assert later[: len(first)] == first and len(later) == second_last
+    assert later[: len(first)] == first
+    assert len(later) == second_last
     log = tiny_served.engine.event_log
     assert [apb.WatchEventsResponse.FromString(raw).event.seq for raw in later] == [
         e.seq for e in read_events(log.url, log.pool_id, log.epoch, 1, second_last)
