@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <zlib.h>
 
 #define HASH_BYTES 32
@@ -997,7 +998,7 @@ typedef struct Slot {
     size_t *ends;                      /* where each record ends in text */
     size_t ends_cap;
     const char *why; /* after prepare: NULL when its records chain to its stored hash */
-    atomic_int done;
+    atomic_int state; /* UNCLAIMED, PREPARING or PREPARED (fold_chunk) */
 } Slot;
 
 /* Inflate (and name the keys of) one row, split its records, and check that they chain from the hash of
@@ -1072,7 +1073,7 @@ static int read_row(Fold *f, Slot *s, PyObject *row) {
     f->read_seq = s->last_seq + 1;
     s->packed = last_seq != Py_None;
     s->why = "not prepared";
-    atomic_store(&s->done, 0);
+    atomic_store(&s->state, 0); /* UNCLAIMED */
     if (s->packed) {
         PyObject *blob = PyTuple_GET_ITEM(row, 6);
         if ((!PyBytes_CheckExact(blob) && !PyMemoryView_Check(blob)) ||
@@ -1112,13 +1113,18 @@ static int apply_row(Fold *f, Slot *s) {
     return 1;
 }
 
-/* The rows of one chunk, prepared by this thread and the helpers together, applied by this one. */
+/* The rows of one chunk, prepared by this thread and the helpers together, applied by this one.
+ *
+ * This thread claims rows from the front, in the order it applies them, the helpers from the back: it
+ * waits on a helper only for the row where they meet, so a helper the machine does not run (a busy
+ * machine) delays at most one row a chunk. A row is claimed by moving its state from UNCLAIMED. */
+enum { UNCLAIMED, PREPARING, PREPARED };
+
 typedef struct {
     const Fold *f;
     Slot *slots;
-    size_t num_slots;
-    atomic_size_t next; /* the next row to prepare */
-    Inflater *inflater;
+    atomic_long back; /* the helpers' next row is back - 1 */
+    atomic_int stop;  /* a row failed: prepare no more */
 } Work;
 
 typedef struct {
@@ -1126,20 +1132,27 @@ typedef struct {
     Inflater *inflater;
 } Helper;
 
+static int claim(Slot *s) {
+    int unclaimed = UNCLAIMED;
+    return atomic_compare_exchange_strong(&s->state, &unclaimed, PREPARING);
+}
+
 static void *help(void *arg) {
     Helper *h = arg;
     Work *w = h->work;
-    for (;;) {
-        size_t i = atomic_fetch_add(&w->next, 1);
-        if (i >= w->num_slots) return NULL;
+    while (!atomic_load(&w->stop)) {
+        long i = atomic_fetch_sub(&w->back, 1) - 1;
+        if (i < 0 || !claim(&w->slots[i])) return NULL; /* the rows before it are the caller's */
         prepare(w->f, &w->slots[i], h->inflater);
-        atomic_store(&w->slots[i].done, 1);
+        atomic_store(&w->slots[i].state, PREPARED);
     }
+    return NULL;
 }
 
 static void fold_chunk(Fold *f, size_t num_rows) {
-    Work w = {.f = f, .slots = f->slots, .num_slots = num_rows};
-    atomic_init(&w.next, 0);
+    Work w = {.f = f, .slots = f->slots};
+    atomic_init(&w.back, (long)num_rows);
+    atomic_init(&w.stop, 0);
     pthread_t threads[MAX_HELPERS];
     Helper helpers[MAX_HELPERS];
     int num_started = 0;
@@ -1150,18 +1163,22 @@ static void fold_chunk(Fold *f, size_t num_rows) {
         num_started++;
     }
     for (size_t i = 0; i < num_rows && !f->why; i++) {
-        while (!atomic_load(&f->slots[i].done)) {
-            size_t j = atomic_fetch_add(&w.next, 1);
-            if (j < num_rows) {
-                prepare(f, &f->slots[j], &f->inflaters[0]);
-                atomic_store(&f->slots[j].done, 1);
+        Slot *s = &f->slots[i];
+        if (claim(s)) {
+            prepare(f, s, &f->inflaters[0]);
+            atomic_store(&s->state, PREPARED);
+        }
+        for (unsigned spins = 0; atomic_load(&s->state) != PREPARED; spins++) { /* a helper prepares it */
+            if (spins < 64) {
+                sched_yield();
             } else {
-                sched_yield(); /* a helper is preparing row i */
+                struct timespec pause = {0, 20000};
+                nanosleep(&pause, NULL);
             }
         }
-        apply_row(f, &f->slots[i]);
+        apply_row(f, s);
     }
-    atomic_store(&w.next, num_rows); /* stop the helpers early when a row failed */
+    atomic_store(&w.stop, 1);
     for (int k = 0; k < num_started; k++) pthread_join(threads[k], NULL);
 }
 

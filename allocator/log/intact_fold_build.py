@@ -135,7 +135,7 @@ def main() -> int:
     """Build (or find) the fold and say where it is, or why it cannot be built (exit 1)."""
     module = load()
     if module is None:
-        print(f"intact_fold: not built ({unavailable_reason()}); `log audit` runs the Python replay alone")
+        print(f"intact_fold: not loaded ({unavailable_reason()}); `log audit` runs the Python replay alone")
         return 1
     print(f"intact_fold: {library_path()}")
     return 0
