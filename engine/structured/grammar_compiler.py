@@ -27,13 +27,13 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
 
 from nanoserve.engine.errors import InvalidRequestError
 from nanoserve.engine.structured.constraint import Constraint, ConstraintKind
+from nanoserve.engine.structured.grammar_error import readable_error
 
 if TYPE_CHECKING:
     from nanoserve.engine.text.tokenizer import Tokenizer
@@ -236,15 +236,8 @@ def compile_matcher(constraint: Constraint, ll_tokenizer: llguidance.LLTokenizer
         raise InvalidRequestError(constraint.field, str(exc)) from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, ll_tokenizer)
     if is_error:
-        raise InvalidRequestError(constraint.field, _first_line(messages))
+        raise InvalidRequestError(constraint.field, readable_error(messages[0] if messages else "", constraint.kind))
     matcher = llguidance.LLMatcher(ll_tokenizer, source, log_level=0)
     if matcher.is_error():
-        raise InvalidRequestError(constraint.field, _first_line([matcher.get_error()]))
+        raise InvalidRequestError(constraint.field, readable_error(matcher.get_error(), constraint.kind))
     return matcher
-
-
-def _first_line(messages: Sequence[str], limit: int = 400) -> str:
-    """llguidance's first message on one line, at most ``limit`` characters."""
-    text = " ".join(line.strip() for line in (messages[0] if messages else "").splitlines() if line.strip())
-    text = text or "does not compile"
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -50,7 +50,7 @@ def test_token_bytes_spell_the_byte_level_vocabulary(real_tokenizer) -> None:
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [
-        (Constraint("regex", "[0-9"), "constraint.regex: at 1(8): invalid regex"),
+        (Constraint("regex", "[0-9"), 'constraint.regex: invalid regex "[0-9": unclosed character class at offset 0'),
         (
             Constraint("json_schema", '{"type": "object", "if": {"type": "object"}}'),
             'constraint.json_schema: Unimplemented keys: ["if"]',
@@ -63,6 +63,31 @@ def test_a_grammar_llguidance_refuses_is_invalid_naming_the_field(compiler, cons
         compiler.matcher(constraint)
     assert str(caught.value).startswith(message)
     assert caught.value.field == constraint.field
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (Constraint("regex", "[0-9"), 'constraint.regex: invalid regex "[0-9": unclosed character class at offset 0'),
+        (Constraint("regex", "ab(c"), 'constraint.regex: invalid regex "ab(c": unclosed group at offset 2'),
+        (
+            Constraint("regex", "a{3,1}"),
+            'constraint.regex: invalid regex "a{3,1}": invalid repetition count range, '
+            "the start must be <= the end at offset 1",
+        ),
+        (Constraint("grammar", "start: foo"), 'constraint.grammar: at 1(8): unknown name: "foo"'),
+        (
+            Constraint("json_schema", '{"type": "string", "pattern": "x[0-9"}'),
+            'constraint.json_schema: invalid regex "x[0-9": unclosed character class at offset 1',
+        ),
+    ],
+)
+def test_a_refusal_is_one_readable_line_without_llguidances_source_quote(compiler, constraint, message) -> None:
+    # llguidance's report is several lines (the pattern, a caret under the fault, a quote of its own
+    # wrapper grammar with another caret); flattened, the carets pointed at nothing
+    with pytest.raises(InvalidRequestError) as caught:
+        compiler.matcher(constraint)
+    assert str(caught.value) == message
 
 
 def test_a_compile_past_the_time_limit_is_refused_then_served_from_the_cache(real_tokenizer) -> None:

@@ -321,7 +321,7 @@ REFUSALS: list[tuple[str, Call, grpc.StatusCode, str]] = [
         "Generate: a regex that does not compile",
         _generate(**_tokens([1, 2], regex="[0-9")),
         grpc.StatusCode.INVALID_ARGUMENT,
-        'sampling_params.regex: at 1(8): invalid regex "[0-9"',
+        'sampling_params.regex: invalid regex "[0-9": unclosed character class at offset 0',
     ),
     (
         "Generate: empty prompt",
