@@ -51,6 +51,10 @@ class LogNotFoundError(ValueError):
     """The URL, pool or epoch names no stored log."""
 
 
+class LogFileMissingError(LogNotFoundError):
+    """A SQLite log URL names a file that does not exist (a reader never creates one)."""
+
+
 class LogDamagedError(ValueError):
     """Stored data that cannot be read as a record (damaged file, wrong column type, bad encoding)."""
 

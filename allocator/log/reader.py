@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from nanoserve.allocator.events import EventKind
 from nanoserve.allocator.log.errors import (
     LogDamagedError,
+    LogFileMissingError,
     LogNotFoundError,
     LogReadError,
     is_store_unavailable,
@@ -117,7 +118,7 @@ def connect(url: str) -> Iterator[sa.Connection]:
     database = parsed.database or ""
     is_sqlite_file = parsed.get_backend_name() == "sqlite" and database not in ("", ":memory:")
     if is_sqlite_file and not Path(database).is_file():
-        raise LogNotFoundError(f"no event log at {url!r}: file {database!r} does not exist")
+        raise LogFileMissingError(f"no event log at {url!r}: file {database!r} does not exist")
     engine = create_log_engine(url, read_only=True)
     try:
         with engine.connect() as conn:

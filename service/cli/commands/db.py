@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -52,33 +53,43 @@ def register(subparsers: Any) -> None:
 
 
 def run_upgrade(args: argparse.Namespace) -> int:
-    import sqlalchemy as sa
-    from alembic.util.exc import CommandError
-
     from nanoserve.migrations import upgrade
 
-    try:
-        sa.engine.make_url(args.url)
-        upgrade(args.url, args.revision)
-    except (sa.exc.SQLAlchemyError, CommandError) as exc:
-        print(f"nanoserve db upgrade: {exc}", file=sys.stderr)
-        return 2
-    print(f"{args.url}: schema at {args.revision}")
-    return 0
+    return _migrate("upgrade", args.url, args.revision, lambda: upgrade(args.url, args.revision))
 
 
 def run_downgrade(args: argparse.Namespace) -> int:
-    import sqlalchemy as sa
     from alembic import command
-    from alembic.util.exc import CommandError
 
     from nanoserve.migrations import alembic_config
 
+    return _migrate(
+        "downgrade", args.url, args.revision, lambda: command.downgrade(alembic_config(args.url), args.revision)
+    )
+
+
+def _migrate(action: str, url: str, revision: str, migrate: Callable[[], None]) -> int:
+    """Runs ``migrate`` on the log at ``url``; a store it cannot reach is one line naming the store and
+    the cause, as ``serve`` words it (a SQLite file's missing or read-only folder is named before
+    SQLite's "unable to open database file"), exit 2."""
+    import sqlalchemy as sa
+    from alembic.util.exc import CommandError
+
+    from nanoserve.allocator.log.errors import LogUnavailableError, safe_url, store_error
+    from nanoserve.allocator.log.store_probe import check_filesystem
+
     try:
-        sa.engine.make_url(args.url)
-        command.downgrade(alembic_config(args.url), args.revision)
-    except (sa.exc.SQLAlchemyError, CommandError) as exc:
-        print(f"nanoserve db downgrade: {exc}", file=sys.stderr)
+        sa.engine.make_url(url)
+        check_filesystem(url, min_free_bytes=0)
+        migrate()
+    except sa.exc.ArgumentError as exc:
+        print(f"nanoserve db {action}: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.url}: schema at {args.revision}")
+    except sa.exc.SQLAlchemyError as exc:
+        print(f"nanoserve db {action}: {store_error(url, exc)}", file=sys.stderr)
+        return 2
+    except (LogUnavailableError, CommandError) as exc:
+        print(f"nanoserve db {action}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{safe_url(url)}: schema at {revision}")
     return 0

@@ -159,6 +159,25 @@ def _default_live_log() -> str | None:
     return DEFAULT_EVENT_LOG_URL if Path(DEFAULT_EVENT_LOG_URL.removeprefix("sqlite:///")).is_file() else None
 
 
+def _url_source(url: str | None) -> str:
+    """Where the log's URL came from, for a reader that found no file there: --url, else
+    $NANOSERVE_EVENT_LOG_URL, else ./nanoserve-log.db (``serve``'s default, relative to its folder)."""
+    from nanoserve.allocator.log import DEFAULT_EVENT_LOG_URL
+
+    where = (
+        "the log is where `nanoserve serve --event-log-url` put it: pass that URL as --url, "
+        f"or run this in the folder serve ran in (its default, {DEFAULT_EVENT_LOG_URL}, is relative to it)"
+    )
+    if url is None:
+        return (
+            f"no --url and no $NANOSERVE_EVENT_LOG_URL, so the URL was the default {DEFAULT_EVENT_LOG_URL} "
+            f"(nanoserve-log.db in this folder, {os.getcwd()}); {where}"
+        )
+    if url == os.environ.get("NANOSERVE_EVENT_LOG_URL"):
+        return f"the URL came from $NANOSERVE_EVENT_LOG_URL (no --url given); {where}"
+    return f"the URL came from --url; {where}"
+
+
 def _guarded(run: Any) -> Any:
     """Bad input (no log, unknown pool/epoch, unreachable database) -> message on stderr, exit 2."""
 
@@ -166,11 +185,14 @@ def _guarded(run: Any) -> Any:
         import sqlalchemy as sa
 
         from nanoserve.allocator.log import EventLogError
+        from nanoserve.allocator.log.errors import LogFileMissingError
 
         try:
             return int(run(args))
         except (ValueError, EventLogError, sa.exc.SQLAlchemyError) as exc:
             print(f"nanoserve log {args.log_command}: {_one_line(exc)}", file=sys.stderr)
+            if isinstance(exc, LogFileMissingError):
+                print(f"hint: {_url_source(args.url)}", file=sys.stderr)
             return EXIT_UNUSABLE
 
     wrapper.__doc__ = run.__doc__

@@ -48,6 +48,31 @@ def test_db_upgrade_of_unreachable_database_exits_2(capsys: pytest.CaptureFixtur
     assert "nanoserve db upgrade:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("action", [["upgrade"], ["downgrade", "--revision", "0009"]])
+def test_db_on_a_sqlite_file_in_a_missing_folder_names_the_folder_as_serve_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], action: list[str]
+) -> None:
+    # SQLite's own words were "(sqlite3.OperationalError) unable to open database file (Background on ...)"
+    url = f"sqlite:///{tmp_path / 'nowhere' / 'x.db'}"
+    assert main(["db", action[0], url, *action[1:]]) == 2
+    assert capsys.readouterr().err == (
+        f"nanoserve db {action[0]}: event log store {url} is unavailable: "
+        f"folder {str(tmp_path / 'nowhere')!r} does not exist\n"
+    )
+
+
+def test_db_upgrade_of_a_refused_connection_is_one_line_without_sqlalchemys_link(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["db", "upgrade", "postgresql+psycopg://nobody:secret@127.0.0.1:1/none"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "nanoserve db upgrade: event log store postgresql+psycopg://nobody:***@127.0.0.1:1/none is unavailable: "
+        "OperationalError: connection failed"
+    )
+    assert (err.count("\n"), "sqlalche.me" in err, "secret" in err) == (1, False, False)
+
+
 def test_db_downgrade_takes_the_schema_back_keeping_the_events(
     log_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -90,6 +115,36 @@ def test_audit_of_clean_log_exits_0(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_audit_of_missing_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["log", "audit", "--url", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["epochs", "show", "audit", "requests"])
+def test_a_log_command_without_a_log_file_says_where_the_url_came_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NANOSERVE_EVENT_LOG_URL", raising=False)
+    assert main(["log", command]) == 2
+    assert capsys.readouterr().err == (
+        f"nanoserve log {command}: no event log at 'sqlite:///nanoserve-log.db': "
+        "file 'nanoserve-log.db' does not exist\n"
+        "hint: no --url and no $NANOSERVE_EVENT_LOG_URL, so the URL was the default sqlite:///nanoserve-log.db "
+        f"(nanoserve-log.db in this folder, {tmp_path}); the log is where `nanoserve serve --event-log-url` put it: "
+        "pass that URL as --url, or run this in the folder serve ran in (its default, sqlite:///nanoserve-log.db, "
+        "is relative to it)\n"
+    )
+
+
+def test_a_log_url_from_the_environment_that_names_no_file_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'gone.db'}"
+    monkeypatch.setenv("NANOSERVE_EVENT_LOG_URL", url)
+    assert main(["log", "epochs"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[1]
+        .startswith("hint: the URL came from $NANOSERVE_EVENT_LOG_URL (no --url given); ")
+    )
 
 
 def test_audit_of_unknown_epoch_exits_2(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
