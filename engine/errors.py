@@ -63,6 +63,12 @@ class JournalDisabledError(RuntimeError):
     resumed (-> FAILED_PRECONDITION)."""
 
 
+class RequestEndedAtRecoveryError(RuntimeError):
+    """A Resume reached a request that the restart after a crash ended without running it again (its
+    journaled FINISH has an ``abort_detail``): its final output has been sent, and this names why in
+    words, which the Finish message cannot carry (-> FAILED_PRECONDITION)."""
+
+
 class StreamBufferFullError(RuntimeError):
     """A stream's reader fell behind past ``--max-stream-buffer-messages`` or
     ``--max-stream-buffer-bytes``: its request was aborted (cause slow_consumer) and

@@ -149,7 +149,7 @@ class LLMEngine:
             "requests_recovered",
             epoch=recovery.recovered_epoch,
             num_recovered=len(requests),
-            num_ended=len(recovery.ended),
+            num_ended=len(recovery.ended) + len(unfit),  # ended by recovery's plan, or refused here
             request_ids=[request.request_id for request in requests],
             log_open_s=round(recovery.log_open_s, 3) if recovery.log_open_s is not None else None,
             journal_from_seq=recovery.journal_from_seq,

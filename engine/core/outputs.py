@@ -120,6 +120,9 @@ class RequestOutput:
     serial: int = 0
     # why an aborted request ended (final output only); None for every other ending
     abort_cause: AbortCause | None = None
+    # an abort's reason in words where the cause alone does not say it (a request recovery after a crash
+    # could not take back: the limit it broke), from its journaled FINISH; None otherwise
+    abort_detail: str | None = None
 
     # the output holds only this step's tokens: outputs[0] is the delta, not the whole completion
     is_delta: bool = False

@@ -6,7 +6,8 @@ writes it) reads that epoch's journal. Every request admitted there without
 a FINISH is unfinished: the new epoch re-admits it (an ADMIT with
 ``recovered_from``) unless its deadline has passed (FINISH, abort cause
 ``deadline``) or it arrived longer than ``retention_s`` ago (FINISH, abort cause
-``not_recovered``). Requests that ended (finished, aborted, cancelled) stay
+``not_recovered``), each FINISH saying why in words (``abort_detail``, which
+``Resume`` and ``log requests`` show). Requests that ended (finished, aborted, cancelled) stay
 ended. A RECOVER record names the crashed epoch, its last durable seq and who
 held which blocks there (from its audit), and lists both groups.
 
@@ -77,6 +78,7 @@ class RecoveryPlanner:
     recovered: list[RequestHistory] = field(default_factory=list)
     ended: dict[str, str] = field(default_factory=dict)
     _ended_at: dict[str, int] = field(default_factory=dict)  # request id -> its journaled tokens
+    _ended_why: dict[str, str] = field(default_factory=dict)  # request id -> why it ended, in words
 
     def __call__(self, engine: sa.Engine, pool_id: str, epoch: int) -> Sequence[JournalRecord]:
         with engine.connect() as conn:
@@ -93,17 +95,18 @@ class RecoveryPlanner:
             for request_id in unfinished:
                 try:
                     history = read_request_history(conn, pool_id, request_id)
-                except JournalGapError:  # its outputs cannot be restored whole: not taken over
+                except JournalGapError as exc:  # its outputs cannot be restored whole: not taken over
                     self.ended[request_id] = NOT_RECOVERED
                     self._ended_at[request_id] = 0
+                    self._ended_why[request_id] = f"its journaled outputs cannot be restored whole: {exc}"
                     continue
                 if history is None or history.finish is not None:
                     continue
-                cause = self._ending(history, now_ns)
-                if cause is None:
+                ending = self._ending(history, now_ns)
+                if ending is None:
                     self.recovered.append(history)
                 else:
-                    self.ended[request_id] = cause
+                    self.ended[request_id], self._ended_why[request_id] = ending
                     self._ended_at[request_id] = history.num_tokens
         self.recovered_epoch = crashed.epoch
         holders = {owner: list(blocks) for owner, blocks in report.state.blocks_by_owner().items()}
@@ -125,23 +128,32 @@ class RecoveryPlanner:
             records.append(JournalRecord(JournalKind.ADMIT, history.request_id, admit))
         for request_id, cause in self.ended.items():
             records.append(
-                JournalRecord(JournalKind.FINISH, request_id, ended_record(cause, self._ended_at[request_id]))
+                JournalRecord(
+                    JournalKind.FINISH,
+                    request_id,
+                    ended_record(cause, self._ended_at[request_id], self._ended_why[request_id]),
+                )
             )
         return records
 
-    def _ending(self, history: RequestHistory, now_ns: int) -> str | None:
-        """Why an unfinished request is not re-admitted; None when it is."""
+    def _ending(self, history: RequestHistory, now_ns: int) -> tuple[str, str] | None:
+        """Why an unfinished request is not re-admitted (abort cause, in words); None when it is."""
         deadline_ns = history.admit.get("deadline_wall_ns")
         if deadline_ns is not None and deadline_ns <= now_ns:
-            return DEADLINE
-        if now_ns - history.admit["arrival_wall_ns"] > self.retention_s * 1e9:
-            return NOT_RECOVERED
+            return DEADLINE, "its deadline passed before a server took the pool over"
+        age_s = (now_ns - history.admit["arrival_wall_ns"]) / 1e9
+        if age_s > self.retention_s:
+            return NOT_RECOVERED, (
+                f"it arrived {age_s:.0f} s before the restart, longer ago than the journal's retention "
+                f"({self.retention_s:g} s, --journal-retention-s)"
+            )
         return None
 
 
-def ended_record(cause: str, start: int = 0) -> dict[str, object]:
-    """A FINISH payload for a request that recovery leaves ended (no new tokens)."""
-    return {
+def ended_record(cause: str, start: int = 0, detail: str | None = None) -> dict[str, object]:
+    """A FINISH payload for a request that recovery leaves ended (no new tokens); ``detail``, why in
+    words, is its ``abort_detail``."""
+    record: dict[str, object] = {
         "start": start,
         "token_ids": [],
         "text": "",
@@ -149,6 +161,9 @@ def ended_record(cause: str, start: int = 0) -> dict[str, object]:
         "stop_reason": None,
         "abort_cause": cause,
     }
+    if detail is not None:
+        record["abort_detail"] = detail
+    return record
 
 
 def unfinished_ids(conn: sa.Connection, pool_id: str, epoch: int) -> tuple[list[str], int]:

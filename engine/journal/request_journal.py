@@ -109,7 +109,8 @@ def rebuild_requests(
     """The requests of ``histories`` (recovered from epoch ``recovered_from``), each made by ``process``
     (tokenize and validate, as for a new request) and restored (``restore_request``), in order; and the
     FINISH records (``not_recovered_record``) of those this engine cannot take back: the journal was
-    written under another model or other limits, so ``process`` refused them (logged one line each)."""
+    written under another model or other limits (a smaller pool), so ``process`` refused them (logged one
+    line each; the FINISH carries the refusal as its ``abort_detail``)."""
     requests: list[Request] = []
     unfit: list[JournalRecord] = []
     for history in histories:
@@ -120,14 +121,15 @@ def rebuild_requests(
             restore_request(history, request, recovered_from)
         except Exception as exc:
             _log.warning("request_not_recovered", request_id=history.request_id, error=str(exc))
-            unfit.append(not_recovered_record(history))
+            unfit.append(not_recovered_record(history, f"this server cannot run it again: {exc}"))
             continue
         requests.append(request)
     return requests, unfit
 
 
-def not_recovered_record(history: RequestHistory) -> JournalRecord:
-    """The FINISH of a recovered request this engine cannot run again (abort cause not_recovered)."""
+def not_recovered_record(history: RequestHistory, detail: str) -> JournalRecord:
+    """The FINISH of a recovered request this engine cannot run again (abort cause not_recovered);
+    ``detail``, why in words, is its ``abort_detail``."""
     data = {
         "start": history.num_tokens,
         "token_ids": [],
@@ -135,6 +137,7 @@ def not_recovered_record(history: RequestHistory) -> JournalRecord:
         "finish_reason": "abort",
         "stop_reason": None,
         "abort_cause": AbortCause.NOT_RECOVERED.value,
+        "abort_detail": detail,
     }
     return JournalRecord(JournalKind.FINISH, history.request_id, data)
 
@@ -267,6 +270,7 @@ def _output(
         metrics=_metrics(finish),
         prompt=history.admit.get("prompt"),
         abort_cause=AbortCause(cause) if cause is not None else None,
+        abort_detail=finish.get("abort_detail") if finish else None,
         is_delta=finish is None,
         delta_start=chunk.start if finish is None else 0,
     )

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from nanoserve.engine import AsyncLLMEngine
+from nanoserve.engine.errors import RequestEndedAtRecoveryError
 from nanoserve.service.grpc import convert
 from nanoserve.service.grpc.interceptors import CALLER
 from nanoserve.service.grpc.request_streamer import RequestStreamer
@@ -61,6 +62,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         engine_id = scoped_id(CALLER.get(), request.request_id)
         async for output in self._engine.resume(engine_id, request.after_token_index):
             yield self._resume_messages.message(output, request.request_id)
+            if output.finished and output.abort_detail is not None and output.abort_cause is not None:
+                # the Finish names the cause only; the status says why (a limit this server's pool breaks)
+                raise RequestEndedAtRecoveryError(
+                    f"request {request.request_id} ended at the restart after a crash, abort cause "
+                    f"{output.abort_cause.value}: {output.abort_detail}"
+                )
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[pb.AbortRequest, pb.AbortResponse]

@@ -37,6 +37,7 @@ from nanoserve.engine.errors import (
     JournalGapError,
     PrefixCacheResetRefusedError,
     QueueFullError,
+    RequestEndedAtRecoveryError,
     RequestNotFoundError,
     StreamBufferFullError,
 )
@@ -77,6 +78,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (EventLogDisabledError, grpc.StatusCode.FAILED_PRECONDITION),
     (KvEventsUnavailableError, grpc.StatusCode.FAILED_PRECONDITION),  # a REGISTER logged without token ids
     (JournalDisabledError, grpc.StatusCode.FAILED_PRECONDITION),  # Resume without a journal
+    (RequestEndedAtRecoveryError, grpc.StatusCode.FAILED_PRECONDITION),  # after its final output: why it ended
     (PrefixCacheResetRefusedError, grpc.StatusCode.FAILED_PRECONDITION),  # blocks held, or caching off
     (SeqOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE),  # WatchEvents from past the next event
     (UnimplementedError, grpc.StatusCode.UNIMPLEMENTED),

@@ -88,7 +88,8 @@ def _ending(finish: dict[str, Any]) -> str:
     differently names each sample's reason by index: ``finished (#0 stop, #1 length)``."""
     reason = finish.get("finish_reason")
     if reason == "abort":
-        return f"aborted ({finish.get('abort_cause')})"
+        detail = f": {finish['abort_detail']}" if finish.get("abort_detail") else ""
+        return f"aborted ({finish.get('abort_cause')}{detail})"
     reasons = finish.get("sample_finish_reasons") or [reason]
     if len(set(reasons)) == 1:
         return f"finished ({reasons[0]})"
@@ -179,7 +180,8 @@ def owner_lines(url: str, pool_id: str, owner: str) -> list[str]:
             if entry.kind == JournalKind.FINISH.value:
                 what += f", ended: {data.get('finish_reason')}"
                 if data.get("abort_cause"):
-                    what += f" ({data['abort_cause']})"
+                    detail = f": {data['abort_detail']}" if data.get("abort_detail") else ""
+                    what += f" ({data['abort_cause']}{detail})"
         step = "" if entry.step is None else f" step {entry.step}"
         lines.append(f"journal: epoch {entry.epoch}{step} {entry.kind}: {what}")
     return lines

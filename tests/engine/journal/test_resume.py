@@ -12,6 +12,7 @@ import pytest
 
 from nanoserve.engine import AsyncLLMEngine, EngineConfig, RequestOutput, SamplingParams, TokensPrompt
 from nanoserve.engine.core.log_setup import build_engine
+from nanoserve.engine.core.outputs import AbortCause
 from nanoserve.engine.errors import InvalidRequestError, JournalDisabledError, RequestNotFoundError
 
 PROMPT = TokensPrompt([101, 202, 303, 404, 505])
@@ -255,3 +256,49 @@ async def test_concurrent_resumes_of_a_finished_request_share_one_journal_read(e
     # a new request taking the id is what a later Resume sees, not the cached one
     again = (await _collect(engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3), "shared")))[-1]
     assert _tokens(await _collect(engine.resume("shared", 0)))[-3:] == again.token_ids
+
+
+async def test_a_recovered_request_the_restarted_pool_cannot_hold_ends_saying_why(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # a user restarted with --num-kv-blocks 8 and the client saw `abort (not_recovered)` with no reason,
+    # while the server's log said it and counted num_ended 0
+    import time
+
+    from structlog.testing import capture_logs
+
+    from nanoserve.allocator.log import EventLog
+    from nanoserve.allocator.log.reader import connect
+    from nanoserve.engine.journal.records import JournalKind
+    from nanoserve.engine.journal.store import JournalRecord, read_request_history
+    from nanoserve.migrations import upgrade
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    sampling = {"temperature": 0.0, "max_tokens": 60, "ignore_eos": True, "seed": 3}
+    admit = {"prompt_token_ids": [101, 202], "prompt": None, "sampling": sampling, "max_tokens": 60}
+    admit |= {"arrival_wall_ns": time.time_ns(), "deadline_wall_ns": None, "recovered_from": None}
+    log = EventLog.open(url, pool_id="default", num_blocks=256, block_size=4)
+    log.append_batch(1, [], journal=[JournalRecord(JournalKind.ADMIT, "long", admit)])
+    assert log.flush(10)
+    log._writer.abandon()  # SIGKILL
+    log._release()
+    reason = (
+        "this server cannot run it again: max_tokens: prompt (2 tokens) + max_tokens (60) = 62 tokens "
+        "needs 16 KV blocks; the whole pool holds 8 blocks (32 tokens)"
+    )
+    with capture_logs() as logs:
+        engine = AsyncLLMEngine(_config(tiny_model_dir, url, num_kv_blocks=8), load=build_engine)
+        await engine.start()
+    try:
+        [recovered] = [entry for entry in logs if entry["event"] == "requests_recovered"]
+        assert (recovered["num_recovered"], recovered["num_ended"]) == (0, 1)
+        [final] = await _collect(engine.resume("long", 0))
+        assert (final.finished, final.abort_cause, final.abort_detail) == (True, AbortCause.NOT_RECOVERED, reason)
+    finally:
+        await engine.shutdown(grace_s=0.0)
+    with connect(url) as conn:
+        history = read_request_history(conn, "default", "long")
+    assert history is not None
+    assert history.finish is not None
+    assert (history.finish["abort_cause"], history.finish["abort_detail"]) == ("not_recovered", reason)

@@ -104,3 +104,11 @@ def test_log_epochs_names_the_epoch_that_recovered_a_crash(
     rows = capsys.readouterr().out.splitlines()[2:]
     assert rows[0].endswith("crashed; recovered by epoch 2")
     assert "closed at seq" in rows[1]
+
+
+def test_an_abort_recovery_explained_is_shown_with_its_reason() -> None:
+    from nanoserve.service.cli.commands.log_requests import _ending
+
+    finish = {"finish_reason": "abort", "abort_cause": "not_recovered", "abort_detail": "needs 16 KV blocks"}
+    assert _ending(finish) == "aborted (not_recovered: needs 16 KV blocks)"
+    assert _ending({"finish_reason": "abort", "abort_cause": "shutdown"}) == "aborted (shutdown)"
