@@ -93,9 +93,18 @@ class LogArchiver:
     def run_once(self) -> list[ManifestEntry]:
         """One pass: archives the epochs due and returns them, then the open epoch's due segment (appended to
         ``segments``); also what the thread runs."""
+        from nanoserve.engine.journal.store import recovering_epoch
         from nanoserve.migrations import upgrade
 
-        entries = archive_due(self.url, self.dest_dir, self.policy, upgrade, pool_id=self.pool_id, sizes=self._sizes)
+        entries = archive_due(
+            self.url,
+            self.dest_dir,
+            self.policy,
+            upgrade,
+            pool_id=self.pool_id,
+            sizes=self._sizes,
+            recovery_of=recovering_epoch,
+        )
         for entry in entries:
             _log_archived("event_log_epoch_archived", entry)
         self.archived.extend(entries)

@@ -28,6 +28,7 @@ go back and the open epoch's rows are never touched.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -57,6 +58,9 @@ ROW_OVERHEAD_BYTES = 96
 ARCHIVE_SUFFIX = ".db"
 
 PrepareArchive = Callable[[str], None]
+# (live log connection, pool_id, epoch) -> the epoch whose RECOVER record took it over, or None: the
+# request journal's (``engine.journal.store.recovering_epoch``), passed in by the caller as the migrations are
+RecoveryOf = Callable[[sa.Connection, str, int], int | None]
 
 
 class ArchiveError(EventLogError):
@@ -104,6 +108,7 @@ class ManifestEntry:
     sha256: str
     num_bytes: int
     archived_wall_ns: int
+    recovered_by: int | None = None  # the epoch that recovered it after its crash (migration 0012)
 
 
 def epoch_tables(conn: sa.Connection) -> list[sa.Table]:
@@ -202,12 +207,20 @@ def file_sha256(path: Path) -> str:
 
 
 def archive_epoch(
-    live: sa.Engine, pool_id: str, epoch: int, dest_dir: Path, prepare_archive: PrepareArchive
+    live: sa.Engine,
+    pool_id: str,
+    epoch: int,
+    dest_dir: Path,
+    prepare_archive: PrepareArchive,
+    recovery_of: RecoveryOf | None = None,
 ) -> ManifestEntry:
     """Moves one epoch of the live log into its archive file (steps 1-3 of the module doc).
 
     live: an engine on the live log (migrated to 0004 or later).
     prepare_archive: called with the archive's SQLite URL; creates the log's schema there.
+    recovery_of: names the epoch that recovered a crashed one, for its manifest row (None: not known).
+    The file holds its own manifest row too (``sha256`` empty, ``num_bytes`` 0), so that its readers know
+    the epoch is finished and, where ``recovered_by`` says, who recovered it.
     Raises ArchiveError for the pool's newest epoch, an epoch not in the log,
     or an archive whose schema lacks one of the epoch's tables; PartitionLocksBusy
     (PostgreSQL) when the tables stayed locked (the file is written again next time).
@@ -228,6 +241,10 @@ def archive_epoch(
         first_seq, last_seq = conn.execute(
             sa.select(sa.func.min(events.seq), sa.func.max(end)).where(events.pool_id == pool_id, events.epoch == epoch)
         ).one()
+        closed = conn.execute(
+            sa.select(pool_epochs.c.closed_seq).where(pool_epochs.c.pool_id == pool_id, pool_epochs.c.epoch == epoch)
+        ).scalar()
+        recovered_by = recovery_of(conn, pool_id, epoch) if recovery_of is not None and closed is None else None
 
     dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     final = archive_path(dest_dir, pool_id, epoch)
@@ -236,11 +253,6 @@ def archive_epoch(
     os.close(os.open(partial, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     url = f"sqlite:///{partial}"
     prepare_archive(url)
-    _copy_epoch(live, url, tables, pool_id, epoch)
-    digest = file_sha256(partial)
-    num_bytes = partial.stat().st_size
-    os.replace(partial, final)
-
     entry = ManifestEntry(
         pool_id=pool_id,
         epoch=epoch,
@@ -248,13 +260,17 @@ def archive_epoch(
         last_seq=int(last_seq or 0),
         head_hash=bytes(head.head_hash),
         path=str(final.resolve()),
-        sha256=digest,
-        num_bytes=num_bytes,
+        sha256="",
+        num_bytes=0,
         archived_wall_ns=time.time_ns(),
+        recovered_by=recovered_by,
     )
+    _copy_epoch(live, url, tables, pool_id, epoch, entry)
+    entry = dataclasses.replace(entry, sha256=file_sha256(partial), num_bytes=partial.stat().st_size)
+    os.replace(partial, final)
 
     def remove(conn: sa.Connection) -> None:
-        conn.execute(sa.insert(archived_epochs).values(**entry.__dict__))
+        conn.execute(sa.insert(archived_epochs).values(**_manifest_values(conn, entry)))
         drop_epoch_partitions(conn, partitioned, pool_id, epoch)
         for table in reversed(tables):  # pool_epochs, which the others reference, last
             conn.execute(sa.delete(table).where(table.c.pool_id == pool_id, table.c.epoch == epoch))
@@ -271,8 +287,11 @@ def _epoch_row(pool_id: str, epoch: int) -> sa.Select[tuple[bytes]]:
     return sa.select(pool_epochs.c.head_hash).where(pool_epochs.c.pool_id == pool_id, pool_epochs.c.epoch == epoch)
 
 
-def _copy_epoch(live: sa.Engine, archive_url: str, tables: list[sa.Table], pool_id: str, epoch: int) -> None:
-    """Copies the epoch's rows of ``tables`` into the archive at ``archive_url`` as stored; leaves it one file."""
+def _copy_epoch(
+    live: sa.Engine, archive_url: str, tables: list[sa.Table], pool_id: str, epoch: int, entry: ManifestEntry
+) -> None:
+    """Copies the epoch's rows of ``tables`` into the archive at ``archive_url`` as stored, and ``entry`` (its
+    own manifest row, without digest and size) into its manifest; leaves it one file."""
     archive = sa.create_engine(archive_url)
     try:
         with archive.begin() as out:
@@ -284,6 +303,7 @@ def _copy_epoch(live: sa.Engine, archive_url: str, tables: list[sa.Table], pool_
                 into = target.tables[table.name]
                 for chunk in _chunks(live, table, pool_id, epoch):
                     out.execute(sa.insert(into), chunk)
+            out.execute(sa.insert(target.tables[archived_epochs.name]).values(**_manifest_values(target, entry)))
         with archive.connect() as out:
             out.exec_driver_sql("PRAGMA journal_mode=DELETE")  # one file: no -wal beside it
     finally:
@@ -308,10 +328,12 @@ def archive_due(
     pool_id: str | None = None,
     now_ns: int | None = None,
     sizes: dict[tuple[str, int], int] | None = None,
+    recovery_of: RecoveryOf | None = None,
 ) -> list[ManifestEntry]:
     """Archives every epoch ``policy`` no longer keeps, of ``pool_id`` (None: every pool), oldest first.
 
-    sizes: as for ``due_epochs``, kept by a caller that runs this repeatedly.
+    sizes: as for ``due_epochs``, kept by a caller that runs this repeatedly. recovery_of: as for
+    ``archive_epoch``.
     """
     live = create_log_engine(url)
     try:
@@ -323,7 +345,7 @@ def archive_due(
             )
             now = time.time_ns() if now_ns is None else now_ns
             due = [(pool, epoch) for pool in pools for epoch in due_epochs(conn, pool, policy, now, sizes)]
-        return [archive_epoch(live, pool, epoch, dest_dir, prepare_archive) for pool, epoch in due]
+        return [archive_epoch(live, pool, epoch, dest_dir, prepare_archive, recovery_of) for pool, epoch in due]
     finally:
         live.dispose()
 
@@ -339,10 +361,23 @@ def manifest(url: str, pool_id: str | None = None) -> list[ManifestEntry]:
 
 
 def manifest_rows(conn: sa.Connection, pool_id: str | None = None) -> list[ManifestEntry]:
-    """``manifest`` on an open connection; none where the log predates the manifest table."""
-    if not sa.inspect(conn).has_table(archived_epochs.name):
+    """``manifest`` on an open connection; none where the log predates the manifest table (a log or an
+    archive file before migration 0012 has no ``recovered_by``: None)."""
+    inspector = sa.inspect(conn)
+    if not inspector.has_table(archived_epochs.name):
         return []
-    query = sa.select(archived_epochs).order_by(archived_epochs.c.pool_id, archived_epochs.c.epoch)
+    stored = {column["name"] for column in inspector.get_columns(archived_epochs.name)}
+    columns = [column for column in archived_epochs.columns if column.name in stored]
+    query = sa.select(*columns).order_by(archived_epochs.c.pool_id, archived_epochs.c.epoch)
     if pool_id is not None:
         query = query.where(archived_epochs.c.pool_id == pool_id)
     return [ManifestEntry(**row._mapping) for row in conn.execute(query)]
+
+
+def _manifest_values(conn: sa.Connection | sa.MetaData, entry: ManifestEntry) -> dict[str, object]:
+    """``entry``'s columns that the manifest table at ``conn`` has (before migration 0012: no recovered_by)."""
+    if isinstance(conn, sa.MetaData):
+        stored = set(conn.tables[archived_epochs.name].columns.keys())
+    else:
+        stored = {column["name"] for column in sa.inspect(conn).get_columns(archived_epochs.name)}
+    return {name: value for name, value in dataclasses.asdict(entry).items() if name in stored}

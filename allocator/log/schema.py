@@ -186,6 +186,12 @@ class ArchivedEpoch(Base):
     still verifies there; ``sha256`` is the hex digest of that file as written,
     ``num_bytes`` its size. Written in the transaction that deletes the rows
     from the live log (migration 0004).
+
+    The archive file holds its own epoch's row too (its ``sha256`` empty and
+    ``num_bytes`` 0: a file cannot hold its own digest), so that a reader of
+    the file alone knows the epoch is finished (a pool's newest epoch is never
+    archived); ``recovered_by`` (migration 0012) is the epoch whose RECOVER
+    record took a crashed epoch over, None when it closed or none did.
     """
 
     __tablename__ = "archived_epochs"
@@ -199,6 +205,7 @@ class ArchivedEpoch(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     num_bytes: Mapped[int] = mapped_column(BigInteger)
     archived_wall_ns: Mapped[int] = mapped_column(BigInteger)
+    recovered_by: Mapped[int | None] = mapped_column(Integer)  # migration 0012
 
 
 archived_epochs = Base.metadata.tables[ArchivedEpoch.__tablename__]

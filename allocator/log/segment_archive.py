@@ -85,7 +85,7 @@ class SegmentEntry(ManifestEntry):
 
     def manifest_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
-        del row["num_row_bytes"]
+        del row["num_row_bytes"], row["recovered_by"]  # a segment is of an open epoch: nothing recovered it
         return row
 
 

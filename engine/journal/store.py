@@ -182,6 +182,37 @@ def read_journal(conn: sa.Connection, pool_id: str, epoch: int | None = None) ->
     return entries
 
 
+def recovering_epoch(conn: sa.Connection, pool_id: str, epoch: int) -> int | None:
+    """The epoch whose RECOVER record took crashed ``epoch`` over: ``epoch + 1`` when its journal opens
+    with one naming ``epoch`` (recovery commits it in the transaction that opens the epoch, so it is the
+    first step row's); None otherwise (``epoch`` closed, no journal, or the next epoch is not here).
+    Reads one row."""
+    if not has_journal_table(conn):
+        return None
+    following = epoch + 1
+    entries: list[JournalEntry] = []
+    if _has_steps(conn):
+        table = journal_steps
+        first = (
+            sa.select(*_step_columns())
+            .where(table.c.pool_id == pool_id, table.c.epoch == following)
+            .order_by(table.c.first_seq)
+            .limit(1)
+        )
+        entries += step_entries([StepRow(*row) for row in conn.execute(first)])
+    if sa.inspect(conn).has_table(request_journal.name):  # the layout before journal_steps
+        table = request_journal
+        query = sa.select(table.c.record).where(
+            table.c.pool_id == pool_id, table.c.epoch == following, table.c.kind == JournalKind.RECOVER.value
+        )
+        entries += [
+            JournalEntry(following, 0, "", JournalKind.RECOVER.value, None, 0, json.loads(r))
+            for r in conn.execute(query).scalars()
+        ]
+    named = any(e.kind == JournalKind.RECOVER.value and e.data.get("epoch") == epoch for e in entries)
+    return following if named else None
+
+
 def step_entries(rows: Sequence[StepRow]) -> list[JournalEntry]:
     """The records of step rows (ordered by epoch, first_seq), each named: an OUTPUT stored by its
     ADMIT's seq takes that ADMIT's id, or, where the ADMIT is not among ``rows``, its request's FINISH's

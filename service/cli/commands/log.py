@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoserve.allocator import EventKind
-from nanoserve.allocator.log.epoch_status import OPEN_STATUS, newest_epochs, open_status
+from nanoserve.allocator.log.epoch_status import OPEN_STATUS, open_statuses
 from nanoserve.service.cli.commands import log_archive, log_format, log_owner, log_plot, log_requests
 
 EVENT_KINDS = tuple(kind.value for kind in EventKind)
@@ -216,13 +216,14 @@ def run_audit(args: argparse.Namespace) -> int:
     if args.archive is not None:
         live_url = args.url or _default_live_log()
         matches, reports = log_archive.run_audit_archive(args, live_url)
-        newest: dict[str, int] = {}
+        archive_url = f"sqlite:///{args.archive}"
+        with connect(archive_url) as conn:  # the file's own manifest row: a finished epoch, and who recovered it
+            statuses = open_statuses(conn, log_requests.recovered_by(conn))
         if live_url is not None:  # an archived epoch without POOL_CLOSE is crashed when a later one opened
             with connect(live_url) as conn:
-                newest = newest_epochs(conn)
+                statuses = statuses.merged(open_statuses(conn, log_requests.recovered_by(conn)))
         for report in reports:
-            print(report.render(open_status=open_status(report.epoch, newest.get(report.pool_id, report.epoch))))
-        archive_url = f"sqlite:///{args.archive}"
+            print(report.render(open_status=statuses.of(report.pool_id, report.epoch)))
         damage = log_requests.journal_damage_lines(archive_url, [(report.pool_id, report.epoch) for report in reports])
         for line in damage:
             print(f"request journal damaged: {line}")
@@ -236,9 +237,9 @@ def run_audit(args: argparse.Namespace) -> int:
                 return EXIT_CLEAN
     reports = audit_all(url, args.pool_id) if args.epoch is None else [audit(url, args.pool_id, args.epoch)]
     with connect(url) as conn:
-        newest = newest_epochs(conn)
+        statuses = open_statuses(conn, log_requests.recovered_by(conn))
     for report in reports:
-        print(report.render(open_status=open_status(report.epoch, newest.get(report.pool_id, report.epoch))))
+        print(report.render(open_status=statuses.of(report.pool_id, report.epoch)))
     journal_damage = log_requests.journal_damage_lines(url, [(report.pool_id, report.epoch) for report in reports])
     for line in journal_damage:
         print(f"request journal damaged: {line}")
@@ -365,7 +366,7 @@ def _nothing_found(args: argparse.Namespace, pool_id: str | None, epochs: list[i
 @_guarded
 def run_requests(args: argparse.Namespace) -> int:
     entries = log_requests.read_entries(_url(args), args.pool_id, args.epoch)
-    rows = log_requests.request_rows(entries)
+    rows = log_requests.request_rows(entries, log_requests.ended_epochs(_url(args), args.pool_id))
     journal_damage = log_requests.pool_damage_lines(_url(args), args.pool_id, args.epoch)
     if not rows:
         print("no journaled requests" + ("" if args.epoch is None else f" in epoch {args.epoch}"))
@@ -463,8 +464,7 @@ def run_epochs(args: argparse.Namespace) -> int:
 
     with connect(_url(args)) as conn:
         epochs = list_epochs(conn, args.pool_id)
-        recovered_by = log_requests.recovered_by(conn)
-        newest = newest_epochs(conn)
+        statuses = open_statuses(conn, log_requests.recovered_by(conn))
         in_log = {(info.pool_id, info.epoch) for info in epochs}
         # epochs moved out of the live log whole (one still in it is being archived: listed once, as it is)
         archived = [entry for entry in manifest_rows(conn, args.pool_id) if (entry.pool_id, entry.epoch) not in in_log]
@@ -484,9 +484,7 @@ def run_epochs(args: argparse.Namespace) -> int:
                 info.model or "",
                 log_format.utc(info.opened_wall_ns),
                 str(info.durable_seq),
-                f"closed at seq {info.closed_seq}"
-                if info.closed
-                else open_status(info.epoch, newest[info.pool_id], recovered_by.get((info.pool_id, info.epoch))),
+                f"closed at seq {info.closed_seq}" if info.closed else statuses.of(info.pool_id, info.epoch),
             ],
         )
         for info in epochs
@@ -502,7 +500,8 @@ def run_epochs(args: argparse.Namespace) -> int:
                 "",
                 "",
                 str(entry.last_seq),
-                f"archived to {entry.path} (`log audit --archive` reads it)",
+                ("" if entry.recovered_by is None else f"crashed; recovered by epoch {entry.recovered_by}; ")
+                + f"archived to {entry.path} (`log audit --archive` reads it)",
             ],
         )
         for entry in archived

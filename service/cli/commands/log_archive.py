@@ -51,6 +51,7 @@ def run_archive(args: argparse.Namespace, url: str) -> int:
     """Archives, printing one line per file; 0 (also when nothing was due)."""
     from nanoserve.allocator.log.archive import RetentionPolicy, archive_due, archive_epoch
     from nanoserve.allocator.log.store import create_log_engine
+    from nanoserve.engine.journal.store import recovering_epoch
     from nanoserve.migrations import upgrade
 
     dest = Path(args.dest)
@@ -59,14 +60,14 @@ def run_archive(args: argparse.Namespace, url: str) -> int:
             raise ValueError("--epoch needs --pool")
         live = create_log_engine(url)
         try:
-            entries = [archive_epoch(live, args.pool_id, args.epoch, dest, upgrade)]
+            entries = [archive_epoch(live, args.pool_id, args.epoch, dest, upgrade, recovering_epoch)]
         finally:
             live.dispose()
     else:
         policy = RetentionPolicy(args.retention_s, args.retention_bytes)
         if not policy.enabled:
             policy = RetentionPolicy(retention_bytes=1)  # every epoch but the newest
-        entries = archive_due(url, dest, policy, upgrade, pool_id=args.pool_id)
+        entries = archive_due(url, dest, policy, upgrade, pool_id=args.pool_id, recovery_of=recovering_epoch)
     for entry in entries:
         print(
             f"archived pool {entry.pool_id} epoch {entry.epoch} (seq {entry.first_seq}..{entry.last_seq}, "

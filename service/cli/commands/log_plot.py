@@ -155,8 +155,9 @@ def _drawing(action: str) -> tuple[Any, Any] | None:
 
 def _open_status(url: str, pool_id: str, epoch: int) -> str:
     """How the picture names the epoch if it has no POOL_CLOSE: as ``log epochs`` does."""
-    from nanoserve.allocator.log.epoch_status import newest_epochs, open_status
+    from nanoserve.allocator.log.epoch_status import open_statuses
     from nanoserve.allocator.log.reader import connect
+    from nanoserve.service.cli.commands.log_requests import recovered_by
 
     with connect(url) as conn:
-        return open_status(epoch, newest_epochs(conn).get(pool_id, epoch))
+        return open_statuses(conn, recovered_by(conn)).of(pool_id, epoch)

@@ -5,8 +5,10 @@
 Each request admitted in the epoch (every epoch without --epoch): its epoch, how
 it entered it (admitted, or recovered from a crashed epoch), its prompt and
 output token counts as journaled, and its state: ``finished (stop|length)``,
-``aborted (cause)``, ``running`` (an open epoch: live, or cut by a crash),
-``recovered in epoch M`` (taken over after the crash). A log written before
+``aborted (cause)``, ``running, or cut by a crash`` (its pool's newest epoch
+without POOL_CLOSE: the log cannot tell), ``cut by a crash`` (a crashed epoch:
+a later one opened, or the epoch is archived; ``; epoch M took the epoch over``
+where known), ``recovered in epoch M`` (taken over after the crash). A log written before
 the journal existed (migration 0003) has no requests to list.
 """
 
@@ -31,8 +33,27 @@ def add_requests(actions: Any, add_source: Callable[[argparse.ArgumentParser, st
     return parser
 
 
-def request_rows(entries: list[JournalEntry]) -> list[list[str]]:
+def ended_epochs(url: str, pool_id: str | None) -> dict[int, int | None]:
+    """The epochs of the pool (the log's only pool when None) that are not running: not its newest, or
+    named by the log's manifest (an archive file names its own epoch) -> the epoch that recovered it
+    (None: not known here)."""
+    from nanoserve.allocator.log.epoch_status import open_statuses
+    from nanoserve.allocator.log.reader import connect, list_epochs, resolve_epoch
+
+    with connect(url) as conn:
+        pool_id = resolve_epoch(conn, pool_id, None).pool_id
+        statuses = open_statuses(conn)
+        newest = statuses.newest.get(pool_id, 0)
+        ended: dict[int, int | None] = {info.epoch: None for info in list_epochs(conn, pool_id) if info.epoch < newest}
+    ended.update({epoch: by for (pool, epoch), by in statuses.archived.items() if pool == pool_id})
+    return ended
+
+
+def request_rows(entries: list[JournalEntry], ended: dict[int, int | None] | None = None) -> list[list[str]]:
     """One row per admission: epoch, request id, admitted, prompt tokens, output tokens, state.
+
+    ended: the epochs known not to run (``ended_epochs``) -> the epoch that recovered each (None: not
+    known): a request left unfinished there was cut by the crash, not running.
 
     A request id may be admitted more than once in an epoch (a recovered request aborted and sent
     again, or any id reused once its request ended): each ADMIT starts a row of its own, and the
@@ -76,6 +97,9 @@ def request_rows(entries: list[JournalEntry]) -> list[list[str]]:
             # only the id's last admission in the epoch can be the one a crash cut and a later epoch took over
             taken = recovered_in.get((epoch, request_id)) if current[(epoch, request_id)] is row else None
             state = "running, or cut by a crash" if taken is None else f"recovered in epoch {taken}"
+            if taken is None and ended is not None and epoch in ended:
+                by = ended[epoch]
+                state = "cut by a crash" + ("" if by is None else f"; epoch {by} took the epoch over")
         num_samples = row.get("num_samples", 1)
         # parallel sampling: the samples' tokens are not journaled (docs/parallel-sampling.md), so none are counted
         output = str(row["num_tokens"]) if num_samples == 1 else f"- ({num_samples} samples, not journaled)"

@@ -112,3 +112,26 @@ def test_an_abort_recovery_explained_is_shown_with_its_reason() -> None:
     finish = {"finish_reason": "abort", "abort_cause": "not_recovered", "abort_detail": "needs 16 KV blocks"}
     assert _ending(finish) == "aborted (not_recovered: needs 16 KV blocks)"
     assert _ending({"finish_reason": "abort", "abort_cause": "shutdown"}) == "aborted (shutdown)"
+
+
+def test_an_archived_crashed_epoch_reads_back_crashed_and_recovered_in_every_reader(
+    crashed_log: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a new user's archive of a crashed epoch read back "open (running, or crashed)" in `log epochs`,
+    # "running, or cut by a crash" in `log requests`, and "epochs 2..4 opened the pool after it" in `log audit`
+    assert main(["log", "archive", "--url", crashed_log, "--dest", str(tmp_path / "arch")]) == 0
+    archive = tmp_path / "arch" / "p-epoch-00000001.db"
+    capsys.readouterr()
+    assert main(["log", "epochs", "--url", f"sqlite:///{archive}"]) == 0
+    [row] = capsys.readouterr().out.splitlines()[2:]
+    assert row.endswith("crashed; recovered by epoch 2")
+    assert main(["log", "requests", "--url", f"sqlite:///{archive}"]) == 0
+    states = [line.split("  ")[-1].strip() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert states == ["cut by a crash; epoch 2 took the epoch over", "finished (length)", "aborted (cancelled)"]
+    for live in ([], ["--url", crashed_log]):  # the file alone, and checked against its live log
+        main(["log", "audit", "--archive", str(archive), *live])
+        [head] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pool")]
+        assert "crashed; recovered by epoch 2" in head, head
+    assert main(["log", "epochs", "--url", crashed_log]) == 0
+    archived_row = capsys.readouterr().out.splitlines()[2]
+    assert f"crashed; recovered by epoch 2; archived to {archive}" in archived_row
