@@ -332,13 +332,15 @@ def run_show(args: argparse.Namespace) -> int:
     if args.owner is not None and pool_id is not None:
         for line in log_requests.owner_lines(_url(args), pool_id, args.owner):
             print(line)
-    if args.owner is not None and not rows:
-        print(log_owner.tenant_hint(_url(args), pool_id, epochs, args.owner), file=sys.stderr)
+    if args.owner is not None and not rows:  # the archived epochs first: the likelier place of an old request
         not_searched = (
             None if args.epoch is not None or pool_id is None else log_owner.not_searched_line(_url(args), pool_id)
         )
         if not_searched is not None:
             print(f"note: {not_searched}", file=sys.stderr)
+        hint = log_owner.tenant_hint(_url(args), pool_id, epochs, args.owner)
+        if hint is not None:
+            print(hint, file=sys.stderr)
     return EXIT_CLEAN if not damage else EXIT_VIOLATIONS
 
 
