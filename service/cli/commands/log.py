@@ -84,6 +84,13 @@ def register(subparsers: Any) -> None:
     show.add_argument("--from", dest="from_seq", type=int, default=1, metavar="SEQ", help="first seq (default 1)")
     show.add_argument("--to", dest="to_seq", type=int, default=None, metavar="SEQ", help="last seq (default: the end)")
     show.add_argument("--limit", type=int, default=None, metavar="N", help="print at most N events")
+    show.add_argument(
+        "--full",
+        action="store_true",
+        help="every block id and key of each event (default: a long block list as runs cut to "
+        f"{log_format.MAX_BLOCKS_CHARS} characters, the first {log_format.MAX_KEYS_SHOWN} keys and their count), "
+        "and one journal line per record (default: consecutive outputs as one line)",
+    )
     show.set_defaults(func=run_show)
 
     state = actions.add_parser(
@@ -308,7 +315,7 @@ def run_show(args: argparse.Namespace) -> int:
                         damage.append(item)
                         epoch_rows.append((item.seq, [*prefix, str(item.seq), "", "", "", "DAMAGED", "", "", "", ""]))
                         continue
-                    epoch_rows.append((item.seq, [*prefix, *log_format.event_cells(item)]))
+                    epoch_rows.append((item.seq, [*prefix, *log_format.event_cells(item, args.full)]))
                     if args.limit is not None and len(rows) + len(epoch_rows) >= args.limit and len(owners) == 1:
                         break
             finally:
@@ -330,7 +337,7 @@ def run_show(args: argparse.Namespace) -> int:
     for epoch in epochs:
         _say_archived(_url(args), pool_id, epoch, args.from_seq)
     if args.owner is not None and pool_id is not None:
-        for line in log_requests.owner_lines(_url(args), pool_id, args.owner):
+        for line in log_requests.owner_lines(_url(args), pool_id, args.owner, collapse=not args.full):
             print(line)
     if args.owner is not None and not rows:  # the archived epochs first: the likelier place of an old request
         not_searched = (

@@ -11,21 +11,45 @@ from typing import Any
 
 from nanoserve.allocator import PoolState
 
+# a cell of `log show` longer than this is shortened unless --full: a table pads each column to its
+# longest cell, so one long row (a 57-block ALLOCATE, a REGISTER of 57 keys) made every row wrap
+MAX_BLOCKS_CHARS = 24
+MAX_KEYS_SHOWN = 2
 
-def event_cells(item: Any) -> list[str]:
+
+def event_cells(item: Any, full: bool = True) -> list[str]:
+    """An event's row of ``log show``: seq, batch, step, time, kind, blocks, owner, reason, keys. Not
+    ``full``: blocks as sorted runs (``3-59``) cut to MAX_BLOCKS_CHARS with their count, and at most
+    MAX_KEYS_SHOWN keys followed by their count."""
+    detail = (
+        fork_detail(item.parent, item.partial, item.ref_counts)
+        if item.parent is not None
+        else cache_detail(item.keys, item.parent_keys, item.ref_counts, None if full else MAX_KEYS_SHOWN)
+    )
     return [
         str(item.seq),
         str(item.batch_seq),
         "" if item.step is None else str(item.step),
         utc(item.wall_time_ns),
         item.kind,
-        ",".join(map(str, item.block_ids)),
+        ",".join(map(str, item.block_ids)) if full else short_blocks(item.block_ids),
         item.owner or "",
         item.reason or "",
-        fork_detail(item.parent, item.partial, item.ref_counts)
-        if item.parent is not None
-        else cache_detail(item.keys, item.parent_keys, item.ref_counts),
+        detail,
     ]
+
+
+def short_blocks(block_ids: Sequence[int], max_chars: int = MAX_BLOCKS_CHARS) -> str:
+    """Block ids as ``log show`` lists them (``5,0,1``), or, when that is longer than ``max_chars``, as
+    sorted runs (``0-56``), cut to ``max_chars`` with the count (``0-3,5,7,9... (40 blocks)``)."""
+    listed = ",".join(map(str, block_ids))
+    if len(listed) <= max_chars:
+        return listed
+    runs = block_ranges(block_ids).replace(", ", ",")
+    if len(runs) <= max_chars:
+        return runs
+    cut = runs[:max_chars].rsplit(",", 1)[0]
+    return f"{cut}... ({len(block_ids)} blocks)"
 
 
 def print_cache(state: PoolState, full: bool) -> None:
@@ -67,16 +91,23 @@ def fork_detail(parent: str, partial: bool, ref_counts: Sequence[int]) -> str:
     return f"<-{parent}" + (" partial" if partial else "") + (f" ={counts}" if counts else "")
 
 
-def cache_detail(keys: Sequence[str], parent_keys: Sequence[str | None], ref_counts: Sequence[int]) -> str:
+def cache_detail(
+    keys: Sequence[str], parent_keys: Sequence[str | None], ref_counts: Sequence[int], max_keys: int | None = None
+) -> str:
     """A prefix-cache event's keys, shortened: ``key=count`` (SHARE, RELEASE), ``key<-parent`` (REGISTER;
-    a sequence's first block has no parent)."""
+    a sequence's first block has no parent); with ``max_keys``, the first that many and then how many
+    there are (``... (57 keys, --full)``)."""
     if parent_keys:
-        return " ".join(
+        shown = [
             f"{k[:KEY_CHARS]}<-{p[:KEY_CHARS]}" if p else k[:KEY_CHARS] for k, p in zip(keys, parent_keys, strict=False)
-        )
-    if ref_counts:
-        return " ".join(f"{k[:KEY_CHARS]}={c}" for k, c in zip(keys, ref_counts, strict=False))
-    return " ".join(k[:KEY_CHARS] for k in keys)
+        ]
+    elif ref_counts:
+        shown = [f"{k[:KEY_CHARS]}={c}" for k, c in zip(keys, ref_counts, strict=False)]
+    else:
+        shown = [k[:KEY_CHARS] for k in keys]
+    if max_keys is not None and len(shown) > max_keys:
+        return " ".join(shown[:max_keys]) + f" ... ({len(shown)} keys, --full)"
+    return " ".join(shown)
 
 
 def block_ranges(block_ids: Iterable[int]) -> str:

@@ -176,8 +176,10 @@ def recovered_by(conn: Any) -> dict[tuple[str, int], int]:
     }
 
 
-def owner_lines(url: str, pool_id: str, owner: str) -> list[str]:
-    """The journal's account of request ``owner`` across epochs, one line per record."""
+def owner_lines(url: str, pool_id: str, owner: str, collapse: bool = False) -> list[str]:
+    """The journal's account of request ``owner`` across epochs, one line per record; with ``collapse``,
+    a run of OUTPUT records of one epoch whose tokens follow on (one per engine step: 600 lines for a
+    600-token request) is one line, ``journal: epoch 1 steps 911..1190 output: tokens 1..600``."""
     from nanoserve.allocator.log.reader import connect
     from nanoserve.engine.journal.store import has_journal_table
 
@@ -187,6 +189,8 @@ def owner_lines(url: str, pool_id: str, owner: str) -> list[str]:
         from nanoserve.engine.journal.store import read_journal
 
         entries = [e for e in read_journal(conn, pool_id) if e.request_id == owner]
+    if collapse:
+        entries = _output_runs(entries)
     lines = []
     for entry in entries:
         data = entry.data
@@ -207,5 +211,33 @@ def owner_lines(url: str, pool_id: str, owner: str) -> list[str]:
                     detail = f": {data['abort_detail']}" if data.get("abort_detail") else ""
                     what += f" ({data['abort_cause']}{detail})"
         step = "" if entry.step is None else f" step {entry.step}"
+        if "last_step" in data:
+            step = f" steps {entry.step}..{data['last_step']}"
         lines.append(f"journal: epoch {entry.epoch}{step} {entry.kind}: {what}")
     return lines
+
+
+def _output_runs(entries: list[JournalEntry]) -> list[JournalEntry]:
+    """``entries`` with each run of OUTPUT records (same epoch, each starting where the one before ended,
+    more than one) made one OUTPUT whose ``token_ids`` are the run's and whose ``last_step`` is its last
+    record's step."""
+    import dataclasses
+
+    runs: list[JournalEntry] = []
+    for entry in entries:
+        previous = runs[-1] if runs else None
+        follows = (
+            previous is not None
+            and entry.kind == previous.kind == JournalKind.OUTPUT.value
+            and entry.epoch == previous.epoch
+            and entry.step is not None
+            and previous.step is not None
+            and entry.data["start"] == previous.data["start"] + len(previous.data.get("token_ids", []))
+        )
+        if not follows or previous is None:
+            runs.append(entry)
+            continue
+        token_ids = [*previous.data.get("token_ids", []), *entry.data.get("token_ids", [])]
+        data = dict(previous.data, token_ids=token_ids, last_step=entry.step)
+        runs[-1] = dataclasses.replace(previous, data=data)
+    return runs

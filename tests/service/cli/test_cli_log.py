@@ -444,3 +444,57 @@ def test_show_owner_of_a_client_id_names_the_tenants_owners_of_it(
     assert err == "hint: a tenant's request is owned as <tenant>/<request_id>: found 'team-a/x', 'team-b/x'\n"
     assert main(["log", "show", "--url", url, "--owner", "nosuch"]) == 0  # tenants' owners, none of this id
     assert capsys.readouterr().err == TENANT_HINT
+
+
+def test_a_long_block_list_is_shown_as_runs_cut_with_its_count() -> None:
+    from nanoserve.service.cli.commands.log_format import short_blocks
+
+    assert short_blocks([5, 0, 1]) == "5,0,1"  # short: as stored
+    assert short_blocks(list(range(3, 60))) == "3-59"  # 57 blocks were 190 characters
+    evens = list(range(0, 200, 2))
+    assert short_blocks(evens) == "0,2,4,6,8,10,12,14,16... (100 blocks)"
+    assert short_blocks(evens, max_chars=1000) == ",".join(map(str, evens))
+
+
+def test_a_register_of_many_keys_shows_two_and_the_count_unless_full() -> None:
+    from nanoserve.service.cli.commands.log_format import cache_detail
+
+    keys = [f"{i:064x}" for i in range(57)]
+    parents = [None, *keys[:-1]]
+    assert cache_detail(keys, parents, [], max_keys=2) == (
+        "000000000000 000000000000<-000000000000 ... (57 keys, --full)"
+    )
+    assert len(cache_detail(keys, parents, [])) == 12 + 56 * 26 + 56  # every key, as before: --full
+    assert cache_detail(keys[:2], parents[:2], [], max_keys=2) == "000000000000 000000000000<-000000000000"
+
+
+def test_show_owner_prints_a_run_of_journal_outputs_as_one_line_unless_full(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a 600-token request printed 600 journal lines, one per engine step
+    from nanoserve.allocator import BlockEvent, EventKind
+    from tests.service.cli.test_journal_cli import _admit, _out
+
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    upgrade(url)
+    with EventLog.open(url, pool_id="p", num_blocks=8, block_size=4) as log:
+        log.append_batch(1, [BlockEvent(EventKind.ALLOCATE, (3,), "a")], journal=[_admit("a")])
+        for step in range(2, 7):  # tokens 0..5, one a step
+            log.append_batch(step, [], journal=[_out("a", step - 2, [step])])
+        log.append_batch(7, [], journal=[_out("a", 6, [], "length")])
+        log.append_batch(8, [], journal=[_out("a", 9, [4])])  # not following on (tokens 6..9 missing): its own line
+    assert main(["log", "show", "--url", url, "--owner", "a"]) == 0
+    journal = [line for line in capsys.readouterr().out.splitlines() if line.startswith("journal:")]
+    assert journal == [
+        "journal: epoch 1 step 1 admit: admitted, 3 prompt tokens, seed 42",
+        "journal: epoch 1 steps 2..6 output: tokens 0..5",
+        "journal: epoch 1 step 7 finish: no new tokens, ended: length",
+        "journal: epoch 1 step 8 output: tokens 9..10",
+    ]
+    assert main(["log", "show", "--url", url, "--owner", "a", "--full"]) == 0
+    journal = [line for line in capsys.readouterr().out.splitlines() if line.startswith("journal:")]
+    assert journal[1:3] == [
+        "journal: epoch 1 step 2 output: tokens 0..1",
+        "journal: epoch 1 step 3 output: tokens 1..2",
+    ]
+    assert len(journal) == 8
