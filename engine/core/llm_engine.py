@@ -145,6 +145,10 @@ class LLMEngine:
             self.scheduler.add(request)
         if unfit and self.event_log is not None:
             self.event_log.append_batch(None, [], journal=unfit)
+            # durable before the server serves: a Resume of one then reads its FINISH and the reason in it
+            # (not yet written, the request would read as unfinished and running nowhere, without a reason)
+            if not self.event_log.flush(self.config.event_log.event_log_close_timeout_s):
+                _log.warning("requests_not_recovered_not_durable", num_ended=len(unfit))
         _log.info(
             "requests_recovered",
             epoch=recovery.recovered_epoch,
