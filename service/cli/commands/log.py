@@ -130,8 +130,11 @@ def register(subparsers: Any) -> None:
     epochs = actions.add_parser(
         "epochs",
         help="list the epochs of every pool (or one)",
-        description=f"List each epoch: pool, epoch, pool size, model, when it opened, durable seq, and its status "
-        f"('closed at seq N', or '{OPEN_STATUS}': no POOL_CLOSE yet).",
+        description="List each epoch: pool, epoch, pool size, model, when it opened, durable seq, and its status: "
+        "'closed at seq N'; 'crashed; recovered by epoch N' (the journal's RECOVER record); 'crashed; epoch N "
+        "opened the pool after it' (no POOL_CLOSE, and a later epoch opened: its server is gone); "
+        f"'{OPEN_STATUS}' (no POOL_CLOSE, the pool's newest: the log cannot tell which); or 'archived to FILE' "
+        "(moved out of the live log whole: `log audit --archive FILE` reads it).",
     )
     _add_source(epochs, epoch_help=None)
     epochs.set_defaults(func=run_epochs)
