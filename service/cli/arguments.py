@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 
 INT32_MAX = 2**31 - 1  # the contract's int32 fields (max_tokens, n, logprobs, ...)
@@ -83,3 +84,26 @@ def server_address(text: str) -> str:
             f"must be HOST:PORT with a port in 1..65535 (e.g. localhost:50051), got {text!r}"
         )
     return text
+
+
+def add_connection_flags(parser: argparse.ArgumentParser, token: bool = True) -> None:
+    """--server, --token (unless ``token`` is False), --tls and --ca-cert: how a client command reaches the
+    server; the defaults come from NANOSERVE_SERVER and NANOSERVE_AUTH_TOKEN."""
+    parser.add_argument(
+        "--server",
+        type=server_address,
+        default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
+        help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
+    )
+    if token:
+        parser.add_argument(
+            "--token",
+            default=os.environ.get("NANOSERVE_AUTH_TOKEN"),
+            help="bearer token, when the server requires one [env NANOSERVE_AUTH_TOKEN]",
+        )
+    parser.add_argument(
+        "--tls", action="store_true", help="connect with TLS (system root certificates unless --ca-cert)"
+    )
+    parser.add_argument(
+        "--ca-cert", default=None, help="PEM file of the CA that signed the server's certificate (implies --tls)"
+    )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -26,7 +25,7 @@ import uuid
 from typing import Any
 
 from nanoserve.engine.sampling.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
-from nanoserve.service.cli.arguments import INT32_MAX, INT64_MAX, INT64_MIN, integer, number, salt, server_address
+from nanoserve.service.cli.arguments import INT32_MAX, INT64_MAX, INT64_MIN, add_connection_flags, integer, number, salt
 
 # a CLI user expects a whole answer; API clients that leave max_tokens unset get the engine's default
 DEFAULT_MAX_TOKENS = 256
@@ -165,27 +164,6 @@ def register(subparsers: Any) -> None:
         help="prefix caching shares KV blocks only between requests with the same salt (1..256 characters)",
     )
     parser.set_defaults(func=run)
-
-
-def add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    """--server, --token, --tls and --ca-cert: how a client command reaches the server."""
-    parser.add_argument(
-        "--server",
-        type=server_address,
-        default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
-        help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
-    )
-    parser.add_argument(
-        "--token",
-        default=os.environ.get("NANOSERVE_AUTH_TOKEN"),
-        help="bearer token, when the server requires one [env NANOSERVE_AUTH_TOKEN]",
-    )
-    parser.add_argument(
-        "--tls", action="store_true", help="connect with TLS (system root certificates unless --ca-cert)"
-    )
-    parser.add_argument(
-        "--ca-cert", default=None, help="PEM file of the CA that signed the server's certificate (implies --tls)"
-    )
 
 
 def _bias_entry(text: str) -> tuple[int, float]:

@@ -8,11 +8,10 @@ container healthcheck uses it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
-from nanoserve.service.cli.arguments import server_address
+from nanoserve.service.cli.arguments import add_connection_flags
 
 EXIT_SERVING, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_UNKNOWN_SERVICE = 0, 1, 2, 3
 # the services a nanoserve server reports health for ('' is the whole server)
@@ -25,12 +24,7 @@ def register(subparsers: Any) -> None:
         help="check a server's health (exit 0 SERVING, 1 not serving, 2 unreachable, 3 unknown --service)",
         description="Query grpc.health.v1 on a running server and print the status.",
     )
-    parser.add_argument(
-        "--server",
-        type=server_address,
-        default=os.environ.get("NANOSERVE_SERVER", "localhost:50051"),
-        help="server address host:port [env NANOSERVE_SERVER; default: localhost:50051]",
-    )
+    add_connection_flags(parser, token=False)
     parser.add_argument(
         "--service",
         default="",
@@ -39,8 +33,6 @@ def register(subparsers: Any) -> None:
             "nanoserve.v1.AllocationService or vllm.grpc.engine.VllmEngine"
         ),
     )
-    parser.add_argument("--tls", action="store_true", help="connect with TLS")
-    parser.add_argument("--ca-cert", default=None, help="PEM file of the server's CA (implies --tls)")
     parser.add_argument(
         "--wait", type=float, default=0.0, metavar="SECONDS", help="poll up to this long for SERVING before answering"
     )

@@ -22,12 +22,11 @@ import argparse
 import sys
 from typing import Any
 
-from nanoserve.service.cli.arguments import INT64_MAX, integer, number
+from nanoserve.service.cli.arguments import INT64_MAX, add_connection_flags, integer, number
 from nanoserve.service.cli.commands.generate import (
     EXIT_ABORTED,
     CancelOnInterrupt,
     StreamPrinter,
-    add_connection_flags,
     error_lines,
     interrupted_exit,
 )
