@@ -38,8 +38,10 @@ def test_default_model_is_the_packaged_smollm2_gguf():
 def test_resolve_model_path_rejects_other_files(tmp_path):
     bogus = tmp_path / "model.bin"
     bogus.write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=r"must be a \.gguf file or a folder with config\.json"):
+    with pytest.raises(FileNotFoundError, match=r"is neither a \.gguf file nor a folder with config\.json"):
         resolve_model_path(str(bogus))
+    with pytest.raises(FileNotFoundError, match=r"no such file or folder \(a \.gguf file, or a folder with config"):
+        resolve_model_path(str(tmp_path / "missing.gguf"))
 
 
 @pytest.mark.real_model

@@ -700,9 +700,10 @@ async def test_generate_cli_json_prints_one_object_per_message(served: Served) -
 
 async def test_generate_cli_error_before_any_text_starts_with_error(served: Served) -> None:
     server = f"127.0.0.1:{served.server.port}"  # type: ignore[attr-defined]
-    code, stdout, stderr = await _cli("generate", "--server", server, "Hi", "--max-tokens", "0")
+    # a limit only the server knows (max_model_len): --max-tokens 0 is refused by the CLI itself now (exit 2)
+    code, stdout, stderr = await _cli("generate", "--server", server, "Hi", "--max-tokens", "1000000")
     assert (code, stdout) == (1, "")
-    assert stderr.startswith("error: INVALID_ARGUMENT: ")
+    assert stderr.startswith("error: INVALID_ARGUMENT: sampling.max_tokens: ")
 
 
 async def test_generate_cli_ctrl_c_exits_130_quietly_and_the_server_aborts(served: Served) -> None:
