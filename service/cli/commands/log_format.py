@@ -14,7 +14,7 @@ from nanoserve.allocator import PoolState
 # a cell of `log show` longer than this is shortened unless --full: a table pads each column to its
 # longest cell, so one long row (a 57-block ALLOCATE, a REGISTER of 57 keys) made every row wrap
 MAX_BLOCKS_CHARS = 24
-MAX_KEYS_SHOWN = 2
+MAX_KEYS_SHOWN = 4
 
 
 def event_cells(item: Any, full: bool = True) -> list[str]:
