@@ -158,22 +158,27 @@ def pool_damage_lines(url: str, pool_id: str | None, epoch: int | None) -> list[
     return journal_damage_lines(url, [(pool_id, number) for number in epochs])
 
 
-def recovered_by(conn: Any) -> dict[tuple[str, int], int]:
-    """(pool_id, crashed epoch) -> the epoch that recovered it, from the RECOVER records."""
-    import sqlalchemy as sa
-
-    from nanoserve.allocator.log.schema import pool_epochs
-    from nanoserve.engine.journal.store import has_journal_table, read_journal
+def recovered_by(conn: Any, pool_id: str | None = None) -> dict[tuple[str, int], int]:
+    """(pool_id, crashed epoch) -> the epoch that recovered it, of the open epochs of ``pool_id`` (None:
+    every pool): the RECOVER record that opens the next epoch's journal (``recovering_epoch``: one row read
+    per open epoch, not the whole journal). An epoch whose next one's first journal row does not decode
+    is left out: ``log audit`` names that damage itself."""
+    from nanoserve.allocator.log.reader import list_epochs
+    from nanoserve.engine.journal.store import has_journal_table, recovering_epoch
 
     if not has_journal_table(conn):
         return {}
-    pool_ids = conn.execute(sa.select(pool_epochs.c.pool_id).distinct()).scalars()
-    return {
-        (pool_id, entry.data["epoch"]): entry.epoch
-        for pool_id in list(pool_ids)
-        for entry in read_journal(conn, pool_id)
-        if entry.kind == JournalKind.RECOVER.value
-    }
+    found: dict[tuple[str, int], int] = {}
+    for info in list_epochs(conn, pool_id):
+        if info.closed:
+            continue
+        try:
+            by = recovering_epoch(conn, info.pool_id, info.epoch)
+        except ValueError:
+            continue
+        if by is not None:
+            found[(info.pool_id, info.epoch)] = by
+    return found
 
 
 def owner_lines(url: str, pool_id: str, owner: str, collapse: bool = False) -> list[str]:

@@ -135,3 +135,28 @@ def test_an_archived_crashed_epoch_reads_back_crashed_and_recovered_in_every_rea
     assert main(["log", "epochs", "--url", crashed_log]) == 0
     archived_row = capsys.readouterr().out.splitlines()[2]
     assert f"crashed; recovered by epoch 2; archived to {archive}" in archived_row
+
+
+def test_audit_of_one_pool_reads_no_other_pools_journal_and_finds_the_recovery_by_one_row(
+    crashed_log: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`log audit --pool replica-0` exited 2 ('damaged journal step body') because naming the crashed epochs'
+    recoveries decoded every pool's whole journal, and another pool of the log had a damaged step row."""
+    import sqlalchemy as sa
+
+    from nanoserve.engine.journal.schema import journal_steps
+
+    with EventLog.open(crashed_log, pool_id="other", num_blocks=4, block_size=4) as other:
+        other.append_batch(1, [], journal=[_admit("x")])
+    engine = sa.create_engine(crashed_log)
+    with engine.begin() as conn:  # its body says version 3, zlib-packed, and is not zlib
+        conn.execute(
+            journal_steps.update().where(journal_steps.c.pool_id == "other").values(body=b"\x03\x01not zlib at all")
+        )
+    engine.dispose()
+    assert main(["log", "audit", "--url", crashed_log, "--pool", "p"]) == 0
+    out = capsys.readouterr().out
+    assert "pool 'p' epoch 1: " in out
+    assert "crashed; recovered by epoch 2" in out
+    assert main(["log", "epochs", "--url", crashed_log]) == 0
+    assert "crashed; recovered by epoch 2" in capsys.readouterr().out
