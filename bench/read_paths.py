@@ -221,6 +221,9 @@ def main() -> None:
     parser.add_argument(
         "--max-read-items-per-s", type=float, default=0.0, help="the server's setting (0: read paths not paced)"
     )
+    parser.add_argument(
+        "--max-read-loop-share", type=float, default=0.15, help="the server's setting (0: read paths not gated)"
+    )
     parser.add_argument("--load-nice", type=int, default=10, help="niceness of the load process")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
@@ -237,6 +240,8 @@ def main() -> None:
         str(args.max_read_calls_per_s),
         "--max-read-items-per-s",
         str(args.max_read_items_per_s),
+        "--max-read-loop-share",
+        str(args.max_read_loop_share),
     ]
     server, address = start_server(flags)
     try:
@@ -249,7 +254,8 @@ def main() -> None:
         f"finished request: {args.long_tokens} tokens with logprobs 5; epoch at {num_events} events before the stream; "
         f"{args.num_watchers} watchers, {args.num_resumes} Resume callers, {args.num_aborts} Aborts "
         f"(one peer, nice {args.load_nice}); --max-concurrent-log-reads {args.max_concurrent_log_reads}, "
-        f"--max-read-calls-per-s {args.max_read_calls_per_s:g}, --max-read-items-per-s {args.max_read_items_per_s:g}; "
+        f"--max-read-calls-per-s {args.max_read_calls_per_s:g}, --max-read-items-per-s {args.max_read_items_per_s:g}, "
+        f"--max-read-loop-share {args.max_read_loop_share:g}; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(f"{'phase':<8} {'tokens':>7} {'seconds':>8} {'calls s':>8} {'cpu s':>6} {'tok/s':>7} {'vs idle':>8}  calls")

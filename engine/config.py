@@ -182,6 +182,9 @@ class EventLogConfig:
     max_read_items_per_s: while requests run, the journaled tokens (Resume) and stored
         events (WatchEvents / SubscribeKvEvents catch-up) sent to readers per second, shared
         evenly by the tenants reading (``log_reads.ReadPacer``); 0: no limit.
+    max_read_loop_share: while requests run, the read paths send their next batch only while
+        the event loop's CPU time over the last 0.1 s is under this share of one core
+        (``read_gate.ReadGate``; a batch waits 0.05 s at most); 0: off.
     """
 
     event_log_url: str | None = None
@@ -197,6 +200,7 @@ class EventLogConfig:
     max_concurrent_log_reads: int = 4
     max_tenant_log_reads: int = 3
     max_read_items_per_s: float = 0.0
+    max_read_loop_share: float = 0.15
 
     @property
     def journal_enabled(self) -> bool:
@@ -212,6 +216,8 @@ class EventLogConfig:
         _check_positive("max_tenant_log_reads", self.max_tenant_log_reads)
         if not self.max_read_items_per_s >= 0:
             raise ValueError(f"max_read_items_per_s must be >= 0 (0: no limit), got {self.max_read_items_per_s}")
+        if not 0 <= self.max_read_loop_share <= 1:
+            raise ValueError(f"max_read_loop_share must be in [0, 1] (0: off), got {self.max_read_loop_share}")
         if not self.event_log_close_timeout_s >= 0:
             raise ValueError(f"event_log_close_timeout_s must be >= 0 seconds, got {self.event_log_close_timeout_s}")
         if not self.pool_id:

@@ -349,4 +349,13 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "catch-up) sent to readers per second, shared evenly by the tenants reading; 0 = no limit (the "
         "default: bench.read_paths measured no gain worth the readers' wait)",
     ),
+    Setting(
+        "max_read_loop_share",
+        "engine",
+        float,
+        0.15,
+        "while requests run, Resume and WatchEvents/SubscribeKvEvents catch-ups send their next batch only "
+        "while the event loop's CPU over the last 0.1 s is under this share of one core (a batch waits 0.05 s "
+        "at most), so a crowd of readers takes less of it from generation; 0 = off (readers at full speed)",
+    ),
 )

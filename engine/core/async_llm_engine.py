@@ -50,6 +50,7 @@ from nanoserve.engine.core.engine_inbox import (
 from nanoserve.engine.core.llm_engine import LLMEngine
 from nanoserve.engine.core.log_reads import LogReads, ReadPacer
 from nanoserve.engine.core.outputs import AbortCause, RequestOutput
+from nanoserve.engine.core.read_gate import ReadGate
 from nanoserve.engine.core.recovered_streams import adopt_recovered
 from nanoserve.engine.core.request_intake import RequestIntake
 from nanoserve.engine.core.request_stream import RequestStream, StreamRegistry
@@ -124,7 +125,8 @@ class AsyncLLMEngine:
         self.stored_events = StoredEvents(self.log_reads)
         # what the read paths send goes out at this pace while requests run (as of the last step)
         generating = lambda: self._pool_status is not None and self._pool_status.num_running > 0  # noqa: E731
-        self.read_pacer = ReadPacer(config.event_log.max_read_items_per_s, generating)
+        gate = ReadGate(config.event_log.max_read_loop_share, generating)  # and in the loop's spare time
+        self.read_pacer = ReadPacer(config.event_log.max_read_items_per_s, generating, gate=gate)
         self._followers = ResumeFollowers(
             functools.partial(read_journaled, config), self._streams.is_live, self.log_reads, self.read_pacer
         )

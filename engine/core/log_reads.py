@@ -29,6 +29,8 @@ import time
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
+from nanoserve.engine.core.read_gate import ReadGate, wait_for_turn
+
 T = TypeVar("T")
 
 MAX_PACE_SLEEP_S = 0.05  # a paced reader looks again this often whether the engine went idle
@@ -114,21 +116,10 @@ class LogReads:
 
     async def _wait_turn(self, scope: str) -> None:
         """Queues the call under ``scope`` until a finishing read hands it its thread."""
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(scope, collections.deque()).append(turn)
         self.num_waiting += 1
         try:
-            await turn
-        except BaseException:
-            if turn.done() and not turn.cancelled():
-                self._release(scope)  # handed the thread as it was cancelled: pass it on
-            else:
-                queue = self._waiting.get(scope)
-                if queue is not None and turn in queue:
-                    queue.remove(turn)
-                    if not queue:
-                        del self._waiting[scope]
-            raise
+            # handed the thread as it was cancelled: pass it on
+            await wait_for_turn(self._waiting, scope, lambda: self._release(scope))
         finally:
             self.num_waiting -= 1
 
@@ -173,6 +164,7 @@ class ReadPacer:
     the order they asked. ``max_items_per_s`` 0 paces nothing.
 
     busy: whether the engine has requests running (the event loop's view, read on each call).
+    gate: after the items, each call takes a turn there (None: no gate).
     """
 
     def __init__(
@@ -183,6 +175,7 @@ class ReadPacer:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        gate: ReadGate | None = None,
     ) -> None:
         if max_items_per_s < 0:
             raise ValueError(f"max_read_items_per_s must be >= 0 (0: no limit), got {max_items_per_s}")
@@ -194,10 +187,17 @@ class ReadPacer:
         self._next_s: dict[str, float] = {}  # scope -> when its next items may go (time.monotonic())
         self._last_s: dict[str, float] = {}  # scope -> when it last took items
         self.num_paced_s = 0.0  # seconds readers waited here, in all (a figure for the benchmark)
+        self.gate = gate
 
     async def take(self, scope: str, num_items: int) -> None:
-        """Waits until ``scope`` may send ``num_items`` more items (event loop only). Returns at once
-        while nothing runs, and as soon as the engine goes idle during a wait."""
+        """Waits until ``scope`` may send ``num_items`` more items (event loop only), then for its
+        turn at ``gate`` (``read_gate.ReadGate``: the loop's spare time). Returns at once while
+        nothing runs, and as soon as the engine goes idle during a wait."""
+        await self._take_items(scope, num_items)
+        if self.gate is not None:
+            await self.gate.turn(scope)
+
+    async def _take_items(self, scope: str, num_items: int) -> None:
         if self.max_items_per_s <= 0 or not self._busy():
             return
         now = self._clock()
