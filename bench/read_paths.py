@@ -85,8 +85,9 @@ def _count(calls: dict[str, int], code: grpc.StatusCode) -> None:
     calls[code.name] = calls.get(code.name, 0) + 1
 
 
-async def _readers(address: str, num_watchers: int, num_resumes: int) -> dict[str, int]:
-    """WatchEvents from seq 1 until caught up, and Resume of the long request, all at once."""
+async def _readers(address: str, num_watchers: int, num_resumes: int, events_per_message: int) -> dict[str, int]:
+    """WatchEvents from seq 1 until caught up (``events_per_message``: its max_events_per_message),
+    and Resume of the long request, all at once."""
     calls: dict[str, int] = {}
     async with grpc.aio.insecure_channel(address) as channel:
         allocation = allocation_pb2_grpc.AllocationServiceStub(channel)
@@ -94,10 +95,11 @@ async def _readers(address: str, num_watchers: int, num_resumes: int) -> dict[st
         last_seq = (await allocation.GetPoolStatus(apb.GetPoolStatusRequest())).last_seq
 
         async def watcher() -> None:
-            call = allocation.WatchEvents(apb.WatchEventsRequest(from_seq=1))
+            request = apb.WatchEventsRequest(from_seq=1, max_events_per_message=events_per_message)
+            call = allocation.WatchEvents(request)
             try:
                 async for response in call:
-                    if response.event.seq >= last_seq:
+                    if (response.events[-1] if response.events else response.event).seq >= last_seq:
                         break
                 _count(calls, grpc.StatusCode.OK)
             except grpc.aio.AioRpcError as error:
@@ -138,7 +140,7 @@ def _load_process(kind: str, address: str, args: argparse.Namespace) -> tuple[di
     """The phase's calls by status, and the seconds they took."""
     start_s = time.perf_counter()
     if kind == "readers":
-        calls = asyncio.run(_readers(address, args.num_watchers, args.num_resumes))
+        calls = asyncio.run(_readers(address, args.num_watchers, args.num_resumes, args.watch_events_per_message))
     else:
         calls = asyncio.run(_aborters(address, args.num_aborters, args.num_aborts))
     return calls, time.perf_counter() - start_s
@@ -211,6 +213,12 @@ def main() -> None:
         "--warmup-tokens", type=int, default=1500, help="tokens the stream makes before the first phase"
     )
     parser.add_argument("--num-watchers", type=int, default=100)
+    parser.add_argument(
+        "--watch-events-per-message",
+        type=int,
+        default=1,
+        help="the watchers' max_events_per_message (1: one event a message, as a client that does not set it)",
+    )
     parser.add_argument("--num-resumes", type=int, default=200)
     parser.add_argument("--num-aborts", type=int, default=20_000)
     parser.add_argument("--num-aborters", type=int, default=20, help="Aborts in flight at once")
@@ -224,6 +232,7 @@ def main() -> None:
     parser.add_argument(
         "--max-read-loop-share", type=float, default=0.15, help="the server's setting (0: read paths not gated)"
     )
+    parser.add_argument("--num-threads", type=int, default=None, help="the server's setting (unset: auto)")
     parser.add_argument("--load-nice", type=int, default=10, help="niceness of the load process")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
@@ -242,6 +251,7 @@ def main() -> None:
         str(args.max_read_items_per_s),
         "--max-read-loop-share",
         str(args.max_read_loop_share),
+        *(["--num-threads", str(args.num_threads)] if args.num_threads is not None else []),
     ]
     server, address = start_server(flags)
     try:
@@ -252,7 +262,8 @@ def main() -> None:
         server.wait()
     print(
         f"finished request: {args.long_tokens} tokens with logprobs 5; epoch at {num_events} events before the stream; "
-        f"{args.num_watchers} watchers, {args.num_resumes} Resume callers, {args.num_aborts} Aborts "
+        f"{args.num_watchers} watchers ({args.watch_events_per_message} events a message), "
+        f"{args.num_resumes} Resume callers, {args.num_aborts} Aborts "
         f"(one peer, nice {args.load_nice}); --max-concurrent-log-reads {args.max_concurrent_log_reads}, "
         f"--max-read-calls-per-s {args.max_read_calls_per_s:g}, --max-read-items-per-s {args.max_read_items_per_s:g}, "
         f"--max-read-loop-share {args.max_read_loop_share:g}; "

@@ -91,6 +91,19 @@ def to_from_seq(request: apb.WatchEventsRequest) -> int:
     return max(request.from_seq, 1)
 
 
+MAX_EVENTS_PER_MESSAGE = 1024  # WatchEventsRequest.max_events_per_message: at most this many events a message
+
+
+def to_max_events_per_message(request: apb.WatchEventsRequest) -> int:
+    """The events one WatchEvents message may hold (0 is 1); InvalidRequestError ("max_events_per_message")
+    outside [0, MAX_EVENTS_PER_MESSAGE]."""
+    if not 0 <= request.max_events_per_message <= MAX_EVENTS_PER_MESSAGE:
+        raise InvalidRequestError(
+            "max_events_per_message", f"must be in [0, {MAX_EVENTS_PER_MESSAGE}], got {request.max_events_per_message}"
+        )
+    return max(request.max_events_per_message, 1)
+
+
 def to_audit_epoch(request: apb.AuditRequest, default: int) -> int:
     """The epoch an Audit asks for (``default`` when unset); InvalidRequestError ("epoch") outside
     [1, MAX_EPOCH], the range the log can hold."""

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from nanoserve.allocator.log import EventLog, audit
+from nanoserve.allocator.log import Event, EventLog, audit
 from nanoserve.allocator.log.segment import archived_through
 from nanoserve.engine import AsyncLLMEngine
 from nanoserve.service.grpc import allocation_convert
@@ -49,11 +49,13 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
     ) -> AsyncIterator[bytes]:
         """Stored events from ``from_seq``, then live ones, without gap or duplicate
         (``follow_events``), each a serialized ``WatchEventsResponse`` shared by the watchers sent the
-        same event (``EventMessages``); the stream ends after POOL_CLOSE. SeqOutOfRangeError when
+        same event (``EventMessages``), or up to ``max_events_per_message`` of them a message while it
+        catches up (``EventMessages.batch``); the stream ends after POOL_CLOSE. SeqOutOfRangeError when
         ``from_seq`` is past ``last_seq + 1``, the seq of the epoch's next event, or in the epoch's
         archived part (``segment.archived_through``: 1 and 0 start at the checkpoint after it)."""
         event_log = self._event_log()
         next_seq = allocation_convert.to_from_seq(request)
+        max_per_message = allocation_convert.to_max_events_per_message(request)
         last_seq = event_log.last_seq
         if next_seq > last_seq + 1:
             raise SeqOutOfRangeError(
@@ -73,9 +75,29 @@ class AllocationServicer(allocation_pb2_grpc.AllocationServiceServicer):
                 f"(from the checkpoint at {archived + 1}) or at least {archived + 1}"
             )
         stored, pacer, tenant = self._engine.stored_events, self._engine.read_pacer, CALLER.get().tenant
-        async for event in follow_events(event_log, next_seq, self._max_queued_events, stored, pacer, tenant):
-            if event is not None:  # None: caught up with the store
-                yield self._event_messages.message(event)
+        events = follow_events(event_log, next_seq, self._max_queued_events, stored, pacer, tenant)
+        if max_per_message == 1:
+            async for event in events:
+                if event is not None:  # None: caught up with the store
+                    yield self._event_messages.message(event)
+            return
+        pending: list[Event] = []  # stored events not sent yet
+        caught_up = False  # live events go out one a message, as they come
+        try:
+            async for event in events:
+                if event is None:
+                    caught_up = True
+                else:
+                    pending.append(event)
+                if pending and (caught_up or len(pending) == max_per_message):
+                    yield self._event_messages.batch(pending)
+                    pending = []
+        except Exception:
+            if pending:  # the stored events before the error still go out
+                yield self._event_messages.batch(pending)
+            raise
+        if pending:  # the epoch ended (POOL_CLOSE) before the catch-up did
+            yield self._event_messages.batch(pending)
 
     async def Audit(
         self, request: apb.AuditRequest, context: grpc.aio.ServicerContext[apb.AuditRequest, apb.AuditResponse]

@@ -6,7 +6,8 @@ to every subscription, and a stored page read for a crowd catching up at once is
 and serializing it costs the event loop tens of microseconds, so 100 watchers catching up paid
 it 100 times per event. Here the serialized ``WatchEventsResponse`` is kept for the last
 ``max_events`` events converted, keyed by the event object, and each watcher is handed the same
-bytes (``interceptors._passing_bytes`` sends them as they are).
+bytes (``interceptors._passing_bytes`` sends them as they are). A watcher that asked for several
+events a message (``max_events_per_message``) gets them joined from the same kept bytes (``batch``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import collections
 from nanoserve.allocator.log import Event
 from nanoserve.service.grpc import allocation_convert
 from nanoserve.v1 import allocation_pb2 as apb
+
+# protobuf wire format (protobuf.dev/programming-guides/encoding): a length-delimited field's tag is
+# field_number << 3 | 2; WatchEventsResponse.event is field 1, WatchEventsResponse.events field 2
+EVENT_TAG = bytes([1 << 3 | 2])
+EVENTS_TAG = bytes([2 << 3 | 2])
 
 MAX_EVENTS = 16_384  # serialized events kept: 16 catch-up pages, about 10 MB with their events
 
@@ -45,3 +51,15 @@ class EventMessages:
         if len(self._messages) > self.max_events:
             self._messages.popitem(last=False)
         return serialized
+
+    def batch(self, events: list[Event]) -> bytes:
+        """``WatchEventsResponse(events=[...])`` of ``events``, serialized. A message with only
+        ``event`` set is its tag, the event's length and the event's bytes; the same with the tag of
+        ``events`` is one element of the repeated field, so the batch is those joined."""
+        parts = []
+        for event in events:
+            single = self.message(event)
+            assert single[:1] == EVENT_TAG  # the message holds the one field, first
+            parts.append(EVENTS_TAG)
+            parts.append(single[1:])
+        return b"".join(parts)

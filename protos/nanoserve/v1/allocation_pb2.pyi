@@ -197,16 +197,20 @@ class TenantUsage(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_held: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("from_seq",)
+    __slots__ = ("from_seq", "max_events_per_message")
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MAX_EVENTS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     from_seq: int
-    def __init__(self, from_seq: _Optional[int] = ...) -> None: ...
+    max_events_per_message: int
+    def __init__(self, from_seq: _Optional[int] = ..., max_events_per_message: _Optional[int] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
-    __slots__ = ("event",)
+    __slots__ = ("event", "events")
     EVENT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     event: AllocationEvent
-    def __init__(self, event: _Optional[_Union[AllocationEvent, _Mapping]] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[AllocationEvent]
+    def __init__(self, event: _Optional[_Union[AllocationEvent, _Mapping]] = ..., events: _Optional[_Iterable[_Union[AllocationEvent, _Mapping]]] = ...) -> None: ...
 
 class AllocationEvent(_message.Message):
     __slots__ = ("seq", "pool_id", "epoch", "kind", "block_ids", "owner", "step", "free_reason", "wall_time", "monotonic_time", "hash", "keys", "parent_keys", "ref_counts", "parent", "partial")

@@ -759,6 +759,76 @@ async def test_health_cli_unknown_service_exits_3_naming_the_known_ones(served: 
     )
 
 
+async def test_watch_events_with_max_events_per_message_sends_the_same_events_in_fewer_messages(
+    served: Served,
+) -> None:
+    stub = _generation(served)
+    requests = [
+        pb.GenerateRequest(
+            prompt=f"Name the colour {i}.",
+            sampling=pb.SamplingParameters(max_tokens=40, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(3)
+    ]
+    await asyncio.gather(*(_collect(stub, r) for r in requests))
+    status = await wait_pool_free(served)  # every event stored: the catch-up reads them all
+    allocation = _allocation(served)
+
+    async def watch(max_per_message: int, until_seq: int) -> list[apb.WatchEventsResponse]:
+        request = apb.WatchEventsRequest(from_seq=1, max_events_per_message=max_per_message)
+        call = allocation.WatchEvents(request)
+        messages: list[apb.WatchEventsResponse] = []
+        async for response in call:
+            messages.append(response)
+            if (response.events[-1] if response.events else response.event).seq >= until_seq:
+                break
+        call.cancel()
+        return messages
+
+    singles = await watch(1, status.last_seq)
+    batches = await watch(8, status.last_seq)
+    assert [len(m.events) for m in batches] == [8] * (status.last_seq // 8) + (
+        [status.last_seq % 8] if status.last_seq % 8 else []
+    )
+    assert not any(m.HasField("event") for m in batches)
+    assert [e for m in batches for e in m.events] == [m.event for m in singles]
+    assert [e.seq for m in batches for e in m.events] == list(range(1, status.last_seq + 1))
+
+    # caught up, each live event goes out as it comes: one a message
+    call = allocation.WatchEvents(apb.WatchEventsRequest(from_seq=status.last_seq + 1, max_events_per_message=64))
+    live: list[apb.WatchEventsResponse] = []
+
+    async def read_live(until_seq: int) -> None:
+        async for response in call:
+            live.append(response)
+            if response.events[-1].seq >= until_seq:
+                return
+
+    reader = asyncio.ensure_future(read_live(10**9))
+    await asyncio.sleep(0.2)  # subscribed
+    await _collect(stub, requests[0])
+    after = await wait_pool_free(served)
+    deadline = asyncio.get_running_loop().time() + 10
+    while (not live or live[-1].events[-1].seq < after.last_seq) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    reader.cancel()
+    call.cancel()
+    assert [e.seq for m in live for e in m.events] == list(range(status.last_seq + 1, after.last_seq + 1))
+    assert {len(m.events) for m in live} == {1}
+
+
+@pytest.mark.parametrize("max_per_message", [-1, 1025])
+async def test_watch_events_refuses_max_events_per_message_outside_its_range(
+    served: Served, max_per_message: int
+) -> None:
+    call = _allocation(served).WatchEvents(apb.WatchEventsRequest(from_seq=1, max_events_per_message=max_per_message))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in call:
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == f"max_events_per_message: must be in [0, 1024], got {max_per_message}"
+
+
 async def test_watch_events_catches_up_from_the_log_after_falling_behind(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:

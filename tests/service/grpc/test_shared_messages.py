@@ -54,6 +54,18 @@ def test_the_least_recently_sent_event_is_dropped_past_the_bound() -> None:
     assert again is not kept_two
 
 
+def test_a_batch_is_the_message_of_its_events_joined_from_the_kept_bytes() -> None:
+    messages = EventMessages()
+    events = [_event(seq) for seq in (3, 4, 200)]  # 200: a longer varint in the event's own fields
+    kept = messages.message(events[0])
+    batch = messages.batch(events)
+    expected = apb.WatchEventsResponse(events=[allocation_convert.to_event(event) for event in events])
+    assert batch == expected.SerializeToString()
+    assert apb.WatchEventsResponse.FromString(batch) == expected
+    assert messages.message(events[0]) is kept  # each event still converted once
+    assert messages.batch([]) == b""
+
+
 def test_an_event_bound_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="max_events must be >= 1, got 0"):
         EventMessages(max_events=0)
