@@ -9,7 +9,9 @@ each, in the same run against the same server, a quiet one around each loaded on
   readers   ``--num-watchers`` WatchEvents subscribers catch up from seq 1 and
             ``--num-resumes`` Resume calls of the finished long request (with
             logprobs) run, all at once (the issue's reproduction);
-  aborts    ``--num-aborts`` Aborts of unknown ids, ``--num-aborters`` at a time.
+  aborts    ``--num-aborts`` Aborts of unknown ids, ``--num-aborters`` at a time, each
+            sent when the one before is answered (RetryInfo ignored), for ``--phase-s``
+            seconds at most.
 
 A stream slows as its context grows (attention reads more KV per token: on the default
 model, 23 KB of float16 K/V per token of context against 92 MB of weights, so about half
@@ -45,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from bench.grpc_load import start_server
 from nanoserve.v1 import allocation_pb2 as apb
@@ -81,8 +85,19 @@ async def _stream(stub: generation_pb2_grpc.GenerationServiceStub, max_tokens: i
             raise
 
 
-def _count(calls: dict[str, int], code: grpc.StatusCode) -> None:
-    calls[code.name] = calls.get(code.name, 0) + 1
+def _count(calls: dict[str, int], code: grpc.StatusCode | str) -> None:
+    name = code if isinstance(code, str) else code.name
+    calls[name] = calls.get(name, 0) + 1
+
+
+def _retry_delay_s(error: grpc.aio.AioRpcError) -> float:
+    """The RetryInfo delay of a refused call, in seconds (0 without one)."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    retry = error_details_pb2.RetryInfo()
+    for detail in status.details if status is not None else ():
+        if detail.Unpack(retry):
+            return retry.retry_delay.ToNanoseconds() / 1e9
+    return 0.0
 
 
 async def _readers(address: str, num_watchers: int, num_resumes: int, events_per_message: int) -> dict[str, int]:
@@ -108,24 +123,35 @@ async def _readers(address: str, num_watchers: int, num_resumes: int, events_per
                 call.cancel()
 
         async def resumer() -> None:
-            try:
-                async for _ in generation.Resume(pb.ResumeRequest(request_id=LONG_ID)):
-                    pass
-                _count(calls, grpc.StatusCode.OK)
-            except grpc.aio.AioRpcError as error:
-                _count(calls, error.code())
+            while True:  # as a client does: past the server's rate, again after RetryInfo's delay
+                try:
+                    async for _ in generation.Resume(pb.ResumeRequest(request_id=LONG_ID)):
+                        pass
+                    _count(calls, grpc.StatusCode.OK)
+                    return
+                except grpc.aio.AioRpcError as error:
+                    if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        _count(calls, error.code())
+                        return
+                    _count(calls, "RETRIED")
+                    await asyncio.sleep(_retry_delay_s(error))
 
         await asyncio.gather(*(watcher() for _ in range(num_watchers)), *(resumer() for _ in range(num_resumes)))
     return {f"watch+resume {code}": n for code, n in calls.items()}
 
 
-async def _aborters(address: str, num_aborters: int, num_aborts: int) -> dict[str, int]:
+async def _aborters(address: str, num_aborters: int, num_aborts: int, max_s: float) -> dict[str, int]:
+    """``num_aborts`` Aborts of unknown ids, ``num_aborters`` at a time, each sent as soon as the one
+    before is answered (RetryInfo ignored: a flood); none sent after ``max_s`` seconds."""
     calls: dict[str, int] = {}
+    end_s = time.monotonic() + max_s
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
 
         async def aborter(index: int) -> None:
             for serial in range(index, num_aborts, num_aborters):
+                if time.monotonic() >= end_s:
+                    return
                 try:
                     await stub.Abort(pb.AbortRequest(request_id=f"unknown-{serial}"))
                     _count(calls, grpc.StatusCode.OK)
@@ -142,7 +168,7 @@ def _load_process(kind: str, address: str, args: argparse.Namespace) -> tuple[di
     if kind == "readers":
         calls = asyncio.run(_readers(address, args.num_watchers, args.num_resumes, args.watch_events_per_message))
     else:
-        calls = asyncio.run(_aborters(address, args.num_aborters, args.num_aborts))
+        calls = asyncio.run(_aborters(address, args.num_aborters, args.num_aborts, args.phase_s))
     return calls, time.perf_counter() - start_s
 
 
@@ -224,13 +250,16 @@ def main() -> None:
     parser.add_argument("--num-aborters", type=int, default=20, help="Aborts in flight at once")
     parser.add_argument("--max-concurrent-log-reads", type=int, default=4, help="the server's setting")
     parser.add_argument(
-        "--max-read-calls-per-s", type=float, default=1000.0, help="the server's setting (the load is one peer)"
+        "--max-read-calls-per-s",
+        type=float,
+        default=100.0,
+        help="the server's setting (the load is one peer: Resumes past it are sent again after RetryInfo's delay)",
     )
     parser.add_argument(
         "--max-read-items-per-s", type=float, default=0.0, help="the server's setting (0: read paths not paced)"
     )
     parser.add_argument(
-        "--max-read-loop-share", type=float, default=0.15, help="the server's setting (0: read paths not gated)"
+        "--max-read-loop-share", type=float, default=0.0, help="the server's setting (0: read paths not gated)"
     )
     parser.add_argument("--num-threads", type=int, default=None, help="the server's setting (unset: auto)")
     parser.add_argument("--load-nice", type=int, default=10, help="niceness of the load process")

@@ -200,7 +200,7 @@ class EventLogConfig:
     max_concurrent_log_reads: int = 4
     max_tenant_log_reads: int = 3
     max_read_items_per_s: float = 0.0
-    max_read_loop_share: float = 0.15
+    max_read_loop_share: float = 0.0
 
     @property
     def journal_enabled(self) -> bool:

@@ -353,7 +353,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
         "max_read_loop_share",
         "engine",
         float,
-        0.15,
+        0.0,
         "while requests run, Resume and WatchEvents/SubscribeKvEvents catch-ups send their next batch only "
         "while the event loop's CPU over the last 0.1 s is under this share of one core (a batch waits 0.05 s "
         "at most), so a crowd of readers takes less of it from generation; 0 = off (readers at full speed)",

@@ -3,8 +3,15 @@
 Abort and Resume are cheap to send and, for an id that exists nowhere, cost
 the server a registry check or a journal query each. A peer may make
 ``rate_per_s`` of them per second, in bursts of as many; beyond that a call is
-refused at once with RESOURCE_EXHAUSTED and a ``google.rpc.RetryInfo`` saying
-when the peer's bucket holds a token again. The peer is the caller's tenant
+refused with RESOURCE_EXHAUSTED and a ``google.rpc.RetryInfo`` saying when the
+peer's bucket holds a token again. The refusal is held ``MIN_REFUSAL_HOLD_S``, or
+until that time when it is later (at most ``MAX_REFUSAL_HOLD_S``), and answered
+then, not at once: a client that ignores RetryInfo and calls again as soon as it
+is refused would otherwise make the server answer as many refusals as it can
+send (20,000 Aborts from 20 callers took the event loop, and with it the GIL,
+from a running stream: 13-18% of its rate), and each answer costs the event loop
+a whole call. Held, a peer gets its rate plus at most two refusals a second per
+call it keeps in flight. The peer is the caller's tenant
 where the server has auth (``AuthInterceptor`` runs first and sets ``CALLER``:
 all of a tenant's tokens, certificates and connections share one bucket),
 else the caller's ``authorization`` metadata when it carries one, else its
@@ -13,6 +20,7 @@ address.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +40,8 @@ RATE_LIMITED_METHODS = frozenset(
     }
 )
 MAX_PEERS = 10_000  # buckets kept; the least recently used full ones go first
+MIN_REFUSAL_HOLD_S = 0.5  # a refused call is held this long at least before its answer ...
+MAX_REFUSAL_HOLD_S = 1.0  # ... and at most this long
 
 
 @dataclass
@@ -99,10 +109,13 @@ class ReadRateInterceptor(grpc.aio.ServerInterceptor):
         if retry_delay_s is None:
             return
         self.num_refused += 1
+        held_s = min(max(retry_delay_s, MIN_REFUSAL_HOLD_S), MAX_REFUSAL_HOLD_S)
+        await asyncio.sleep(held_s)  # answered when a retry could go through, not at once (module doc)
+        retry_delay_s = max(0.0, retry_delay_s - held_s)
         who = "tenant" if CALLER.get().tenant else "peer"
         message = (
             f"{details.method.rsplit('/', 1)[-1]}: more than {self.buckets.rate_per_s:g} Abort/Resume calls per second "
-            f"from this {who} (--max-read-calls-per-s); retry in {retry_delay_s:.3f} s"
+            f"from this {who} (--max-read-calls-per-s); held {held_s:.3f} s, retry in {retry_delay_s:.3f} s"
         )
         await context.abort_with_status(retry_status(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_delay_s))
 

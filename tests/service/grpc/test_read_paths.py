@@ -61,9 +61,11 @@ async def test_calls_past_the_rate_get_resource_exhausted_with_retry_info(
             await limited.Abort(pb.AbortRequest(request_id="nobody"))
         codes.append(info.value.code())
     assert codes == [grpc.StatusCode.NOT_FOUND] * 2
+    started = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for _ in limited.Resume(pb.ResumeRequest(request_id="nobody")):
             pass
+    held_s = time.monotonic() - started
     assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "more than 2 Abort/Resume calls per second" in (info.value.details() or "")
     assert "--max-read-calls-per-s" in (info.value.details() or "")
@@ -71,11 +73,37 @@ async def test_calls_past_the_rate_get_resource_exhausted_with_retry_info(
     assert status is not None
     retry = error_details_pb2.RetryInfo()
     assert [detail.Unpack(retry) for detail in status.details] == [True]
-    assert 0 < retry.retry_delay.ToNanoseconds() <= 500_000_000  # one token comes back within 1/2 s
+    # the refusal is held 1/2 s (a token is back by then at 2 a second), so little is left to wait
+    assert 0.45 < held_s < 1.5
+    assert 0 <= retry.retry_delay.ToNanoseconds() <= 500_000_000
     await asyncio.sleep(0.6)  # the bucket refills
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await limited.Abort(pb.AbortRequest(request_id="nobody"))
     assert info.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_client_that_ignores_retry_info_gets_its_rate_and_one_refusal_per_call_in_flight(
+    limited: generation_pb2_grpc.GenerationServiceStub,
+) -> None:
+    """Issue 31: 20,000 Aborts as fast as 20 callers could send them made the server answer each
+    (refused ones included) and took the event loop from a running stream. Refusals are held 1/2 s
+    at least, so 10 callers calling again at once for 1.5 s make a few dozen calls, not thousands."""
+    await asyncio.sleep(1.0)  # the bucket refills (2 a second)
+    codes: list[grpc.StatusCode] = []
+    end = time.monotonic() + 1.5
+
+    async def caller(index: int) -> None:
+        while time.monotonic() < end:
+            try:
+                await limited.Abort(pb.AbortRequest(request_id=f"nobody-{index}"))
+            except grpc.aio.AioRpcError as error:
+                codes.append(error.code())
+
+    await asyncio.gather(*(caller(index) for index in range(10)))
+    assert set(codes) == {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    # the burst (2) and 2 a second, and one refusal per caller for each half second it is held
+    assert codes.count(grpc.StatusCode.NOT_FOUND) <= 2 + 2 * 2.5
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) <= 10 * 4
 
 
 async def test_the_rate_is_per_tenant_across_its_tokens(tiny_served: Served, tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
