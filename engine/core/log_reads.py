@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, TypeVar
 
-from nanoserve.engine.core.read_gate import ReadGate, wait_for_turn
+from nanoserve.engine.core.read_gate import ReadGate, pop_turn, wait_for_turn
 
 T = TypeVar("T")
 
@@ -141,12 +141,7 @@ class LogReads:
         if not self._running[scope]:
             del self._running[scope]
         while self.num_running < self.num_threads and (next_scope := self._next_scope()) is not None:
-            queue = self._waiting[next_scope]
-            turn = queue.popleft()
-            if queue:
-                self._waiting.move_to_end(next_scope)
-            else:
-                del self._waiting[next_scope]
+            turn = pop_turn(self._waiting, next_scope)
             if not turn.done():
                 self._take(next_scope)
                 turn.set_result(None)

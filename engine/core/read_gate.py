@@ -137,12 +137,7 @@ class ReadGate:
     def _pass_on(self) -> None:
         """The holder is done: the gate goes to the oldest caller of the next scope in turn."""
         while self._waiting:
-            scope, queue = next(iter(self._waiting.items()))
-            turn = queue.popleft()
-            if queue:
-                self._waiting.move_to_end(scope)
-            else:
-                del self._waiting[scope]
+            turn = pop_turn(self._waiting, next(iter(self._waiting)))
             if not turn.done():
                 turn.set_result(None)
                 return  # _held stays True: the gate is that caller's now
@@ -171,3 +166,17 @@ async def wait_for_turn(
                 if not queue:
                     del waiting[scope]
         raise
+
+
+def pop_turn(
+    waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]], scope: str
+) -> asyncio.Future[None]:
+    """Takes ``scope``'s oldest turn out of ``waiting`` and moves the scope to the back of the
+    round robin (or drops it when it has no turn left)."""
+    queue = waiting[scope]
+    turn = queue.popleft()
+    if queue:
+        waiting.move_to_end(scope)
+    else:
+        del waiting[scope]
+    return turn
