@@ -14,6 +14,7 @@ Target: >= 0.90 at 64 streams.
 
     .venv/bin/python -m bench.grpc_load                           # 4 requests per stream, 2 rounds
     .venv/bin/python -m bench.grpc_load --requests-per-stream 1 --concurrency 1 16 64
+    .venv/bin/python -m bench.grpc_load --runner-process false    # the model in the server's own process
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def main() -> None:
     )
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--runner-process", choices=("true", "false"), default="true", help="the server's setting (default: true)"
+    )
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
@@ -183,6 +187,7 @@ def main() -> None:
             str(max(args.concurrency)),
             "--event-log-url",
             f"sqlite:///{log_dir / 'server.db'}",
+            "--runner-process" if args.runner_process == "true" else "--no-runner-process",
         ]
     )
     try:

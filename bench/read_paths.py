@@ -25,8 +25,8 @@ rate is over that whole time, and the time the calls took is printed too.
 The load runs in a spawned, niced process of its own (``--load-nice``), so the
 figures measure the server's own work, not the load generator's CPU. Printed:
 per phase, the stream's tokens per second and its ratio to idle, the server's CPU
-seconds in the phase (all its threads, the engine's OpenMP workers included: compare one
-phase across versions, not a loaded phase with an idle one), and the calls the load made
+seconds in the phase (all its threads and its model runner's process, the engine's OpenMP
+workers included: compare one phase across versions, not a loaded phase with an idle one), and the calls the load made
 by status. Target (issue 31): each loaded phase keeps >= 80% of the idle token rate. On a
 shared machine the figures move with the neighbours: say so with them.
 
@@ -188,12 +188,19 @@ async def _finish_long_request(address: str, num_tokens: int) -> int:
 
 
 def _cpu_s(pid: int) -> float:
-    """A process's user + system CPU seconds so far (Linux ``/proc``; NaN elsewhere)."""
+    """A process's user + system CPU seconds so far, its children's (the model runner's process) included
+    (Linux ``/proc``; NaN elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = [
+            int(child)
+            for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()
+        ]
     except OSError:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own_s + sum(_cpu_s(child) for child in children)
 
 
 async def _run(address: str, server_pid: int, args: argparse.Namespace) -> list[Phase]:
@@ -262,6 +269,9 @@ def main() -> None:
         "--max-read-loop-share", type=float, default=0.0, help="the server's setting (0: read paths not gated)"
     )
     parser.add_argument("--num-threads", type=int, default=None, help="the server's setting (unset: auto)")
+    parser.add_argument(
+        "--runner-process", choices=("true", "false"), default="true", help="the server's setting (default: true)"
+    )
     parser.add_argument("--load-nice", type=int, default=10, help="niceness of the load process")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
@@ -281,6 +291,7 @@ def main() -> None:
         "--max-read-loop-share",
         str(args.max_read_loop_share),
         *(["--num-threads", str(args.num_threads)] if args.num_threads is not None else []),
+        "--runner-process" if args.runner_process == "true" else "--no-runner-process",
     ]
     server, address = start_server(flags)
     try:
@@ -295,7 +306,7 @@ def main() -> None:
         f"{args.num_resumes} Resume callers, {args.num_aborts} Aborts "
         f"(one peer, nice {args.load_nice}); --max-concurrent-log-reads {args.max_concurrent_log_reads}, "
         f"--max-read-calls-per-s {args.max_read_calls_per_s:g}, --max-read-items-per-s {args.max_read_items_per_s:g}, "
-        f"--max-read-loop-share {args.max_read_loop_share:g}; "
+        f"--max-read-loop-share {args.max_read_loop_share:g}, --runner-process {args.runner_process}; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
     print(f"{'phase':<8} {'tokens':>7} {'seconds':>8} {'calls s':>8} {'cpu s':>6} {'tok/s':>7} {'vs idle':>8}  calls")

@@ -62,6 +62,10 @@ class ModelConfig:
     dense_large_steps: int4 layers also keep a dense ``dtype`` copy, used for steps
         of more than 8 tokens (prefill, big batches), where the int4 CPU kernel is
         compute-bound and slower than oneDNN's dense matmul; costs that copy's memory.
+    runner_process: the model runner (weights, KV cache, forward pass) in a process of its own
+        (``nanoserve.engine.model.runner_process``), so an event loop sharing the engine's
+        process (the server's) does not hold the forward pass up for the GIL. Off here (a library
+        user's engine has no loop beside it); ``nanoserve serve`` turns it on by default.
     """
 
     model: str | None = None
@@ -73,6 +77,7 @@ class ModelConfig:
     dense_large_steps: bool = False
     matmul_precision: str = "medium"
     batch_invariant: str = "auto"
+    runner_process: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from nanoserve.allocator.log import EventLog
     from nanoserve.engine.journal.recovery import RecoveryPlanner
     from nanoserve.engine.journal.store import JournalRecord
+    from nanoserve.engine.model.runner_process import RunnerProcess
     from nanoserve.engine.text.tokenizer import Tokenizer
 
 
@@ -76,7 +77,7 @@ class LLMEngine:
         self,
         config: EngineConfig,
         *,
-        runner: ModelRunner | None = None,
+        runner: ModelRunner | RunnerProcess | None = None,
         event_log: EventLog | None = None,
         recovery: RecoveryPlanner | None = None,
     ) -> None:
@@ -93,7 +94,7 @@ class LLMEngine:
                 "(build the engine with nanoserve.engine.core.log_setup.build_engine)"
             )
         self.config = config
-        self.runner = runner if runner is not None else ModelRunner(config)
+        self.runner: ModelRunner | RunnerProcess = runner if runner is not None else ModelRunner(config)
         self.tokenizer: Tokenizer = self.runner.tokenizer
         self.model_name: str = self.runner.model_name
         self.block_size: int = self.runner.block_size
@@ -427,7 +428,8 @@ class LLMEngine:
         return pool_status_of(pool_id, self.allocator, self.scheduler, self.event_log, *drafts)
 
     def shutdown(self, log_close_timeout_s: float | None = None) -> None:
-        """Aborts what is left and closes the event log (POOL_CLOSE). Idempotent.
+        """Aborts what is left, closes the runner (ends its process under ``runner_process``) and the
+        event log (POOL_CLOSE). Idempotent.
 
         The log gets ``log_close_timeout_s`` (default: the config's
         ``event_log_close_timeout_s``) to take what waits. Raises
@@ -448,6 +450,7 @@ class LLMEngine:
                 if log is None or not log.failed:
                     raise
                 _log.debug("abort_not_logged", request_id=request_id, error=str(exc))
+        self.runner.close()  # the aborts above ran no step: nothing needs the model any more
         if log is not None:
             timeout_s = self.config.event_log.event_log_close_timeout_s
             log.close(timeout_s if log_close_timeout_s is None else log_close_timeout_s, self.allocator.snapshot())

@@ -8,7 +8,8 @@ store's schema. This module is the engine package's only importer of
 
     prepare_log_store(config)     filesystem, migrations (unless event_log_migrate is off),
                                   a write that changes nothing, the journal's table
-    ModelRunner(config)           the model loads only once the store is known usable
+    load_runner(config)           the model loads only once the store is known usable (ModelRunner,
+                                  in a child process under runner_process: RunnerProcess)
     open_event_log(config, ...)   a new epoch; recovery of a crashed one commits with it
     LLMEngine(config, runner=, event_log=, recovery=)
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.engine.config import EngineConfig
@@ -32,22 +33,44 @@ if TYPE_CHECKING:
     from nanoserve.allocator.log import EventLog
     from nanoserve.engine.journal.recovery import RecoveryPlanner
     from nanoserve.engine.model.model_runner import ModelRunner
+    from nanoserve.engine.model.runner_process import RunnerProcess
 
 
-def build_engine(config: EngineConfig, *, runner: ModelRunner | None = None) -> LLMEngine:
+def build_engine(
+    config: EngineConfig,
+    *,
+    runner: ModelRunner | RunnerProcess | None = None,
+    child_setup: Callable[[], None] | None = None,
+) -> LLMEngine:
     """An LLMEngine on ``config``, its event log (when ``event_log_url`` is set) opened and recovered.
 
     runner: a model already loaded from ``config``; None loads it, after the
-    store was checked. Raises EventLogUnusableError when the store cannot be
-    used (before the model loads) or the epoch cannot be opened (after).
+    store was checked (in a child process under ``config.model.runner_process``,
+    which first calls ``child_setup``, a picklable callable: the server's logging).
+    Raises EventLogUnusableError when the store cannot be used (before the model
+    loads) or the epoch cannot be opened (after); a load's own errors as ModelRunner
+    raises them.
     """
     prepare_log_store(config)
     if runner is None:
-        from nanoserve.engine.model.model_runner import ModelRunner
+        runner = load_runner(config, child_setup)
+    try:
+        event_log, recovery = open_event_log(config, runner)
+        return LLMEngine(config, runner=runner, event_log=event_log, recovery=recovery)
+    except BaseException:
+        runner.close()  # a runner process must not outlive a start that failed
+        raise
 
-        runner = ModelRunner(config)
-    event_log, recovery = open_event_log(config, runner)
-    return LLMEngine(config, runner=runner, event_log=event_log, recovery=recovery)
+
+def load_runner(config: EngineConfig, child_setup: Callable[[], None] | None = None) -> ModelRunner | RunnerProcess:
+    """``ModelRunner(config)``, in a child process of its own under ``config.model.runner_process``."""
+    if config.model.runner_process:
+        from nanoserve.engine.model.runner_process import RunnerProcess
+
+        return RunnerProcess(config, child_setup)
+    from nanoserve.engine.model.model_runner import ModelRunner
+
+    return ModelRunner(config)
 
 
 def prepare_log_store(config: EngineConfig) -> None:
@@ -72,7 +95,9 @@ def prepare_log_store(config: EngineConfig) -> None:
             check_journal_schema(url)
 
 
-def open_event_log(config: EngineConfig, runner: ModelRunner) -> tuple[EventLog | None, RecoveryPlanner | None]:
+def open_event_log(
+    config: EngineConfig, runner: ModelRunner | RunnerProcess
+) -> tuple[EventLog | None, RecoveryPlanner | None]:
     """Opens a new epoch of the configured log for the pool ``runner`` sizes (its store checked by
     ``prepare_log_store``); returns (the log, the recovery planned in the same transaction, None
     without a journal). (None, None) without ``event_log_url``. Raises EventLogUnusableError."""

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from nanoserve.engine.core.request import Request
     from nanoserve.engine.core.scheduler import Scheduler
     from nanoserve.engine.model.model_runner import ModelRunner
+    from nanoserve.engine.model.runner_process import RunnerProcess
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def scope_usage(running: Iterable[Request], waiting: Iterable[Request]) -> tuple
     return tuple(ScopeUsage(scope, *usage[scope]) for scope in sorted(usage))
 
 
-def model_info_of(runner: ModelRunner) -> ModelInfo:
+def model_info_of(runner: ModelRunner | RunnerProcess) -> ModelInfo:
     """The loaded model's facts and limits, from its runner and tokenizer (once, at load). The longest
     prompt by bytes: the tokens that fit the context and the pool, less one, at the longest token's bytes."""
     tokenizer = runner.tokenizer

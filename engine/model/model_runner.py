@@ -162,6 +162,10 @@ class ModelRunner:
         with torch.inference_mode():
             self.kv_cache.copy_blocks(pairs)
 
+    def close(self) -> None:
+        """Nothing to end in this process (``RunnerProcess.close`` ends its child); the weights and the
+        KV cache go with the runner."""
+
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         with torch.inference_mode():
             metadata = self.attention.prepare(batch, self.block_size)

