@@ -65,7 +65,8 @@ class ModelConfig:
     runner_process: the model runner (weights, KV cache, forward pass) in a process of its own
         (``nanoserve.engine.model.runner_process``), so an event loop sharing the engine's
         process (the server's) does not hold the forward pass up for the GIL. Off here (a library
-        user's engine has no loop beside it); ``nanoserve serve`` turns it on by default.
+        user's engine has no loop beside it); ``nanoserve serve`` turns it on by default. CPU
+        only: on CUDA the runner stays in the engine's process.
     """
 
     model: str | None = None

@@ -63,8 +63,12 @@ def build_engine(
 
 
 def load_runner(config: EngineConfig, child_setup: Callable[[], None] | None = None) -> ModelRunner | RunnerProcess:
-    """``ModelRunner(config)``, in a child process of its own under ``config.model.runner_process``."""
-    if config.model.runner_process:
+    """``ModelRunner(config)``, in a child process of its own under ``config.model.runner_process`` on
+    the CPU (on CUDA a step's tensors live on the device, and the forward pass holds no GIL while the
+    kernels run: the runner stays in this process). Raises what ModelRunner raises."""
+    from nanoserve.engine.model.device import resolve_device
+
+    if config.model.runner_process and resolve_device(config.model.device).type == "cpu":
         from nanoserve.engine.model.runner_process import RunnerProcess
 
         return RunnerProcess(config, child_setup)
