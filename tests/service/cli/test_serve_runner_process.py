@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -18,6 +19,23 @@ from nanoserve.v1 import generation_pb2 as pb
 from nanoserve.v1 import generation_pb2_grpc
 
 from .test_serve_log_faults import ServeProcess, serve_command
+
+
+@pytest.fixture
+def serve(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """``serve(*flags)``: a server on the tiny model and a log in ``tmp_path``; any still running after
+    the test (one that failed midway) is killed."""
+    started: list[ServeProcess] = []
+
+    def start(*flags: str) -> ServeProcess:
+        started.append(ServeProcess(serve_command(f"sqlite:///{tmp_path / 'log.db'}", tiny_model_dir, *flags)))
+        return started[-1]
+
+    yield start
+    for server in started:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
 
 
 def _runner_pid(server: ServeProcess) -> int:
@@ -42,8 +60,8 @@ def _gone_within(pid: int, timeout_s: float) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc for the process tree")
-def test_the_child_ends_with_a_sigterm_of_the_server(tmp_path: Path, tiny_model_dir: Path) -> None:
-    server = ServeProcess(serve_command(f"sqlite:///{tmp_path / 'log.db'}", tiny_model_dir))
+def test_the_child_ends_with_a_sigterm_of_the_server(serve: Callable[..., ServeProcess]) -> None:
+    server = serve()
     pid = _runner_pid(server)
     server.generate("r1")  # the model answers from the child
     code, _ = server.terminate()
@@ -54,8 +72,8 @@ def test_the_child_ends_with_a_sigterm_of_the_server(tmp_path: Path, tiny_model_
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc for the process tree")
-def test_the_child_exits_when_the_server_is_killed(tmp_path: Path, tiny_model_dir: Path) -> None:
-    server = ServeProcess(serve_command(f"sqlite:///{tmp_path / 'log.db'}", tiny_model_dir))
+def test_the_child_exits_when_the_server_is_killed(serve: Callable[..., ServeProcess]) -> None:
+    server = serve()
     pid = _runner_pid(server)
     server.channel.close()
     server.process.kill()
@@ -64,9 +82,10 @@ def test_the_child_exits_when_the_server_is_killed(tmp_path: Path, tiny_model_di
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc for the process tree")
-def test_a_killed_child_is_an_engine_failure_every_caller_sees(tmp_path: Path, tiny_model_dir: Path) -> None:
-    log_url = f"sqlite:///{tmp_path / 'log.db'}"
-    server = ServeProcess(serve_command(log_url, tiny_model_dir, "--num-kv-blocks", "256"))
+def test_a_killed_child_is_an_engine_failure_every_caller_sees(
+    serve: Callable[..., ServeProcess], tmp_path: Path
+) -> None:
+    server = serve("--num-kv-blocks", "256")
     pid = _runner_pid(server)
     stub = generation_pb2_grpc.GenerationServiceStub(server.channel)
     request = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParameters(max_tokens=1000, ignore_eos=True))
@@ -88,4 +107,4 @@ def test_a_killed_child_is_an_engine_failure_every_caller_sees(tmp_path: Path, t
     code, elapsed_s = server.terminate()
     assert elapsed_s < 30
     assert code == 0  # the engine thread still closed the log (the request aborted, POOL_CLOSE): nothing lost
-    assert main(["log", "audit", "--url", log_url]) == 0
+    assert main(["log", "audit", "--url", f"sqlite:///{tmp_path / 'log.db'}"]) == 0
