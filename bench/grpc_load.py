@@ -6,7 +6,10 @@ For each concurrency C in (1, 16, 64):
   * gRPC: a ``nanoserve serve`` subprocess (max_num_seqs 64) and C concurrent
     client streams, each taking the next request when its stream ends.
 Both run bench/workload.py's chat requests (prompt token ids, greedy,
-ignore_eos, max_tokens from the workload) with the event log on, alternating
+ignore_eos, max_tokens from the workload) with the event log on and the same
+``--speculative`` (the server's default, auto: ``LLM``'s own default is off, and
+a server decoding speculatively against an offline engine that does not would
+make the ratio the speculation's, not the serving's), alternating
 for ``--rounds`` rounds, each side keeping its best (the machine may be shared). Printed:
 output tokens per second, TTFT p50/p99 and TPOT p50/p99 (seconds; the client's
 clock for gRPC, the engine's for offline), and gRPC / offline throughput.
@@ -169,6 +172,12 @@ def main() -> None:
     parser.add_argument(
         "--runner-process", choices=("true", "false"), default="true", help="the server's setting (default: true)"
     )
+    parser.add_argument(
+        "--speculative",
+        choices=("off", "ngram", "auto"),
+        default="auto",
+        help="both sides' setting (default: auto, the server's own default; LLM's is off)",
+    )
     args = parser.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="nanoserve-bench-"))
@@ -176,6 +185,7 @@ def main() -> None:
         "num_kv_blocks": args.num_kv_blocks,
         "dtype": args.dtype,
         "event_log_url": f"sqlite:///{log_dir / 'offline.db'}",
+        "speculative": args.speculative,
     }
     server, address = start_server(
         [
@@ -188,6 +198,8 @@ def main() -> None:
             "--event-log-url",
             f"sqlite:///{log_dir / 'server.db'}",
             "--runner-process" if args.runner_process == "true" else "--no-runner-process",
+            "--speculative",
+            args.speculative,
         ]
     )
     try:
