@@ -90,11 +90,14 @@ async def _watch(address: str, num_watchers: int, events_per_message: int, num_m
     return results[0]
 
 
-def _measure(server_pid: int, address: str, num_watchers: int, events_per_message: int, num_messages: int) -> Load:
+def _measure(
+    server_pid: int, address: str, num_watchers: int, events_per_message: int, num_messages: int, num_events: int
+) -> Load:
+    """One catch-up of ``num_events`` events in ``num_messages`` messages by each of ``num_watchers``."""
     server_start, client_start = _cpu_s(server_pid), _client_cpu_s()
     asyncio.run(_watch(address, num_watchers, events_per_message, num_messages))
     server_s, client_s = _cpu_s(server_pid) - server_start, _client_cpu_s() - client_start
-    return Load(num_messages * num_watchers, 0, server_s, client_s)
+    return Load(num_messages * num_watchers, num_events * num_watchers, server_s, client_s)
 
 
 def _floor_server(conn: multiprocessing.connection.Connection) -> None:
@@ -166,8 +169,7 @@ def main() -> None:
                     if side == "floor":
                         ours.send(messages)
                         ours.recv()
-                    load = _measure(pid, target, args.num_watchers, per_message, len(messages))
-                    load.num_events = last_seq * args.num_watchers
+                    load = _measure(pid, target, args.num_watchers, per_message, len(messages), last_seq)
                     best = rows.get((side, per_message))
                     if best is None or load.server_cpu_s < best.server_cpu_s:
                         rows[(side, per_message)] = load
