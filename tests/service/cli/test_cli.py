@@ -233,14 +233,18 @@ def test_generate_ctrl_c_while_streaming_cancels_the_call_without_raising() -> N
             cancelled.set()
             return True
 
-    before = signal.getsignal(signal.SIGINT)
-    with CancelOnInterrupt(Call()) as interrupt:
-        signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt here
-        assert cancelled.wait(timeout=5.0)
-    assert interrupt.interrupted
-    assert signal.getsignal(signal.SIGINT) is before
-    with pytest.raises(KeyboardInterrupt):  # outside a stream Ctrl-C raises as usual again
-        signal.raise_signal(signal.SIGINT)
+    # as in a fresh `nanoserve generate` process, whatever an earlier test in this one left installed
+    suite_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with CancelOnInterrupt(Call()) as interrupt:
+            signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt here
+            assert cancelled.wait(timeout=5.0)
+        assert interrupt.interrupted
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):  # outside a stream Ctrl-C raises as usual again
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, suite_handler)
 
 
 def test_generate_structured_output_flags_build_the_constraint(tmp_path) -> None:
