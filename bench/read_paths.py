@@ -26,9 +26,10 @@ The load runs in a spawned, niced process of its own (``--load-nice``), so the
 figures measure the server's own work, not the load generator's CPU. Printed:
 per phase, the stream's tokens per second and its ratio to idle, the server's CPU
 seconds in the phase (all its threads and its model runner's process, the engine's OpenMP
-workers included: compare one phase across versions, not a loaded phase with an idle one), and the calls the load made
-by status. Target (issue 31): each loaded phase keeps >= 80% of the idle token rate. On a
-shared machine the figures move with the neighbours: say so with them.
+workers included: compare one phase across versions, not a loaded phase with an idle one), the load
+process's CPU seconds (the clients' share of the same cores, which a server with remote clients would
+not pay), and the calls the load made by status. Target (issue 31): each loaded phase keeps >= 80%
+of the idle token rate. On a shared machine the figures move with the neighbours: say so with them.
 
     .venv/bin/python -m bench.read_paths
     .venv/bin/python -m bench.read_paths --phase-s 6 --long-tokens 500
@@ -66,6 +67,7 @@ class Phase:
     calls: dict[str, int] = field(default_factory=dict)
     load_s: float = 0.0  # seconds the phase's calls took
     server_cpu_s: float = 0.0  # the server process's CPU seconds (user + system) in the phase, all threads
+    load_cpu_s: float = 0.0  # the load process's CPU seconds in the phase (the clients, on the same cores)
 
     @property
     def tok_per_s(self) -> float:
@@ -162,14 +164,14 @@ async def _aborters(address: str, num_aborters: int, num_aborts: int, max_s: flo
     return {f"abort {code}": n for code, n in calls.items()}
 
 
-def _load_process(kind: str, address: str, args: argparse.Namespace) -> tuple[dict[str, int], float]:
-    """The phase's calls by status, and the seconds they took."""
-    start_s = time.perf_counter()
+def _load_process(kind: str, address: str, args: argparse.Namespace) -> tuple[dict[str, int], float, float]:
+    """The phase's calls by status, the seconds they took, and the CPU seconds the load process spent on them."""
+    start_s, start_cpu_s = time.perf_counter(), time.process_time()
     if kind == "readers":
         calls = asyncio.run(_readers(address, args.num_watchers, args.num_resumes, args.watch_events_per_message))
     else:
         calls = asyncio.run(_aborters(address, args.num_aborters, args.num_aborts, args.phase_s))
-    return calls, time.perf_counter() - start_s
+    return calls, time.perf_counter() - start_s, time.process_time() - start_cpu_s
 
 
 async def _finish_long_request(address: str, num_tokens: int) -> int:
@@ -225,7 +227,7 @@ async def _run(address: str, server_pid: int, args: argparse.Namespace) -> list[
                 if phase.name == "idle":
                     await asyncio.sleep(args.phase_s)
                 else:
-                    phase.calls, phase.load_s = await loop.run_in_executor(
+                    phase.calls, phase.load_s, phase.load_cpu_s = await loop.run_in_executor(
                         load, _load_process, phase.name, address, args
                     )
                     await asyncio.sleep(max(0.0, args.phase_s - (time.perf_counter() - start_s)))
@@ -307,9 +309,12 @@ def main() -> None:
         f"(one peer, nice {args.load_nice}); --max-concurrent-log-reads {args.max_concurrent_log_reads}, "
         f"--max-read-calls-per-s {args.max_read_calls_per_s:g}, --max-read-items-per-s {args.max_read_items_per_s:g}, "
         f"--max-read-loop-share {args.max_read_loop_share:g}, --runner-process {args.runner_process}; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'phase':<8} {'tokens':>7} {'seconds':>8} {'calls s':>8} {'cpu s':>6} {'tok/s':>7} {'vs idle':>8}  calls")
+    print(
+        f"{'phase':<8} {'tokens':>7} {'seconds':>8} {'calls s':>8} {'cpu s':>6} {'load cpu s':>10} {'tok/s':>7} "
+        f"{'vs idle':>8}  calls"
+    )
     ratios = {}
     for index, phase in enumerate(phases):
         if phase.name != "idle":  # against the quiet phases on either side of it
@@ -319,7 +324,7 @@ def main() -> None:
         ratio = f"{ratios[index]:>7.0%}" if index in ratios else f"{'':>7}"
         print(
             f"{phase.name:<8} {phase.num_tokens:>7} {phase.duration_s:>8.1f} {phase.load_s:>8.1f} "
-            f"{phase.server_cpu_s:>6.1f} "
+            f"{phase.server_cpu_s:>6.1f} {phase.load_cpu_s:>10.1f} "
             f"{phase.tok_per_s:>7.1f} {ratio}  {calls}"
         )
     worst = min(ratios.values())
